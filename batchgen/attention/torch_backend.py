@@ -1,0 +1,153 @@
+"""Reference paged attention in plain PyTorch: any device, GQA/MQA, bottom-right causal chunks,
+sliding windows, logit softcap and attention sinks.
+
+plan() turns the step's FlashInfer-format metadata into padded gather indices and masks once per
+step; run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax
+when softcap or sinks need it). Sequences are bucketed by query length (decode rows together,
+prefill chunks by power of two) to bound padding; there is no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.attention.metadata import StepMetadata
+from batchgen.kv.cache import KVCache
+
+
+@dataclass
+class _Group:
+    """Sequences of similar query length, padded to [S, max_q] queries and [S, max_kv] keys."""
+
+    q_rows: torch.Tensor  # [S, max_q] row of the packed batch for each (seq, query); pads → 0
+    out_rows: torch.Tensor  # [n_valid] packed rows that receive outputs
+    q_valid: torch.Tensor | None  # [S, max_q] bool, None when no query padding
+    kv_slots: torch.Tensor  # [S, max_kv] flat pool slot of each key; pads → slot 0
+    q_pos: torch.Tensor  # [S, max_q, 1] position of each query (bottom-right aligned)
+    base_mask: torch.Tensor  # [S, max_q, max_kv] causal & in-range
+    pad_fix: torch.Tensor | None  # [S, max_q, max_kv] lets padded query rows see key 0 (no NaN)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, groups: int) -> torch.Tensor:
+        """[S, 1, groups*max_q, max_kv] mask for SDPA, cached per window size."""
+        key = (window, groups)
+        if key not in self.masks:
+            m = self.base_mask
+            if window is not None:
+                kv_pos = torch.arange(m.shape[-1], device=m.device)
+                m = m & (kv_pos > self.q_pos - window)
+            if self.pad_fix is not None:
+                m = m | self.pad_fix
+            s, q, k = m.shape
+            self.masks[key] = m[:, None, None].expand(s, 1, groups, q, k).reshape(
+                s, 1, groups * q, k)
+        return self.masks[key]
+
+
+def _bucket(q_len: int) -> int:
+    """Decode rows share bucket 0; prefill chunks share a power-of-two length bucket."""
+    return 0 if q_len == 1 else (q_len - 1).bit_length()
+
+
+class TorchPagedAttention:
+    """Vectorised paged attention in PyTorch; the CPU path and the GPU reference."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.groups: list[_Group] = []
+        self.num_tokens = 0
+
+    def plan(self, meta: StepMetadata) -> None:
+        """Build the padded gather indices and masks shared by every layer of this step."""
+        q_lens = meta.q_lens().tolist()
+        buckets: dict[int, list[int]] = {}
+        for i, n in enumerate(q_lens):
+            buckets.setdefault(_bucket(n), []).append(i)
+        kv_lens = meta.kv_lens()
+        self.num_tokens = meta.num_tokens
+        self.groups = [self._group(meta, torch.tensor(rows), kv_lens)
+                       for _, rows in sorted(buckets.items())]
+
+    def _group(self, meta: StepMetadata, rows: torch.Tensor, kv_lens_all: torch.Tensor
+               ) -> _Group:
+        dev, bs = self.device, meta.block_size
+        q_start = meta.qo_indptr[rows].long()
+        q_len = (meta.qo_indptr[rows + 1] - meta.qo_indptr[rows]).long()
+        kv_len = kv_lens_all[rows].long()
+        max_q, max_kv = int(q_len.max()), int(kv_len.max())
+        ar_q = torch.arange(max_q)
+        q_valid = ar_q[None] < q_len[:, None]
+        q_rows = torch.where(q_valid, q_start[:, None] + ar_q[None], 0)
+        # Padded page table [S, max_pages] from kv_indptr/kv_indices, then pages → slots.
+        max_pages = (max_kv + bs - 1) // bs
+        p_start = meta.kv_indptr[rows].long()
+        n_pages = (meta.kv_indptr[rows + 1] - meta.kv_indptr[rows]).long()
+        ar_p = torch.arange(max_pages)
+        page_pos = torch.where(ar_p[None] < n_pages[:, None], p_start[:, None] + ar_p[None], 0)
+        pages = meta.kv_indices.long()[page_pos] if meta.kv_indices.numel() else page_pos
+        ar_kv = torch.arange(max_kv)
+        kv_slots = pages[:, ar_kv // bs] * bs + ar_kv % bs
+        kv_valid = ar_kv[None] < kv_len[:, None]
+        kv_slots = torch.where(kv_valid, kv_slots, 0)
+        q_pos = (kv_len - q_len)[:, None] + ar_q[None]  # bottom-right causal alignment
+        base = kv_valid[:, None, :] & (ar_kv[None, None, :] <= q_pos[:, :, None])
+        padded = not bool(q_valid.all())
+        pad_fix = None
+        if padded:
+            pad_fix = (~q_valid)[:, :, None] & (ar_kv == 0)[None, None, :]
+        return _Group(
+            q_rows=q_rows.to(dev), out_rows=q_rows[q_valid].to(dev),
+            q_valid=q_valid.to(dev) if padded else None, kv_slots=kv_slots.to(dev),
+            q_pos=q_pos[:, :, None].to(dev), base_mask=base.to(dev),
+            pad_fix=pad_fix.to(dev) if pad_fix is not None else None)
+
+    def run(self, layer: int, q: torch.Tensor, cache: KVCache, scale: float,
+            window: int | None, softcap: float | None, sinks: torch.Tensor | None
+            ) -> torch.Tensor:
+        """Attention for all packed queries q [T, Hq, D] of this layer → [T, Hq, Dv]."""
+        k_flat, v_flat = cache.k_flat[layer], cache.v_flat[layer]
+        t, hq, _ = q.shape
+        hkv = k_flat.shape[1]
+        g = hq // hkv
+        out = q.new_empty(t, hq, v_flat.shape[-1])
+        for grp in self.groups:
+            s, mq = grp.q_rows.shape
+            qg = q[grp.q_rows]  # [S, mq, Hq, D]
+            qg = qg.view(s, mq, hkv, g, -1).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
+            kg = k_flat[grp.kv_slots].transpose(1, 2).to(q.dtype)  # [S, Hkv, max_kv, D]
+            vg = v_flat[grp.kv_slots].transpose(1, 2).to(q.dtype)
+            mask = grp.mask(window, g)
+            if softcap is None and sinks is None:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
+            else:
+                og = _explicit_attention(qg, kg, vg, mask, scale, softcap, sinks, hkv, g, mq)
+            og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4).reshape(s, mq, hq, -1)
+            if grp.q_valid is None:
+                out[grp.out_rows] = og.reshape(s * mq, hq, -1)
+            else:
+                out[grp.out_rows] = og[grp.q_valid]
+        return out
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                        hkv: int, g: int, mq: int) -> torch.Tensor:
+    """Softmax attention with Gemma-2 logit softcap and GPT-OSS sinks, as HF's eager path."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        s = scores.shape[0]
+        sink = sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(s, hkv, g, mq, 1)
+        scores = torch.cat([scores, sink.reshape(s, hkv, g * mq, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(v.dtype), v)

@@ -1,0 +1,131 @@
+"""The chapter's BlockManager: a free list of physical KV blocks, per-sequence block tables,
+reference counts and copy-on-write. It owns no tensors; the KVCache pool holds the bytes."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+
+class PoolExhausted(MemoryError):
+    """No free physical block is left; the scheduler answers by preempting a sequence."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): blocks that hold `num_tokens` tokens."""
+    return (num_tokens + block_size - 1) // block_size
+
+
+class BlockManager:
+    """Paged KV allocator with the chapter's API and names (vLLM's design).
+
+    Block ids are global to the pool and shared by every layer. `block_tables[seq_id]` maps a
+    sequence's logical blocks to physical ones; `ref_count[blk]` counts the table entries that
+    point at `blk`, so forked sequences share blocks until one of them writes (copy-on-write).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self.ref_count: list[int] = [0] * num_blocks
+        self.block_tables: dict[Hashable, list[int]] = {}
+        self.peak_blocks_in_use = 0
+        self.cow_copies = 0
+
+    # ---- the chapter's API ------------------------------------------------------------------
+    def _alloc_block(self) -> int:
+        if not self.free:
+            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
+        blk = self.free.pop()
+        self.ref_count[blk] = 1
+        in_use = self.num_blocks - len(self.free)
+        if in_use > self.peak_blocks_in_use:
+            self.peak_blocks_in_use = in_use
+        return blk
+
+    def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give a new sequence the blocks for `num_tokens` tokens (all or nothing)."""
+        if seq_id in self.block_tables:
+            raise KeyError(f"sequence {seq_id!r} already has a block table")
+        self.block_tables[seq_id] = []
+        try:
+            self.ensure_capacity(seq_id, num_tokens)
+        except PoolExhausted:
+            del self.block_tables[seq_id]
+            raise
+
+    def append_token(self, seq_id: Hashable, cur_len: int) -> None:
+        """Before writing position `cur_len`: grow the table when that position opens a block."""
+        table = self.block_tables[seq_id]
+        if cur_len % self.block_size == 0 and len(table) == cur_len // self.block_size:
+            table.append(self._alloc_block())
+
+    def slot_index(self, seq_id: Hashable, token_pos: int) -> int:
+        """Flat pool slot (phys_block * block_size + offset) of a logical token position."""
+        table = self.block_tables[seq_id]
+        return table[token_pos // self.block_size] * self.block_size + token_pos % self.block_size
+
+    def free_seq(self, seq_id: Hashable) -> None:
+        """Drop a sequence's table; blocks whose last reference this was go back to the pool."""
+        for blk in self.block_tables.pop(seq_id):
+            self._release(blk)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        """Share all of the parent's blocks with a new child: table copy, no KV copy."""
+        parent = self.block_tables[parent_id]
+        if child_id in self.block_tables:
+            raise KeyError(f"sequence {child_id!r} already has a block table")
+        self.block_tables[child_id] = list(parent)
+        for blk in parent:
+            self.ref_count[blk] += 1
+
+    def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
+        """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""
+        table = self.block_tables[seq_id]
+        phys = table[logical_block_idx]
+        if self.ref_count[phys] == 1:
+            return phys, phys
+        new_phys = self._alloc_block()
+        self.ref_count[phys] -= 1
+        table[logical_block_idx] = new_phys
+        self.cow_copies += 1
+        return phys, new_phys
+
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def can_allocate(self, num_tokens: int) -> bool:
+        """True iff a new sequence of `num_tokens` tokens fits in the free blocks now."""
+        return blocks_for(num_tokens, self.block_size) <= len(self.free)
+
+    # ---- what the scheduler needs beyond the chapter ----------------------------------------
+    def num_blocks_in_use(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
+        """New blocks the sequence needs so that its table covers `num_tokens` tokens."""
+        have = len(self.block_tables.get(seq_id, ()))
+        return max(0, blocks_for(num_tokens, self.block_size) - have)
+
+    def ensure_capacity(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Grow the table to cover `num_tokens` tokens; on exhaustion nothing is taken."""
+        need = self.blocks_needed(seq_id, num_tokens)
+        if need > len(self.free):
+            raise PoolExhausted(
+                f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
+        table = self.block_tables.setdefault(seq_id, [])
+        for _ in range(need):
+            table.append(self._alloc_block())
+
+    def reset_stats(self) -> None:
+        """Start a new measurement window for peak usage and COW copies."""
+        self.peak_blocks_in_use = self.num_blocks_in_use()
+        self.cow_copies = 0
+
+    def _release(self, blk: int) -> None:
+        self.ref_count[blk] -= 1
+        if self.ref_count[blk] == 0:
+            self.free.append(blk)

@@ -1,0 +1,66 @@
+"""The KV pool: one preallocated tensor [layers, 2, blocks, block_size, kv_heads, head_dim].
+
+KVCache owns the bytes; the BlockManager decides which block holds which tokens. Layer `l` is
+handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
+                   bytes_per_elem: int = 2, batch: int = 1) -> int:
+    """Exact KV-cache size in bytes (the chapter's formula). The leading 2 covers K and V."""
+    per_token = 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem
+    return per_token * seq_len * batch
+
+
+def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks of `block_size` tokens fit in `memory_bytes`."""
+    return int(memory_bytes) // (block_size * bytes_per_token)
+
+
+class KVCache:
+    """The paged K/V pool shared by all sequences; written by flat slot, read via block ids."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.pool = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+        slots = num_blocks * block_size
+        # Flat per-layer views [slots, kv_heads, head_dim]: writes and gathers index these.
+        self.k_flat = [self.pool[i, 0].view(slots, num_kv_heads, head_dim)
+                       for i in range(num_layers)]
+        self.v_flat = [self.pool[i, 1].view(slots, num_kv_heads, head_dim)
+                       for i in range(num_layers)]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """β = 2 · L · H_kv · d_h · b."""
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
+                              self.pool.element_size())
+
+    def total_bytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of one layer, each [blocks, block_size, kv_heads, head_dim]."""
+        return self.pool[layer, 0], self.pool[layer, 1]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Scatter this step's new K/V [T, kv_heads, head_dim] into their slots (int64 [T])."""
+        self.k_flat[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v_flat[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write: block src[i] → dst[i] in every layer, K and V, in one indexed copy."""
+        if src.numel():
+            self.pool[:, :, dst] = self.pool[:, :, src]

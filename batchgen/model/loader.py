@@ -1,0 +1,112 @@
+"""Local HF model folder → (model with batchgen attention, tokenizer or None, KV geometry)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers.utils import logging as hf_logging
+
+from batchgen.attention.interface import register
+
+# Families whose attention does not route through transformers' AttentionInterface.
+UNSUPPORTED_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm")
+# RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
+UNSUPPORTED_ROPE = ("dynamic", "longrope")
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the KV pool needs from the model config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int | None
+
+
+def check_model_dir(path: str | os.PathLike) -> Path:
+    """A local folder with a config.json, or a ValueError naming `model`."""
+    p = Path(path)
+    if not (p.is_dir() and (p / "config.json").is_file()):
+        raise ValueError(
+            f"model must be a local HuggingFace model folder containing config.json, got {str(path)!r}")
+    return p
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Refuse model families and RoPE scalings that batchgen cannot run exactly."""
+    if config.model_type in UNSUPPORTED_FAMILIES:
+        raise ValueError(
+            f"model family {config.model_type!r} is not supported: its attention bypasses "
+            f"transformers' AttentionInterface (unsupported: {', '.join(UNSUPPORTED_FAMILIES)})")
+    for attr in ("rope_scaling", "rope_parameters"):
+        rope = getattr(config, attr, None)
+        if isinstance(rope, dict):
+            kinds = {rope.get("rope_type"), rope.get("type")}
+            kinds |= {v.get("rope_type") for v in rope.values() if isinstance(v, dict)}
+            bad = kinds & set(UNSUPPORTED_ROPE)
+            if bad:
+                raise ValueError(
+                    f"RoPE scaling {bad.pop()!r} is not supported: it depends on the longest "
+                    f"sequence in the batch (unsupported: {', '.join(UNSUPPORTED_ROPE)})")
+
+
+def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
+    """"auto" honours the config's dtype (float32 if it names none)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        cfg = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(cfg, torch.dtype):
+            return cfg
+        return _DTYPES.get(str(cfg).replace("torch.", ""), torch.float32) if cfg else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', a torch dtype or one of {sorted(_DTYPES)}, "
+                         f"got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def kv_geometry(config: PretrainedConfig) -> KVGeometry:
+    """Layers, KV heads and head dim of the attention layers, from the config."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    max_pos = getattr(text, "max_position_embeddings", None)
+    return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
+
+
+def load_tokenizer(path: Path):
+    """The folder's tokenizer, or None when it ships none (token-id prompts still work)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).exists() for n in names):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
+               device: torch.device) -> torch.nn.Module:
+    """Load safetensors weights with batchgen's attention registered and selected."""
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=register())
+    finally:
+        if bars_were_on:
+            hf_logging.enable_progress_bar()
+    return model.to(device).eval()
+
+
+def load_config(path: Path) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path)
+    check_supported(config)
+    return config

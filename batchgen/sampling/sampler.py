@@ -1,0 +1,292 @@
+"""Vectorised token sampling with HF-exact logits processing and vLLM-style logprobs.
+
+One call handles a whole step: ``logits [N, V]`` plus one :class:`SamplingRow` per row.
+Processing follows HF ``generate`` order exactly (see ``shared/notes``):
+
+    repetition penalty -> presence/frequency penalties -> min_tokens ban
+    -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
+
+Every stage works on the whole batch with per-row parameter columns; a stage is skipped
+entirely when no row needs it, and rows that do not use a stage get neutral values
+(temperature 1, penalty 1, ...) that leave their logits bit-for-bit unchanged, so a row's
+result never depends on its neighbours.
+
+Sampling uses the exponential race (Gumbel-max in disguise): ``argmax(p / E)`` with
+``E ~ Exp(1)`` i.i.d. per token, which picks token ``i`` with probability ``p_i``.
+Seeded rows draw ``E`` from their own generator, unseeded rows from the sampler's one
+generator in a single call. Greedy rows (temperature 0) take the argmax of the penalised
+logits and consume no randomness.
+
+Penalties: repetition (HF) over every distinct prompt + generated id; presence/frequency
+(vLLM/OpenAI) over generated ids only. While a row has generated fewer than ``min_tokens``,
+its stop ids and EOS are set to -inf (EOS not when ``ignore_eos``: it is no stop token then,
+as in vLLM). Ids >= V in a history are ignored.
+
+Returned logprobs are *raw*: ``log_softmax`` of the unprocessed logits in fp32 (vLLM's
+default), with the chosen token always present in the top-logprobs dict.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingRow:
+    """One row of the step's logits, as the engine describes it to the sampler."""
+
+    params: SamplingParams
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int  # generated ids are token_ids[num_prompt_tokens:]
+    generator: torch.Generator | None = None  # per-sequence generator for seeded requests
+    eos_token_id: int | list[int] | None = None  # banned (with stop ids) while < min_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """How many tokens this sequence has generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass
+class SamplerOutput:
+    """Chosen tokens and their raw logprobs for one step, one entry per row."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[dict[int, float] | None]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A float32 [n, 1] column on the logits' device (one small host-to-device copy)."""
+    return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True)[:, None]
+
+
+def _pairs(id_lists: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flatten per-row id lists into (row index, token id) tensors, dropping ids >= vocab."""
+    lengths = [len(ids) for ids in id_lists]
+    flat = [t for ids in id_lists for t in ids]
+    ids = torch.tensor(flat, dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(len(id_lists)), torch.tensor(lengths, dtype=torch.long))
+    keep = (ids >= 0) & (ids < vocab)
+    return rows[keep].to(device), ids[keep].to(device)
+
+
+def _top_k_active(k: int, vocab: int) -> bool:
+    """Whether top-k with this k removes anything (0 and -1 disable it, as in vLLM)."""
+    return 0 < k < vocab
+
+
+def _banned_ids(row: SamplingRow) -> list[int]:
+    """Ids banned for this row by min_tokens: stop ids, plus EOS unless ignore_eos (vLLM)."""
+    p = row.params
+    if row.num_generated >= p.min_tokens:
+        return []
+    banned = list(p.stop_ids)
+    eos = row.eos_token_id
+    if eos is not None and not p.ignore_eos:
+        banned.extend([eos] if isinstance(eos, int) else eos)
+    return banned
+
+
+# ----------------------------------------------------------------------------- stages
+
+
+def apply_penalties(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition, presence/frequency penalties and the min_tokens ban, on fp32 logits."""
+    n, vocab = scores.shape
+    dev = scores.device
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        # HF RepetitionPenaltyLogitsProcessor: every distinct prompt + generated id.
+        r_idx, t_idx = _pairs([r.token_ids if p != 1.0 else [] for r, p in zip(rows, rep)], vocab, dev)
+        seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
+        seen[r_idx, t_idx] = True
+        pen = _column(rep, scores)
+        scores = torch.where(seen, torch.where(scores < 0, scores * pen, scores / pen), scores)
+    freq = [r.params.frequency_penalty for r in rows]
+    pres = [r.params.presence_penalty for r in rows]
+    if any(f != 0.0 or p != 0.0 for f, p in zip(freq, pres)):
+        # vLLM/OpenAI: generated ids only; subtract freq * count + presence * (count > 0).
+        gen = [r.token_ids[r.num_prompt_tokens:] if (f != 0.0 or p != 0.0) else []
+               for r, f, p in zip(rows, freq, pres)]
+        r_idx, t_idx = _pairs(gen, vocab, dev)
+        counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
+        counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=torch.float32), accumulate=True)
+        scores = scores - (_column(freq, scores) * counts + _column(pres, scores) * (counts > 0))
+    banned = [_banned_ids(r) for r in rows]
+    if any(banned):
+        r_idx, t_idx = _pairs(banned, vocab, dev)
+        scores = scores.index_put((r_idx, t_idx), torch.tensor(_NEG_INF, device=dev))
+    return scores
+
+
+def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p (HF warpers, HF order) for sampled rows."""
+    vocab = scores.shape[1]
+    temps = [float(p.temperature) for p in params]
+    if any(t != 1.0 for t in temps):
+        scores = scores / _column(temps, scores)
+    ks = [p.top_k if _top_k_active(p.top_k, vocab) else vocab for p in params]
+    need_k = any(k < vocab for k in ks)
+    need_p = any(p.top_p < 1.0 for p in params)
+    if need_p:
+        # One ascending sort serves both: masking values below the k-th keeps the order.
+        sorted_vals, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+        if need_k:
+            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long).to(scores.device)
+            kth = sorted_vals.gather(1, pos[:, None])
+            scores = scores.masked_fill(scores < kth, _NEG_INF)
+            sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, _NEG_INF)
+        cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
+        # Rows without top-p get threshold -1 so nothing is removed (HF skips the warper).
+        thresh = _column([1.0 - p.top_p if p.top_p < 1.0 else -1.0 for p in params], scores)
+        remove = cum <= thresh
+        remove[:, -1] = False  # min_tokens_to_keep = 1
+        mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
+        scores = scores.masked_fill(mask, _NEG_INF)
+    elif need_k:
+        top = torch.topk(scores, max(ks), dim=-1).values
+        pos = torch.tensor([k - 1 for k in ks], dtype=torch.long).to(scores.device)
+        kth = top.gather(1, pos[:, None])
+        scores = scores.masked_fill(scores < kth, _NEG_INF)
+    min_ps = [float(p.min_p) for p in params]
+    if any(m > 0.0 for m in min_ps):
+        # HF MinPLogitsWarper; the top token is never below min_p * max, so one always stays.
+        probs = scores.softmax(dim=-1)
+        top_p = probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < _column(min_ps, scores) * top_p, _NEG_INF)
+    return scores
+
+
+def _split(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
+    """Indices of greedy rows and of sampled rows."""
+    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+    return greedy, sampled
+
+
+def _needs_penalties(rows: list[SamplingRow]) -> bool:
+    """Whether any row has a penalty or an active min_tokens ban."""
+    return any(
+        r.params.repetition_penalty != 1.0
+        or r.params.presence_penalty != 0.0
+        or r.params.frequency_penalty != 0.0
+        or r.num_generated < r.params.min_tokens
+        for r in rows
+    )
+
+
+def processed_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The [N, V] fp32 log-distribution each row is drawn from (greedy rows: a point mass)."""
+    scores = logits.float()
+    if _needs_penalties(rows):
+        scores = apply_penalties(scores, rows)
+    greedy, sampled = _split(rows)
+    out = torch.full_like(scores, _NEG_INF)
+    if greedy:
+        g = torch.tensor(greedy, dtype=torch.long, device=scores.device)
+        out[g, scores[g].argmax(dim=-1)] = 0.0
+    if sampled:
+        s = torch.tensor(sampled, dtype=torch.long, device=scores.device)
+        warped = apply_warpers(scores[s], [rows[i].params for i in sampled])
+        out[s] = torch.log_softmax(warped, dim=-1)
+    return out
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Samples one token per row; owns the generator shared by all unseeded rows."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The sampler's generator on ``device`` (created and seeded on first use)."""
+        device = torch.device(device)
+        g = self._generators.get(device)
+        if g is None:
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed)
+            self._generators[device] = g
+        return g
+
+    def _noise(self, rows: list[SamplingRow], vocab: int, device: torch.device) -> torch.Tensor:
+        """Exp(1) noise [len(rows), V]: seeded rows from their own generator, others shared."""
+        noise = torch.empty((len(rows), vocab), dtype=torch.float32, device=device)
+        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+        if unseeded:
+            shared = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
+            shared.exponential_(generator=self.generator(device))
+            if len(unseeded) == len(rows):
+                return shared
+            noise[torch.tensor(unseeded, dtype=torch.long, device=device)] = shared
+        for i, r in enumerate(rows):
+            g = r.generator
+            if g is not None:
+                own = torch.empty(vocab, dtype=torch.float32, device=g.device).exponential_(generator=g)
+                noise[i] = own.to(device)
+        return noise
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row and report raw logprobs (and top-k logprobs if asked)."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+        raw = logits.float()
+        n, vocab = raw.shape
+        dev = raw.device
+        scores = apply_penalties(raw, rows) if _needs_penalties(rows) else raw
+        greedy, sampled = _split(rows)
+        if not sampled:
+            return self._output(raw, scores.argmax(dim=-1), rows)
+        sub_rows = [rows[i] for i in sampled]
+        sub = scores
+        if greedy:
+            s_idx = torch.tensor(sampled, dtype=torch.long, device=dev)
+            sub = scores[s_idx]
+        warped = apply_warpers(sub, [r.params for r in sub_rows])
+        race = warped.softmax(dim=-1) / self._noise(sub_rows, vocab, dev)
+        picked = race.masked_fill(warped == _NEG_INF, -1.0).argmax(dim=-1)  # masked never win
+        if not greedy:
+            return self._output(raw, picked, rows)
+        chosen = torch.empty(n, dtype=torch.long, device=dev)
+        g_idx = torch.tensor(greedy, dtype=torch.long, device=dev)
+        chosen[g_idx] = scores[g_idx].argmax(dim=-1)
+        chosen[s_idx] = picked
+        return self._output(raw, chosen, rows)
+
+    @staticmethod
+    def _output(raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Gather raw logprobs of the chosen tokens and the requested top-k; one host sync."""
+        vocab = raw.shape[1]
+        lse = torch.logsumexp(raw, dim=-1)
+        chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
+        ks = [min(r.params.logprobs, vocab) if r.params.logprobs is not None else -1 for r in rows]
+        kmax = max(ks)
+        if kmax > 0:
+            top = torch.topk(raw, kmax, dim=-1)
+            top_lp = (top.values - lse[:, None]).tolist()
+            top_ids = top.indices.tolist()
+        tokens = chosen.tolist()
+        lps = chosen_lp.tolist()
+        tops: list[dict[int, float] | None] = []
+        for i, k in enumerate(ks):
+            if k < 0:
+                tops.append(None)
+                continue
+            d = {tokens[i]: lps[i]}
+            for j in range(k):
+                d.setdefault(top_ids[i][j], top_lp[i][j])
+            tops.append(d)
+        return SamplerOutput(token_ids=tokens, logprobs=lps, top_logprobs=tops)

@@ -1,0 +1,257 @@
+"""Stop conditions and incremental detokenisation, with vLLM's semantics.
+
+Semantics (vLLM v1):
+
+* Checks run in this order on every new token: stop token (EOS unless ``ignore_eos``, then
+  ``stop_token_ids``), stop strings, then length (``num_generated >= max_tokens``). So an EOS
+  that is also the last allowed token finishes with ``"stop"``, not ``"length"``.
+* EOS / stop ids count only from the ``min_tokens``-th generated token on (the sampler bans
+  them before that anyway), and a stop string must end in text produced after the
+  ``min_tokens``-th token (vLLM v1).
+* ``eos_token_id`` may be one id or several (all count as EOS); ``None`` disables EOS.
+* ``finish_reason`` is ``"stop"`` or ``"length"``. ``stop_reason`` is the stop token id or
+  the stop string; it is ``None`` for EOS and for ``"length"`` (vLLM: "None if the
+  completion finished for some other reason including encountering the EOS token").
+* The token that ended the sequence always stays in ``token_ids`` (EOS, a stop id, or the
+  token completing a stop string). The text never contains a stop token's text, nor the
+  stop string or anything after it, unless ``include_stop_str_in_output`` (then the stop
+  token's text / the stop string is kept, anything after the stop string is still cut).
+* If several stop strings occur in the new text, the one that starts first wins.
+* Text is decoded without ``clean_up_tokenization_spaces`` and with the last few prompt
+  tokens as left context (so SentencePiece keeps the leading space of the first generated
+  word, as in vLLM); for byte-level BPE this equals ``tokenizer.decode(generated_ids)``.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+from batchgen.params import BeamSearchParams, SamplingParams
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept as left context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
+MAX_PENDING_TOKENS = 16  # give up waiting for a complete character after this many tokens
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    """Decode ids exactly, without post-hoc space clean-up (it is not incremental)."""
+    if not ids:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
+
+
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops (cached per tokenizer)."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # fast tokenizers skip every added token marked special
+        ids.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
+    result = frozenset(ids)
+    try:
+        _SPECIAL_IDS[tokenizer] = result
+    except TypeError:  # not weak-referenceable: recompute next time
+        pass
+    return result
+
+
+def _id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    """One EOS id, several (Llama 3 style generation configs) or none, as a set."""
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, int):
+        return frozenset((ids,))
+    return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text one token at a time over a bounded window of ids.
+
+    Keeps ``ids`` = a few prompt tokens + the generated tokens not yet settled, and two
+    offsets into it (vLLM's ``prefix_offset`` / ``read_offset``): text is emitted as
+    ``decode(ids[prefix:]) - decode(ids[prefix:read])``, and only once it does not end in an
+    incomplete UTF-8 character (U+FFFD). Skipped special tokens never enter the window.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._skip = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        context = [t for t in prompt_token_ids if t not in self._skip][-PROMPT_CONTEXT_TOKENS:]
+        self._ids: list[int] = list(context)
+        self._prefix = 0
+        self._read = len(context)
+        self.text = ""
+
+    def _window_texts(self) -> tuple[str, str]:
+        """(decode of the settled context, decode of the whole window)."""
+        prefix_text = _decode(self.tokenizer, self._ids[self._prefix:self._read], self.skip_special_tokens)
+        full_text = _decode(self.tokenizer, self._ids[self._prefix:], self.skip_special_tokens)
+        return prefix_text, full_text
+
+    def _advance(self, new_text: str) -> str:
+        """Emit ``new_text``, settle the window and drop ids no longer needed as context."""
+        self.text += new_text
+        self._prefix = self._read
+        self._read = len(self._ids)
+        if self._prefix > 0:  # keep the list bounded: forget everything left of the window
+            del self._ids[:self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
+        return new_text
+
+    def step(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes ("" while pending)."""
+        if token_id in self._skip:
+            return ""
+        self._ids.append(token_id)
+        prefix_text, full_text = self._window_texts()
+        pending = len(self._ids) - self._read
+        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+            return self._advance(full_text[len(prefix_text):])
+        if pending >= MAX_PENDING_TOKENS:  # invalid UTF-8 that will never complete
+            return self._advance(full_text[len(prefix_text):])
+        return ""
+
+    def flush(self) -> str:
+        """Emit whatever is pending (it may end in U+FFFD); call once at the end."""
+        if len(self._ids) == self._read:
+            return ""
+        prefix_text, full_text = self._window_texts()
+        return self._advance(full_text[len(prefix_text):])
+
+
+class StopChecker:
+    """Decides when one sequence stops, and its final text; see the module docstring."""
+
+    def __init__(
+        self,
+        params: SamplingParams | BeamSearchParams,
+        eos_token_id: int | Iterable[int] | None,
+        tokenizer: Any | None,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        stream: bool = False,
+    ):
+        self.params = params
+        self.eos_token_id = eos_token_id
+        self.eos_ids = _id_set(eos_token_id)
+        self.tokenizer = tokenizer
+        self.prompt_token_ids = prompt_token_ids
+        self.max_tokens = max_tokens
+        self.stop_strings: list[str] = list(params.stop_strings)
+        self.stop_ids = frozenset(params.stop_ids)
+        self.ignore_eos = params.ignore_eos
+        self.min_tokens: int = getattr(params, "min_tokens", 0)
+        self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
+        self.skip_special_tokens = bool(getattr(params, "skip_special_tokens", True))
+        self.token_ids: list[int] = []  # generated ids, the stop token included
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._stop_token_text_dropped = False  # the last token's text is not in the output
+        self._truncate_at: int | None = None  # text index where a stop string cut the text
+        self.detokenizer: IncrementalDetokenizer | None = None
+        if tokenizer is not None and (self.stop_strings or stream):
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.skip_special_tokens)
+        self._search_from = 0  # stop strings must end after this text index (min_tokens)
+
+    @property
+    def finished(self) -> bool:
+        """Whether a stop condition has been met."""
+        return self.finish_reason is not None
+
+    def _stop_token(self, token_id: int, num_generated: int) -> bool:
+        """Check EOS / stop ids; record the reason. Never before min_tokens."""
+        if num_generated < self.min_tokens:
+            return False
+        if token_id in self.eos_ids and not self.ignore_eos:
+            self.finish_reason, self.stop_reason = "stop", None
+            return True
+        if token_id in self.stop_ids:
+            self.finish_reason, self.stop_reason = "stop", token_id
+            return True
+        return False
+
+    def _find_stop_string(self, new_chars: int) -> bool:
+        """Search the new text (plus the overlap a stop string may need); cut the text on a hit."""
+        assert self.detokenizer is not None
+        text = self.detokenizer.text
+        hits = []
+        for s in self.stop_strings:
+            # Only matches that end in the new text (and after the min_tokens mark) are new.
+            start = max(len(text) - new_chars, self._search_from) - len(s) + 1
+            i = text.find(s, max(start, 0))
+            if i >= 0:
+                hits.append((i, -len(s), s))
+        if not hits:
+            return False
+        i, _, s = min(hits)
+        self.finish_reason, self.stop_reason = "stop", s
+        self._truncate_at = i + len(s) if self.include_stop else i
+        return True
+
+    def _detok(self, token_id: int | None, search: bool = True) -> None:
+        """Feed the detokenizer (or flush it when ``token_id`` is None) and search stop strings."""
+        if self.detokenizer is None:
+            return
+        new = self.detokenizer.flush() if token_id is None else self.detokenizer.step(token_id)
+        if new and search and self.stop_strings and self._truncate_at is None:
+            self._find_stop_string(len(new))
+
+    def append(self, token_id: int, num_generated: int | None = None) -> tuple[str | None, int | str | None]:
+        """Add one generated token; return (finish_reason, stop_reason), (None, None) to go on."""
+        if self.finished:
+            raise RuntimeError("append() after the sequence finished")
+        self.token_ids.append(token_id)
+        n = len(self.token_ids) if num_generated is None else num_generated
+        if self._stop_token(token_id, n):
+            # The stop token stays in token_ids; its text only with include_stop_str_in_output.
+            self._stop_token_text_dropped = not self.include_stop
+            if self.include_stop:
+                self._detok(token_id, search=n > self.min_tokens)  # a stop string takes over
+        else:
+            # Stop strings must end in text produced after the min_tokens-th token (vLLM).
+            self._detok(token_id, search=n > self.min_tokens)
+            if self.detokenizer is not None and n <= self.min_tokens:
+                self._search_from = len(self.detokenizer.text)
+        if not self.finished and n >= self.max_tokens:
+            self.finish_reason, self.stop_reason = "length", None
+        if self.finished:
+            self._detok(None, search=n > self.min_tokens)  # settle pending text; may hold a stop
+        return self.finish_reason, self.stop_reason
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once finished); see :meth:`final_text`."""
+        return self.final_text()
+
+    def final_text(self) -> str:
+        """Output text: the detokenizer's (cut at a stop string) or one exact windowed decode."""
+        if self.detokenizer is not None:
+            text = self.detokenizer.text
+            return text if self._truncate_at is None else text[:self._truncate_at]
+        if self.tokenizer is None:
+            return ""
+        ids = self.token_ids[:-1] if self._stop_token_text_dropped else self.token_ids
+        return decode_with_context(self.tokenizer, self.prompt_token_ids, ids, self.skip_special_tokens)
+
+
+def decode_with_context(tokenizer: Any, prompt_token_ids: list[int], ids: list[int],
+                        skip_special_tokens: bool = True) -> str:
+    """Decode generated ids in one call, with the same prompt context as the detokenizer."""
+    skip = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+    context = [t for t in prompt_token_ids if t not in skip][-PROMPT_CONTEXT_TOKENS:]
+    full = _decode(tokenizer, context + list(ids), skip_special_tokens)
+    prefix = _decode(tokenizer, context, skip_special_tokens)
+    if full.startswith(prefix):
+        return full[len(prefix):]
+    return _decode(tokenizer, list(ids), skip_special_tokens)
