@@ -1,0 +1,126 @@
+"""Torch paged backend vs a dense per-sequence reference on the same metadata, and the
+metadata itself vs the chapter's block-table arithmetic."""
+
+import random
+
+import pytest
+import torch
+
+from batchgen.attention.metadata import SeqChunk, StepMetadata
+from batchgen.attention.torch_backend import TorchPagedAttention
+from batchgen.kv.block_manager import BlockManager
+from batchgen.kv.cache import KVCache, kv_cache_bytes
+
+
+def _dense_reference(q, k, v, scale, window, softcap, sinks):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D] of ONE sequence whose last Tq keys are the queries."""
+    tq, hq, _ = q.shape
+    tk, hkv, _ = k.shape
+    g = hq // hkv
+    k = k.repeat_interleave(g, dim=1)
+    v = v.repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    qpos = torch.arange(tk - tq, tk)[:, None]
+    kpos = torch.arange(tk)[None]
+    allowed = kpos <= qpos
+    if window is not None:
+        allowed &= kpos > qpos - window
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.double().view(hq, 1, 1).expand(hq, tq, 1)], dim=-1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.einsum("hqk,khd->qhd", p, v.double()).float()
+
+
+CASES = [  # (block_size, hq, hkv, window, softcap, sinks)
+    (4, 4, 2, None, None, False),
+    (1, 4, 4, None, None, False),
+    (16, 8, 1, None, None, False),   # MQA
+    (4, 6, 2, 5, None, False),       # sliding window
+    (3, 4, 2, None, 20.0, False),    # softcap
+    (4, 4, 2, None, None, True),     # sinks
+    (2, 4, 2, 3, 10.0, True),
+]
+
+
+@pytest.mark.parametrize("block_size,hq,hkv,window,softcap,sinks", CASES)
+def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sinks):
+    torch.manual_seed(0)
+    rng = random.Random(block_size * 31 + hq)
+    d, num_blocks = 8, 200
+    cache = KVCache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")
+    bm = BlockManager(num_blocks, block_size)
+    rng.shuffle(bm.free)  # scattered physical blocks
+    # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix, exact
+    # block multiples
+    shapes = [(0, 7), (9, 1), (3 * block_size, 1), (0, 2 * block_size), (5, 6), (12, 1),
+              (block_size, block_size), (0, 1)]
+    full_k, full_v, chunks = [], [], []
+    for sid, (cached, new) in enumerate(shapes):
+        n = cached + new
+        bm.allocate(sid, n)
+        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        full_k.append(k)
+        full_v.append(v)
+        if cached:  # the prefix was written in an earlier step
+            slots = torch.tensor([bm.slot_index(sid, p) for p in range(cached)])
+            cache.write(0, k[:cached], v[:cached], slots)
+        chunks.append(SeqChunk(bm.block_tables[sid], cached, new, 1))
+    meta = StepMetadata.build(chunks, block_size)
+    new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
+    new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
+    cache.write(0, new_k, new_v, meta.slot_mapping.long())
+    q = torch.randn(meta.num_tokens, hq, d)
+    sink_t = torch.randn(hq) if sinks else None
+    backend = TorchPagedAttention()
+    backend.plan(meta)
+    out = backend.run(0, q, cache, 0.3, window, softcap, sink_t)
+    for i in range(len(shapes)):
+        a, b = meta.qo_indptr[i].item(), meta.qo_indptr[i + 1].item()
+        ref = _dense_reference(q[a:b], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
+        torch.testing.assert_close(out[a:b], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_step_metadata_matches_block_tables():
+    bm = BlockManager(32, 4)
+    bm.free.reverse()
+    bm.allocate("a", 10)
+    bm.allocate("b", 8)  # exact block multiple
+    bm.allocate("c", 1)
+    chunks = [SeqChunk(bm.block_tables["a"], 7, 3, 1), SeqChunk(bm.block_tables["b"], 0, 8, 2),
+              SeqChunk(bm.block_tables["c"], 0, 1, 0)]
+    m = StepMetadata.build(chunks, 4)
+    for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len, m.slot_mapping,
+              m.positions, m.logits_indices):
+        assert t.dtype == torch.int32
+    assert m.qo_indptr.tolist() == [0, 3, 11, 12]
+    assert m.kv_indptr.tolist() == [0, 3, 5, 6]
+    assert m.kv_indices.tolist() == bm.block_tables["a"] + bm.block_tables["b"] + bm.block_tables["c"]
+    assert m.kv_last_page_len.tolist() == [2, 4, 1]  # 1..block_size, never 0
+    assert m.kv_lens().tolist() == [10, 8, 1]
+    expect = ([bm.slot_index("a", p) for p in (7, 8, 9)] + [bm.slot_index("b", p) for p in range(8)]
+              + [bm.slot_index("c", 0)])
+    assert m.slot_mapping.tolist() == expect
+    assert m.positions.tolist() == [7, 8, 9, *range(8), 0]
+    assert m.logits_indices.tolist() == [2, 10, 10]  # last row of each, duplicated for n=2
+    assert (m.max_q_len, m.max_kv_len) == (8, 10)
+
+
+def test_kv_cache_bytes_and_pool_layout():
+    # the chapter's worked numbers
+    assert kv_cache_bytes(40, 40, 128, 2048) == 1_677_721_600
+    assert kv_cache_bytes(30, 2, 64, 1) == 15_360
+    cache = KVCache(3, 5, 4, 2, 8, torch.float16, "cpu")
+    assert cache.pool.shape == (3, 2, 5, 4, 2, 8)
+    assert cache.bytes_per_token == kv_cache_bytes(3, 2, 8, 1, 2)
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    cache.write(1, k, v, torch.tensor([5, 19]))  # block 1 offset 1, block 4 offset 3
+    torch.testing.assert_close(cache.pool[1, 0, 1, 1], k[0].half())
+    torch.testing.assert_close(cache.pool[1, 1, 4, 3], v[1].half())
+    cache.copy_blocks(torch.tensor([1, 4]), torch.tensor([0, 2]))
+    assert torch.equal(cache.pool[:, :, 0], cache.pool[:, :, 1])
+    assert torch.equal(cache.pool[:, :, 2], cache.pool[:, :, 4])

@@ -1,0 +1,122 @@
+"""BlockManager: the chapter's boundary test unchanged, plus invariants over random operations."""
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from batchgen.kv.block_manager import BlockManager, PoolExhausted
+
+
+def test_block_boundary():
+    B = 16
+    mgr = BlockManager(num_blocks=8, block_size=B)
+    prompt_len = 32                         # EXACT multiple of B -> the tricky case
+    mgr.allocate("s", prompt_len)           # reserves ceil(32/16) = 2 blocks (pos 0..31)
+    assert len(mgr.block_tables["s"]) == 2
+
+    # emulate serve_step's write ordering for three decode steps (pos 32, 33, 34)
+    for cur_len in range(prompt_len, prompt_len + 3):
+        mgr.append_token("s", cur_len)      # grow BEFORE the write (the fix)
+        slot = mgr.slot_index("s", cur_len) # would raise IndexError without the grow
+        phys, off = divmod(slot, B)
+        assert off == cur_len % B           # offset within the physical block
+
+    # writing positions 32..34 needed exactly one new block beyond prefill's two
+    assert len(mgr.block_tables["s"]) == 3
+    print("boundary case OK")
+
+
+def test_exercise_5_can_allocate():
+    mgr = BlockManager(num_blocks=8, block_size=16)
+    assert mgr.num_free_blocks() == 8
+    assert not mgr.can_allocate(200)
+    assert mgr.can_allocate(100)
+
+
+def test_fork_and_cow_copy_only_the_written_block():
+    mgr = BlockManager(num_blocks=16, block_size=4)
+    mgr.allocate("p", 10)  # 3 blocks, last one partial
+    mgr.fork("p", "c")
+    assert all(mgr.ref_count[b] == 2 for b in mgr.block_tables["p"])
+    src, dst = mgr.cow_append("c", 2)
+    assert src != dst and src == mgr.block_tables["p"][2] and dst == mgr.block_tables["c"][2]
+    assert mgr.ref_count[src] == 1 and mgr.ref_count[dst] == 1
+    assert mgr.block_tables["c"][:2] == mgr.block_tables["p"][:2]
+    assert mgr.cow_append("p", 2) == (src, src)  # the parent now owns it alone: no copy
+    assert mgr.cow_copies == 1
+    mgr.free_seq("p")
+    mgr.free_seq("c")
+    assert mgr.num_free_blocks() == 16
+
+
+def test_exhaustion_raises_dedicated_error_and_takes_nothing():
+    mgr = BlockManager(num_blocks=3, block_size=4)
+    mgr.allocate("a", 8)
+    with pytest.raises(PoolExhausted):
+        mgr.allocate("b", 8)
+    assert "b" not in mgr.block_tables and mgr.num_free_blocks() == 1
+    with pytest.raises(PoolExhausted):
+        mgr.ensure_capacity("a", 16)
+    assert len(mgr.block_tables["a"]) == 2 and mgr.num_free_blocks() == 1
+    assert issubclass(PoolExhausted, MemoryError)
+
+
+def test_peak_blocks_tracks_the_high_water_mark():
+    mgr = BlockManager(num_blocks=10, block_size=2)
+    mgr.allocate(1, 6)
+    mgr.allocate(2, 4)
+    mgr.free_seq(1)
+    mgr.allocate(3, 2)
+    assert mgr.peak_blocks_in_use == 5
+    mgr.reset_stats()
+    assert mgr.peak_blocks_in_use == 3
+
+
+def _check_invariants(mgr: BlockManager) -> None:
+    refs = Counter(b for table in mgr.block_tables.values() for b in table)
+    for blk in range(mgr.num_blocks):
+        assert mgr.ref_count[blk] == refs.get(blk, 0)
+    free = set(mgr.free)
+    assert len(free) == len(mgr.free), "a block is on the free list twice"
+    assert not free & set(refs), "a block is both free and referenced"
+    assert len(free) + len(refs) == mgr.num_blocks
+
+
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "cow", "free"]),
+                         st.integers(0, 5), st.integers(0, 5), st.integers(1, 40)),
+               max_size=60)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(1, 24))
+def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
+    mgr = BlockManager(num_blocks, block_size)
+    lengths: dict[int, int] = {}
+    for op, a, b, n in ops:
+        try:
+            if op == "alloc" and a not in lengths:
+                mgr.allocate(a, n)
+                lengths[a] = n
+            elif op == "grow" and a in lengths:
+                mgr.ensure_capacity(a, lengths[a] + n)
+                lengths[a] += n
+            elif op == "fork" and a in lengths and b not in lengths:
+                mgr.fork(a, b)
+                lengths[b] = lengths[a]
+            elif op == "cow" and a in lengths and mgr.block_tables[a]:
+                idx = n % len(mgr.block_tables[a])
+                src, dst = mgr.cow_append(a, idx)
+                assert mgr.block_tables[a][idx] == dst
+            elif op == "free" and a in lengths:
+                mgr.free_seq(a)
+                del lengths[a]
+        except PoolExhausted:
+            pass
+        _check_invariants(mgr)
+        for sid, length in lengths.items():
+            assert len(mgr.block_tables[sid]) * block_size >= length
+    for sid in list(lengths):
+        mgr.free_seq(sid)
+    assert mgr.num_free_blocks() == num_blocks

@@ -1,0 +1,276 @@
+"""Sampler: HF-exact processed distribution, empirical sampling, seeding, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from batchgen.params import SamplingParams
+from batchgen.sampling.sampler import Sampler, SamplingRow, processed_logprobs
+
+V = 200
+EOS = 2
+
+
+def _row(history: list[int] | None = None, num_prompt: int | None = None, seed: int | None = None,
+         **kw) -> SamplingRow:
+    """A row with the given params; ``seed`` gives it its own generator."""
+    history = [1, 5, 9] if history is None else history
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed(seed)
+    return SamplingRow(SamplingParams(**kw), list(history),
+                       len(history) if num_prompt is None else num_prompt, gen, EOS)
+
+
+def _hf_logprobs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """log_softmax of HF's processors, in HF generate order, on one row."""
+    p = row.params
+    procs = LogitsProcessorList()
+    if p.repetition_penalty != 1.0:
+        procs.append(RepetitionPenaltyLogitsProcessor(float(p.repetition_penalty)))
+    if p.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(float(p.temperature)))
+    if p.top_k > 0:
+        procs.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        procs.append(TopPLogitsWarper(float(p.top_p)))
+    if p.min_p > 0.0:
+        procs.append(MinPLogitsWarper(float(p.min_p)))
+    scores = procs(torch.tensor([row.token_ids]), logits[None].clone().float())
+    return torch.log_softmax(scores, dim=-1)[0]
+
+
+def _assert_same_logprobs(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Same -inf positions and finite values within 1e-6."""
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    finite = ~torch.isinf(want)
+    assert finite.any()
+    assert (got[finite] - want[finite]).abs().max().item() <= 1e-6
+
+
+COMBOS = [
+    {},
+    {"temperature": 0.7},
+    {"temperature": 1.6, "top_k": 12},
+    {"top_p": 0.8},
+    {"temperature": 0.9, "top_p": 0.6, "top_k": 40},
+    {"min_p": 0.1},
+    {"temperature": 1.3, "top_k": 30, "top_p": 0.9, "min_p": 0.05},
+    {"repetition_penalty": 1.5},
+    {"repetition_penalty": 0.7, "temperature": 0.8, "top_p": 0.95},
+    {"repetition_penalty": 1.2, "temperature": 1.1, "top_k": 25, "top_p": 0.7, "min_p": 0.02},
+    {"top_k": 1},
+    {"top_k": 500},
+    {"top_p": 0.01},
+    {"min_p": 1.0},
+]
+
+
+def test_processed_distribution_matches_hf_in_one_mixed_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(len(COMBOS), V, generator=gen) * 2.0
+    hist = torch.randint(0, V, (len(COMBOS), 12), generator=gen).tolist()
+    rows = [_row(h, 5, **kw) for h, kw in zip(hist, COMBOS)]
+    got = processed_logprobs(logits, rows)
+    for i, row in enumerate(rows):
+        _assert_same_logprobs(got[i], _hf_logprobs(logits[i], row))
+
+
+def test_top_k_keeps_ties_like_hf() -> None:
+    logits = torch.linspace(-3, 3, V)
+    logits[[10, 20, 30]] = logits[-3].item()  # three extra copies of the 3rd-largest value
+    row = _row(top_k=3)
+    got = processed_logprobs(logits[None], [row])[0]
+    _assert_same_logprobs(got, _hf_logprobs(logits, row))
+    assert (~torch.isinf(got)).sum().item() == 6
+
+
+def test_presence_and_frequency_penalties_use_generated_ids_only() -> None:
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(1))
+    prompt, generated = [4, 4, 6], [6, 7, 7, 7]
+    row = _row(prompt + generated, len(prompt), presence_penalty=0.5, frequency_penalty=0.25)
+    expected = logits[0].clone()
+    expected[6] -= 0.25 * 1 + 0.5
+    expected[7] -= 0.25 * 3 + 0.5
+    got = processed_logprobs(logits, [row])[0]
+    torch.testing.assert_close(got, torch.log_softmax(expected, -1), rtol=0, atol=1e-6)
+
+
+def test_repetition_penalty_then_frequency_penalty_order() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5] + [0.0] * (V - 4)])
+    row = _row([0, 1, 3], 1, repetition_penalty=2.0, frequency_penalty=1.0)
+    expected = logits[0].clone()
+    expected[0] = 2.0 / 2.0  # prompt id: repetition only
+    expected[1] = -2.0 * 2.0 - 1.0  # generated: repetition, then frequency
+    expected[3] = 0.5 / 2.0 - 1.0
+    got = processed_logprobs(logits, [row])[0]
+    torch.testing.assert_close(got, torch.log_softmax(expected, -1), rtol=0, atol=1e-6)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square of observed counts against probabilities over their support."""
+    n = counts.sum()
+    support = probs > 0
+    expected = probs[support] * n
+    return (((counts[support] - expected) ** 2) / expected).sum().item()
+
+
+def _chi_square_bound(df: int) -> float:
+    """Upper chi-square quantile near p = 1e-6 (Wilson-Hilferty)."""
+    z = 4.75
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_empirical_frequencies_match_processed_probabilities(seeded: bool) -> None:
+    vocab = 40
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    kw = {"temperature": 0.8, "top_k": 15, "top_p": 0.97, "min_p": 0.02, "repetition_penalty": 1.3}
+    n = 5000 if seeded else 20000
+    if seeded:
+        rows = [_row([3, 7, 11], seed=1000 + i, **kw) for i in range(n)]
+    else:
+        rows = [_row([3, 7, 11], **kw)] * n
+    probs = processed_logprobs(logits, rows[:1])[0].exp()
+    out = Sampler(seed=7)(logits.expand(n, vocab), rows)
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float()
+    assert counts[probs == 0].sum() == 0  # masked tokens never drawn
+    support = int((probs > 0).sum())
+    assert support >= 6
+    bound = _chi_square_bound(support - 1)
+    assert _chi_square(counts, probs) < bound
+    # Power check: the distribution without temperature/penalty must be rejected.
+    wrong_rows = [_row([3, 7, 11], top_k=15, top_p=0.97, min_p=0.02)]
+    wrong = processed_logprobs(logits, wrong_rows)[0].exp()
+    assert _chi_square(counts, wrong) > 2 * bound
+
+
+def test_greedy_is_argmax_of_penalised_logits_and_uses_no_randomness() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, V, generator=gen)
+    top = int(logits[1].argmax())
+    logits[1, top] = 10.0
+    rows = [_row(temperature=0), _row([top], temperature=0, repetition_penalty=100.0),
+            _row(temperature=0, top_k=3)]
+    sampler = Sampler(seed=0)
+    state = sampler.generator(torch.device("cpu")).get_state()
+    out = sampler(logits, rows)
+    penalised = logits[1].clone()
+    penalised[top] /= 100.0
+    assert out.token_ids == [int(logits[0].argmax()), int(penalised.argmax()), int(logits[2].argmax())]
+    assert torch.equal(sampler.generator(torch.device("cpu")).get_state(), state)
+    point_mass = processed_logprobs(logits, rows)
+    assert point_mass.exp().sum(-1).tolist() == [1.0, 1.0, 1.0]
+    assert point_mass.argmax(-1).tolist() == out.token_ids
+
+
+def test_fast_path_all_greedy_and_half_precision_input() -> None:
+    logits = torch.randn(5, V, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = Sampler()(logits, [_row(temperature=0) for _ in range(5)])
+    assert out.token_ids == logits.float().argmax(-1).tolist()
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])
+    assert out.logprobs == pytest.approx(want[:, 0].tolist(), abs=1e-6)
+
+
+def test_seeded_row_does_not_depend_on_its_batch() -> None:
+    gen = torch.Generator().manual_seed(6)
+    steps = [torch.randn(4, V, generator=gen) for _ in range(6)]
+    kw = {"temperature": 1.2, "top_p": 0.95}
+
+    def run(position: int, others: list[SamplingRow]) -> list[int]:
+        """Sample 6 steps of the seed-123 row placed at ``position`` among ``others``."""
+        target = _row(seed=123, **kw)
+        sampler = Sampler(seed=len(others))
+        tokens = []
+        for logits in steps:
+            rows = others[:position] + [target] + others[position:]
+            batch = torch.cat([logits[3:4] if j == position else logits[j % 3:j % 3 + 1]
+                               for j in range(len(rows))])
+            tokens.append(sampler(batch, rows).token_ids[position])
+        return tokens
+
+    alone = run(0, [])
+    mixed = run(2, [_row(seed=5, **kw), _row(top_k=5), _row(temperature=0), _row(min_p=0.3)])
+    other = run(1, [_row(), _row(seed=9, repetition_penalty=1.4, top_k=10)])
+    assert alone == mixed == other
+
+
+def test_different_seeds_differ_and_same_seed_repeats() -> None:
+    logits = torch.zeros(1, V)  # uniform: every draw is pure noise
+
+    def draws(seed: int) -> list[int]:
+        row = _row(seed=seed)
+        return [Sampler()(logits, [row]).token_ids[0] for _ in range(10)]
+
+    assert draws(1) == draws(1)
+    assert draws(1) != draws(2)
+
+
+def test_unseeded_rows_follow_the_sampler_seed() -> None:
+    logits = torch.zeros(4, V)
+    rows = [_row() for _ in range(4)]
+    assert Sampler(seed=3)(logits, rows).token_ids == Sampler(seed=3)(logits, rows).token_ids
+    assert Sampler(seed=3)(logits, rows).token_ids != Sampler(seed=4)(logits, rows).token_ids
+
+
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_min_tokens_bans_eos_and_stop_ids(temperature: float) -> None:
+    logits = torch.zeros(3, V)
+    logits[:, EOS] = 60.0
+    logits[:, 7] = 40.0
+    logits[:, 11] = 20.0
+    kw = {"temperature": temperature, "min_tokens": 3, "stop_token_ids": [7]}
+    rows = [_row([1, 4, 5], 2, **kw),  # 1 generated < 3: EOS and 7 banned
+            _row([1, 4, 5, 6], 1, **kw),  # 3 generated: nothing banned
+            _row([1, 4], 2, ignore_eos=True, **kw)]  # EOS is no stop token with ignore_eos
+    out = Sampler()(logits, rows)
+    assert out.token_ids == [11, EOS, EOS]
+    lp = processed_logprobs(logits, rows)
+    assert torch.isinf(lp[0, [EOS, 7]]).all()
+    if temperature:
+        assert not torch.isinf(lp[2, EOS]) and torch.isinf(lp[2, 7])
+
+
+def test_logprobs_are_raw_with_top_k_and_chosen() -> None:
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(4, V, generator=gen) * 3
+    rows = [_row(logprobs=5, temperature=0.5, repetition_penalty=1.5),
+            _row(logprobs=0),
+            _row(),
+            _row(logprobs=3, top_k=50, temperature=3.0)]
+    out = Sampler(seed=1)(logits, rows)
+    raw = torch.log_softmax(logits, -1)
+    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert lp == pytest.approx(raw[i, tok].item(), abs=1e-5)
+    assert out.top_logprobs[2] is None
+    assert out.top_logprobs[1] == pytest.approx({out.token_ids[1]: out.logprobs[1]})
+    for i, k in ((0, 5), (3, 3)):
+        d = out.top_logprobs[i]
+        top_ids = raw[i].topk(k).indices.tolist()
+        assert set(d) == set(top_ids) | {out.token_ids[i]}
+        assert len(d) in (k, k + 1)
+        for t, v in d.items():
+            assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
+
+
+def test_top_k_one_is_always_argmax_and_history_ids_beyond_vocab_are_ignored() -> None:
+    logits = torch.randn(64, V, generator=torch.Generator().manual_seed(9))
+    rows = [_row([V + 5, 3], 1, top_k=1, repetition_penalty=1.3, frequency_penalty=0.5)
+            for _ in range(64)]
+    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
+def test_shape_mismatch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="logits must be"):
+        Sampler()(torch.zeros(2, V), [_row()])

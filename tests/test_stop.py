@@ -1,0 +1,229 @@
+"""Incremental detokenisation and stop conditions on a real byte-level BPE tokenizer."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.sampling.stop import IncrementalDetokenizer, StopChecker
+
+PAD, BOS, EOS = 0, 1, 2
+
+
+def _local_tokenizer() -> Any:
+    """A small byte-level BPE (pad 0, bos 1, eos 2) trained in-process."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    corpus = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there!",
+              "A paged cache stores blocks of keys and values."] * 20
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The shared tiny tokenizer if available, else a local one with the same special ids."""
+    try:
+        from batchgen.tools.make_tiny_model import build_tokenizer
+
+        t = build_tokenizer()
+        assert (t.pad_token_id, t.bos_token_id, t.eos_token_id) == (PAD, BOS, EOS)
+        return t
+    except Exception:  # the shared maker is missing or changed: train a local one
+        return _local_tokenizer()
+
+
+def _ids(tok: Any, text: str) -> list[int]:
+    """Token ids of ``text`` without BOS."""
+    return tok.encode(text, add_special_tokens=False)
+
+
+def _decode(tok: Any, ids: list[int], skip: bool = True) -> str:
+    """The reference full decode (no space clean-up, like the detokenizer)."""
+    return tok.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def _run(checker: StopChecker, ids: list[int]) -> tuple[int, str | None, int | str | None]:
+    """Feed ids until the checker stops; return (tokens consumed, finish, stop reason)."""
+    for n, t in enumerate(ids, 1):
+        finish, reason = checker.append(t, n)
+        if finish is not None:
+            return n, finish, reason
+    return len(ids), None, None
+
+
+# ----------------------------------------------------------------------------- detokenizer
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_text_equals_full_decode_on_random_ids(tok: Any, skip: bool) -> None:
+    rng = random.Random(0)
+    vocab = len(tok)
+    multibyte = _ids(tok, "héllo 世界 🙂 naïve ∑x")
+    prompt = _ids(tok, "Hello there")
+    for _ in range(40):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        cut = rng.randrange(len(ids) + 1)
+        ids[cut:cut] = multibyte  # multi-byte characters split over several byte tokens
+        detok = IncrementalDetokenizer(tok, [BOS, *prompt], skip_special_tokens=skip)
+        pieces = [detok.step(t) for t in ids]
+        pieces.append(detok.flush())
+        assert "".join(pieces) == detok.text == _decode(tok, ids, skip)
+
+
+def test_text_is_held_back_until_a_character_is_complete(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, [BOS], True)
+    world = _ids(tok, "世")
+    assert len(world) == 3
+    assert [detok.step(t) for t in world] == ["", "", "世"]
+
+
+def test_window_stays_bounded(tok: Any) -> None:
+    detok = IncrementalDetokenizer(tok, [BOS, *_ids(tok, "Hello")], True)
+    ids = _ids(tok, "The quick brown fox jumps over the lazy dog. " * 30)
+    for t in ids:
+        detok.step(t)
+        detok.step(EOS)  # skipped special tokens never enter the window
+        assert len(detok._ids) <= 8
+    assert detok.text == _decode(tok, ids)
+
+
+# ----------------------------------------------------------------------------- stop checker
+
+
+def _checker(tok: Any, max_tokens: int = 100, prompt: str = "Hello", **kw: Any) -> StopChecker:
+    """A StopChecker for SamplingParams(**kw) after a short prompt."""
+    params = SamplingParams(max_tokens=max_tokens, **kw)
+    return StopChecker(params, EOS, tok, [BOS, *_ids(tok, prompt)], max_tokens)
+
+
+def test_stop_string_spanning_tokens_cuts_the_text(tok: Any) -> None:
+    ids = _ids(tok, "The quick brown fox jumps")
+    checker = _checker(tok, stop=["own fo"])
+    n, finish, reason = _run(checker, ids)
+    assert (finish, reason) == ("stop", "own fo")
+    assert "own fo" in _decode(tok, ids[:n])
+    assert "own fo" not in _decode(tok, ids[:n - 1])  # the completing token is the last one kept
+    assert checker.token_ids == ids[:n]
+    assert checker.final_text() == checker.text == "The quick br"
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_only(tok: Any) -> None:
+    ids = _ids(tok, "The quick brown fox jumps")
+    checker = _checker(tok, stop="own fo", include_stop_str_in_output=True)
+    _run(checker, ids)
+    assert checker.text == "The quick brown fo"
+
+
+def test_multibyte_stop_string_and_earliest_match_wins(tok: Any) -> None:
+    ids = _ids(tok, "ab 世界 cd")
+    checker = _checker(tok, stop=["界", "世"])
+    n, finish, reason = _run(checker, ids)
+    assert (finish, reason) == ("stop", "世")
+    assert checker.text == "ab "
+    assert _decode(tok, ids[:n]) == "ab 世"
+
+
+def test_stop_token_id_is_kept_in_ids_not_in_text(tok: Any) -> None:
+    ids = _ids(tok, "The quick brown fox")
+    stop_id = ids[3]
+    checker = _checker(tok, stop_token_ids=[stop_id], stop=["zzz"])
+    n, finish, reason = _run(checker, ids)
+    assert (n, finish, reason) == (4, "stop", stop_id)
+    assert checker.token_ids == ids[:4]
+    assert checker.text == _decode(tok, ids[:3])
+    inc = _checker(tok, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    _run(inc, ids)
+    assert inc.text == _decode(tok, ids[:4])
+
+
+@pytest.mark.parametrize("stop", [None, ["zzz"]])
+def test_eos_stops_with_no_stop_reason(tok: Any, stop: list[str] | None) -> None:
+    ids = _ids(tok, "The quick") + [EOS] + _ids(tok, " brown")
+    checker = _checker(tok, stop=stop, skip_special_tokens=False)
+    n, finish, reason = _run(checker, ids)
+    assert (finish, reason) == ("stop", None)
+    assert checker.token_ids[-1] == EOS
+    assert checker.text == "The quick"  # the EOS text is dropped even when specials are shown
+
+
+def test_ignore_eos_runs_to_length(tok: Any) -> None:
+    ids = (_ids(tok, "The quick") + [EOS]) * 3
+    checker = _checker(tok, max_tokens=len(ids), ignore_eos=True, skip_special_tokens=False)
+    n, finish, reason = _run(checker, ids)
+    assert (n, finish, reason) == (len(ids), "length", None)
+    assert checker.text == "The quick</s>" * 3
+
+
+def test_max_tokens_gives_length_and_exact_text(tok: Any) -> None:
+    ids = _ids(tok, "The quick brown fox jumps over")
+    checker = _checker(tok, max_tokens=5)
+    assert checker.detokenizer is None  # no stop strings: one decode at the end
+    n, finish, reason = _run(checker, ids)
+    assert (n, finish, reason) == (5, "length", None)
+    assert checker.text == _decode(tok, ids[:5])
+
+
+def test_eos_on_the_last_allowed_token_is_stop(tok: Any) -> None:
+    ids = _ids(tok, "The") + [EOS]
+    checker = _checker(tok, max_tokens=len(ids))
+    assert _run(checker, ids)[1:] == ("stop", None)
+
+
+def test_min_tokens_delays_eos_stop_ids_and_stop_strings(tok: Any) -> None:
+    head = _ids(tok, "The quick")
+    ids = head + [EOS] + _ids(tok, " brown fox")
+    n_min = len(head) + 2  # EOS is token n_min - 1: too early
+    checker = _checker(tok, min_tokens=n_min, stop=["quick", "fox"], stop_token_ids=[head[0]])
+    n, finish, reason = _run(checker, ids)
+    assert (n, finish, reason) == (len(ids), "stop", "fox")
+    assert checker.text == "The quick brown "
+
+
+def test_min_tokens_boundary_follows_vllm(tok: Any) -> None:
+    ids = _ids(tok, "The quick")
+    checker = _checker(tok, min_tokens=len(ids) + 1)
+    assert _run(checker, [*ids, EOS])[1:] == ("stop", None)  # EOS as token min_tokens counts
+
+
+def test_several_eos_ids(tok: Any) -> None:
+    params = SamplingParams(max_tokens=10)
+    for eos in (7, 9):
+        checker = StopChecker(params, [EOS, 7, 9], tok, [BOS], 10)
+        assert _run(checker, [*_ids(tok, "The"), eos])[1:] == ("stop", None)
+        assert checker.text == "The"
+
+
+def test_length_flushes_pending_text(tok: Any) -> None:
+    ids = _ids(tok, "ab 世")[:-1]  # ends inside a character
+    checker = _checker(tok, max_tokens=len(ids), stop=["zzz"])
+    assert _run(checker, ids)[1] == "length"
+    assert checker.text == _decode(tok, ids) and checker.text.endswith("\ufffd")
+
+
+def test_without_tokenizer_only_token_conditions_apply() -> None:
+    params = SamplingParams(max_tokens=3, stop=["x"], stop_token_ids=[9])
+    checker = StopChecker(params, EOS, None, [BOS, 5], 3)
+    assert checker.append(5, 1) == (None, None)
+    assert checker.append(9, 2) == ("stop", 9)
+    assert checker.text == ""
+    with pytest.raises(RuntimeError):
+        checker.append(5, 3)
+
+
+def test_beam_search_params_are_accepted(tok: Any) -> None:
+    params = BeamSearchParams(beam_width=2, max_tokens=20, stop="fox")
+    checker = StopChecker(params, EOS, tok, [BOS], 20)
+    assert _run(checker, _ids(tok, "The quick brown fox jumps"))[1:] == ("stop", "fox")
+    assert checker.text == "The quick brown "
