@@ -20,14 +20,14 @@ from batchgen.kv.cache import KVCache
 
 @dataclass
 class _Group:
-    """Sequences of similar query length, padded to [S, max_q] queries and [S, max_kv] keys."""
+    """Sequences of similar query length, padded to [S, max_q] queries and [S, max_pages * block_size] keys."""
 
     q_rows: torch.Tensor  # [S, max_q] row of the packed batch for each (seq, query); pads → 0
     out_rows: torch.Tensor  # [n_valid] packed rows that receive outputs
     q_valid: torch.Tensor | None  # [S, max_q] bool, None when no query padding
-    kv_slots: torch.Tensor  # [S, max_kv] flat pool slot of each key; pads → slot 0
+    pages: torch.Tensor  # [S * max_pages] physical block of each logical block; pads → 0
     q_pos: torch.Tensor  # [S, max_q, 1] position of each query (bottom-right aligned)
-    base_mask: torch.Tensor  # [S, max_q, max_kv] causal & in-range
+    base_mask: torch.Tensor  # [S, max_q, max_pages * block_size] causal & in-range
     pad_fix: torch.Tensor | None  # [S, max_q, max_kv] lets padded query rows see key 0 (no NaN)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
@@ -83,17 +83,17 @@ class TorchPagedAttention:
         ar_q = torch.arange(max_q)
         q_valid = ar_q[None] < q_len[:, None]
         q_rows = torch.where(q_valid, q_start[:, None] + ar_q[None], 0)
-        # Padded page table [S, max_pages] from kv_indptr/kv_indices, then pages → slots.
+        # Padded page table [S, max_pages] from kv_indptr/kv_indices: whole blocks are gathered
+        # (contiguous block_size x Hkv x D rows), keys past kv_len are masked.
         max_pages = (max_kv + bs - 1) // bs
         p_start = meta.kv_indptr[rows].long()
         n_pages = (meta.kv_indptr[rows + 1] - meta.kv_indptr[rows]).long()
         ar_p = torch.arange(max_pages)
         page_pos = torch.where(ar_p[None] < n_pages[:, None], p_start[:, None] + ar_p[None], 0)
-        pages = meta.kv_indices.long()[page_pos] if meta.kv_indices.numel() else page_pos
-        ar_kv = torch.arange(max_kv)
-        kv_slots = pages[:, ar_kv // bs] * bs + ar_kv % bs
+        pages = meta.kv_indices.long()[page_pos]
+        pages = torch.where(ar_p[None] < n_pages[:, None], pages, 0)
+        ar_kv = torch.arange(max_pages * bs)
         kv_valid = ar_kv[None] < kv_len[:, None]
-        kv_slots = torch.where(kv_valid, kv_slots, 0)
         q_pos = (kv_len - q_len)[:, None] + ar_q[None]  # bottom-right causal alignment
         base = kv_valid[:, None, :] & (ar_kv[None, None, :] <= q_pos[:, :, None])
         padded = not bool(q_valid.all())
@@ -102,7 +102,7 @@ class TorchPagedAttention:
             pad_fix = (~q_valid)[:, :, None] & (ar_kv == 0)[None, None, :]
         return _Group(
             q_rows=q_rows.to(dev), out_rows=q_rows[q_valid].to(dev),
-            q_valid=q_valid.to(dev) if padded else None, kv_slots=kv_slots.to(dev),
+            q_valid=q_valid.to(dev) if padded else None, pages=pages.reshape(-1).to(dev),
             q_pos=q_pos[:, :, None].to(dev), base_mask=base.to(dev),
             pad_fix=pad_fix.to(dev) if pad_fix is not None else None)
 
@@ -110,17 +110,17 @@ class TorchPagedAttention:
             window: int | None, softcap: float | None, sinks: torch.Tensor | None
             ) -> torch.Tensor:
         """Attention for all packed queries q [T, Hq, D] of this layer → [T, Hq, Dv]."""
-        k_flat, v_flat = cache.k_flat[layer], cache.v_flat[layer]
+        k_blocks, v_blocks = cache.layer(layer)  # [P, B, Hkv, D]
         t, hq, _ = q.shape
-        hkv = k_flat.shape[1]
+        hkv = k_blocks.shape[2]
         g = hq // hkv
-        out = q.new_empty(t, hq, v_flat.shape[-1])
+        out = q.new_empty(t, hq, v_blocks.shape[-1])
         for grp in self.groups:
             s, mq = grp.q_rows.shape
             qg = q[grp.q_rows]  # [S, mq, Hq, D]
             qg = qg.view(s, mq, hkv, g, -1).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
-            kg = k_flat[grp.kv_slots].transpose(1, 2).to(q.dtype)  # [S, Hkv, max_kv, D]
-            vg = v_flat[grp.kv_slots].transpose(1, 2).to(q.dtype)
+            kg = _gather(k_blocks, grp.pages, s, q.dtype)  # [S, Hkv, max_pages * B, D]
+            vg = _gather(v_blocks, grp.pages, s, q.dtype)
             mask = grp.mask(window, g)
             if softcap is None and sinks is None:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
@@ -132,6 +132,14 @@ class TorchPagedAttention:
             else:
                 out[grp.out_rows] = og[grp.q_valid]
         return out
+
+
+def _gather(blocks: torch.Tensor, pages: torch.Tensor, s: int, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """Whole blocks of each sequence, [S, Hkv, pages * block_size, D], in the compute dtype."""
+    _, bs, hkv, d = blocks.shape
+    kv = blocks.index_select(0, pages).view(s, -1, hkv, d)
+    return kv.transpose(1, 2).to(dtype)
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

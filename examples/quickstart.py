@@ -1,0 +1,28 @@
+"""Quickstart: greedy generation, n samples per prompt and a stop string from a local model."""
+
+import sys
+
+from batchgen import LLM, SamplingParams
+
+
+def main(model_dir: str) -> None:
+    llm = LLM(model_dir, block_size=16)
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+
+    greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    for out in greedy:
+        c = out.outputs[0]
+        print(f"{out.prompt!r} -> {c.text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
+
+    samples = llm.generate(prompts[:1], SamplingParams(n=4, temperature=0.8, top_p=0.95,
+                                                       max_tokens=16, seed=1))
+    for c in samples[0].outputs:
+        print(f"sample {c.index}: {c.text!r} logprob={c.cumulative_logprob:.2f}")
+
+    stopped = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=32, stop=["e"]))
+    print(f"stop at 'e': {stopped[0].outputs[0].text!r} ({stopped[0].outputs[0].stop_reason!r})")
+    print(llm.kv_stats())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-llama")

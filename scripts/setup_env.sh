@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs batchgen into it with the extras given as $1.
+# Torch: a CPU build is taken unless torch is already in the venv (set TORCH_SPEC to change it).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-}"
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+fi
+if [ -n "$extras" ]; then
+  python -m pip install -q -e ".[$extras]"
+else
+  python -m pip install -q -e .
+fi

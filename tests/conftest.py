@@ -1,0 +1,46 @@
+"""Shared pytest fixtures: tiny offline HF model folders built once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+# Everything is built in-process: never reach for the Hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+# Tiny models run fastest on one thread, and intra-op threads on a busy 2-core machine slow
+# HF generate down 10-20x. Override with BATCHGEN_TEST_THREADS=N.
+torch.set_num_threads(int(os.environ.get("BATCHGEN_TEST_THREADS", "1")))
+
+# Make `import batchgen` work under a bare `pytest` run from a source checkout.
+_ROOT = str(Path(__file__).resolve().parents[1])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Callable ``(family="llama", **kw) -> Path`` that writes each distinct model once.
+
+    ``kw`` goes to :func:`batchgen.tools.make_tiny_model.make_tiny_model` (``vocab_size``,
+    ``seed``, ``eos_boost``, ``dtype``, config overrides such as ``num_hidden_layers``).
+    """
+    from batchgen.tools.make_tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    cache: dict[tuple[Any, ...], Path] = {}
+
+    def factory(family: str = "llama", **kw: Any) -> Path:
+        key = (family, tuple(sorted(kw.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(root / f"{family}-{len(cache)}", family=family, **kw)
+        return cache[key]
+
+    return factory

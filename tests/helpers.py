@@ -1,0 +1,94 @@
+"""Shared test helpers: deterministic prompts and HF greedy generation as the oracle.
+
+Import from test files as ``from helpers import ...`` (``tests/`` is on ``sys.path`` because
+``tests/conftest.py`` lives there and the folder has no ``__init__.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAD_ID = 0
+BOS_ID = 1
+EOS_ID = 2
+FIRST_TEXT_ID = 3  # ids below this are special tokens
+
+
+def make_prompt_token_ids(
+    n: int,
+    min_len: int,
+    max_len: int,
+    vocab_size: int,
+    seed: int,
+    include_lengths: Sequence[int] = (),
+) -> list[list[int]]:
+    """Return ``n`` deterministic random prompts: BOS then ids in ``[3, vocab_size)``.
+
+    Lengths (BOS included) are uniform in ``[min_len, max_len]``, except that every length in
+    ``include_lengths`` (e.g. block multiples 16, 32, 48) occurs exactly once more, at a
+    seed-dependent position.
+    """
+    if len(include_lengths) > n:
+        raise ValueError("more include_lengths than prompts")
+    if not 1 <= min_len <= max_len or any(x < 1 for x in include_lengths):
+        raise ValueError("lengths must be >= 1 and min_len <= max_len")
+    rng = random.Random(seed)
+    lengths = list(include_lengths)
+    lengths += [rng.randint(min_len, max_len) for _ in range(n - len(lengths))]
+    rng.shuffle(lengths)
+    return [
+        [BOS_ID] + [rng.randrange(FIRST_TEXT_ID, vocab_size) for _ in range(length - 1)]
+        for length in lengths
+    ]
+
+
+@functools.lru_cache(maxsize=32)
+def _load_hf(model_dir: str) -> Any:
+    """Load (once per folder) the HF reference model in fp32 with eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+def load_hf_model(model_dir: str | Path) -> Any:
+    """Cached fp32 eager HF model for ``model_dir``; do not modify it."""
+    return _load_hf(str(Path(model_dir).resolve()))
+
+
+def strip_after_eos(tokens: Sequence[int], eos_id: int = EOS_ID) -> list[int]:
+    """Cut everything after the first EOS (the EOS itself is kept)."""
+    tokens = list(tokens)
+    return tokens[: tokens.index(eos_id) + 1] if eos_id in tokens else tokens
+
+
+@torch.no_grad()
+def hf_greedy(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """HF ``generate`` greedy output per prompt, one unpadded prompt at a time.
+
+    Returns only the generated ids, ending with EOS (2) if it was generated.
+    """
+    model = load_hf_model(model_dir)
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([list(prompt)], dtype=torch.long)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=EOS_ID,
+            pad_token_id=PAD_ID,
+        )
+        outputs.append(strip_after_eos(out[0, ids.shape[1] :].tolist()))
+    return outputs

@@ -1,0 +1,111 @@
+"""Bad input raises ValueError naming the argument, before any work; nothing leaks."""
+
+import json
+
+import pytest
+from transformers import AutoConfig
+
+from batchgen import LLM, SamplingParams
+from batchgen.model.loader import check_supported
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_factory):
+    return LLM(tiny_model_factory("llama"), block_size=4, num_kv_blocks=64, max_model_len=128)
+
+
+def ids(n, start=3):
+    return {"prompt_token_ids": [1] + [start + i % 100 for i in range(n - 1)]}
+
+
+BAD_REQUESTS = [
+    ("max_model_len", lambda: [ids(128)], None),
+    ("max_model_len", lambda: [ids(200)], None),
+    ("empty", lambda: [{"prompt_token_ids": []}], None),
+    ("vocabulary", lambda: [{"prompt_token_ids": [1, 99999]}], None),
+    ("vocabulary", lambda: [{"prompt_token_ids": [1, -4]}], None),
+    ("prompts\\[0\\]", lambda: [123], None),
+    ("prompts\\[1\\]", lambda: ["fine", {"tokens": [1]}], None),
+    ("prompt_token_ids", lambda: [{"prompt_token_ids": "abc"}], None),
+    ("sampling_params", lambda: [ids(5), ids(6)], [SamplingParams()]),
+    ("can never fit", lambda: [ids(100)], SamplingParams(n=8, max_tokens=27)),
+    ("logprobs", lambda: [ids(5)], SamplingParams(logprobs=100000)),
+]
+
+
+@pytest.mark.parametrize("match,prompts,params", BAD_REQUESTS)
+def test_bad_requests_raise_before_any_work(llm, match, prompts, params):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts(), params, use_tqdm=False)
+    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert not llm.scheduler.has_unfinished()
+
+
+def test_a_bad_request_loses_nothing_and_the_engine_still_works(llm):
+    good = [ids(9), ids(20)]
+    before = llm.generate(good, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    with pytest.raises(ValueError):
+        llm.generate([*good, ids(500)], SamplingParams(temperature=0, max_tokens=5),
+                     use_tqdm=False)
+    after = llm.generate(good, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in before] == [o.outputs[0].token_ids for o in after]
+
+
+BAD_ENGINE_ARGS = [
+    ("block_size", {"block_size": 0}),
+    ("max_num_seqs", {"max_num_seqs": -1}),
+    ("max_num_batched_tokens", {"max_num_batched_tokens": 0}),
+    ("num_kv_blocks", {"num_kv_blocks": 0}),
+    ("kv_cache_memory", {"kv_cache_memory": 10}),
+    ("gpu_memory_utilization", {"gpu_memory_utilization": 1.5}),
+    ("kv_cache_dtype", {"kv_cache_dtype": "fp4"}),
+    ("attention_backend", {"attention_backend": "magic"}),
+    ("dtype", {"dtype": "int3"}),
+    ("device", {"device": "tpu"}),
+    ("max_model_len", {"max_model_len": 5000}),
+    ("max_model_len", {"max_model_len": 600, "num_kv_blocks": 10, "block_size": 4}),
+]
+
+
+@pytest.mark.parametrize("match,kwargs", BAD_ENGINE_ARGS)
+def test_bad_engine_arguments(tiny_model_factory, match, kwargs):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model_factory("llama"), **kwargs)
+
+
+def test_unknown_folder(tmp_path):
+    with pytest.raises(ValueError, match="model"):
+        LLM(tmp_path / "nope")
+    with pytest.raises(ValueError, match="model"):
+        LLM(tmp_path)
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom", "mpt", "gpt_neo", "xglm"])
+def test_families_that_bypass_the_attention_interface_are_refused(family):
+    with pytest.raises(ValueError, match="not supported"):
+        check_supported(AutoConfig.for_model(family))
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_batch_dependent_rope_scalings_are_refused(tiny_model_factory, tmp_path, rope_type):
+    src = tiny_model_factory("llama")
+    cfg = json.loads((src / "config.json").read_text())
+    rope = {"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0}
+    if rope_type == "longrope":
+        rope.update(short_factor=[1.0] * 8, long_factor=[1.0] * 8,
+                    original_max_position_embeddings=512)
+    cfg["rope_parameters"] = rope
+    cfg["rope_scaling"] = rope
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rope_type):
+        LLM(tmp_path)
+
+
+def test_text_prompts_need_a_tokenizer(tiny_model_factory):
+    llm = LLM(tiny_model_factory("llama", with_tokenizer=False), num_kv_blocks=32)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate("hello", use_tqdm=False)
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(ids(4), SamplingParams(stop="x"), use_tqdm=False)
+    out = llm.generate(ids(4), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text == ""
