@@ -110,9 +110,10 @@ class LLM:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens)
         backend = TorchPagedAttention(self.device)
         runner = ModelRunner(self.model, self.cache, backend, self.device)
-        self.eos_token_id = _eos_id(config, self.tokenizer)
+        self.eos_token_ids = _eos_ids(config, loader.load_generation_config(path),
+                                      self.tokenizer)
         self.engine = Engine(runner, self.cache, self.block_manager, self.scheduler,
-                             Sampler(seed), self.tokenizer, self.eos_token_id)
+                             Sampler(seed), self.tokenizer, self.eos_token_ids)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self._last_stats = KVStats(num_blocks, block_size, 0, 0, 0, 0)
         logger.info(self.cache_config.capacity_line(self.max_model_len))
@@ -294,10 +295,15 @@ def _gpu_kv_budget(device: torch.device, utilization: float) -> int | None:
     return int(budget - max(512 << 20, 0.1 * budget))
 
 
-def _eos_id(config, tokenizer) -> int | None:
-    eos = getattr(config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return eos
+def _eos_ids(config, generation_config, tokenizer) -> list[int]:
+    """Every id that ends a sequence as EOS: the config's, the generation config's (e.g. a chat
+    model's end-of-turn id) and the tokenizer's, as HF generate and vLLM do."""
+    ids: list[int] = []
+    sources = [getattr(config, "eos_token_id", None),
+               getattr(generation_config, "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None)]
+    for eos in sources:
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids

@@ -171,3 +171,22 @@ def test_capacity_is_logged(model_dir, caplog):
     line = next(r.getMessage() for r in caplog.records if "KV cache" in r.getMessage())
     assert "100 blocks x 8 tokens = 800 tokens" in line
     assert "maximum concurrency for 200 tokens per request: 4.00x" in line
+
+
+def test_every_eos_id_of_the_generation_config_stops(tiny_model_factory, tmp_path, prompts):
+    """A chat model's end-of-turn id in generation_config.json ends generation like EOS."""
+    import json
+    import shutil
+
+    src = tiny_model_factory("llama")
+    shutil.copytree(src, tmp_path / "m")
+    probe = LLM(tmp_path / "m", num_kv_blocks=256).generate(
+        _ids(prompts[:1]), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0].token_ids
+    gen = json.loads((tmp_path / "m" / "generation_config.json").read_text())
+    gen["eos_token_id"] = [2, probe[4]]
+    (tmp_path / "m" / "generation_config.json").write_text(json.dumps(gen))
+    out = LLM(tmp_path / "m", num_kv_blocks=256).generate(
+        _ids(prompts[:1]), SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.token_ids == probe[:probe.index(probe[4]) + 1] and c.finish_reason == "stop"

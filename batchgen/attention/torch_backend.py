@@ -3,8 +3,8 @@ sliding windows, logit softcap and attention sinks.
 
 plan() turns the step's FlashInfer-format metadata into padded gather indices and masks once per
 step; run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax
-when softcap or sinks need it). Sequences are bucketed by query length (decode rows together,
-prefill chunks by power of two) to bound padding; there is no Python loop over tokens.
+when softcap or sinks need it). Sequences are bucketed by query and KV length (decode rows apart
+from prefill chunks, powers of two) to bound padding; there is no Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -20,20 +20,22 @@ from batchgen.kv.cache import KVCache
 
 @dataclass
 class _Group:
-    """Sequences of similar query length, padded to [S, max_q] queries and [S, max_pages * block_size] keys."""
+    """Sequences of similar query length, padded to [S, max_q] queries and [S, max_kv] keys
+    (max_kv = max_pages * block_size: whole blocks are gathered)."""
 
     q_rows: torch.Tensor  # [S, max_q] row of the packed batch for each (seq, query); pads → 0
     out_rows: torch.Tensor  # [n_valid] packed rows that receive outputs
     q_valid: torch.Tensor | None  # [S, max_q] bool, None when no query padding
     pages: torch.Tensor  # [S * max_pages] physical block of each logical block; pads → 0
     q_pos: torch.Tensor  # [S, max_q, 1] position of each query (bottom-right aligned)
-    base_mask: torch.Tensor  # [S, max_q, max_pages * block_size] causal & in-range
+    base_mask: torch.Tensor  # [S, max_q, max_kv] causal & in-range
     pad_fix: torch.Tensor | None  # [S, max_q, max_kv] lets padded query rows see key 0 (no NaN)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
-    def mask(self, window: int | None, groups: int) -> torch.Tensor:
-        """[S, 1, groups*max_q, max_kv] mask for SDPA, cached per window size."""
-        key = (window, groups)
+    def mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[S, 1, groups*max_q, max_kv] additive mask (0 / -inf), built once per step for each
+        window size and shared by the layers (SDPA would otherwise convert a bool mask per call)."""
+        key = (window, groups, dtype)
         if key not in self.masks:
             m = self.base_mask
             if window is not None:
@@ -42,14 +44,19 @@ class _Group:
             if self.pad_fix is not None:
                 m = m | self.pad_fix
             s, q, k = m.shape
-            self.masks[key] = m[:, None, None].expand(s, 1, groups, q, k).reshape(
+            add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf"))
+            self.masks[key] = add[:, None, None].expand(s, 1, groups, q, k).reshape(
                 s, 1, groups * q, k)
         return self.masks[key]
 
 
-def _bucket(q_len: int) -> int:
-    """Decode rows share bucket 0; prefill chunks share a power-of-two length bucket."""
-    return 0 if q_len == 1 else (q_len - 1).bit_length()
+def _bucket(q_len: int, kv_len: int, max_kv_bits: int) -> tuple[int, int]:
+    """Group key: decode rows (q_len 1) apart from prefill chunks, query lengths by power of two,
+    and KV lengths by power of two within the top three octaves, so padding stays under ~2x
+    while a step makes few kernel calls."""
+    q_key = 0 if q_len == 1 else (q_len - 1).bit_length()
+    return q_key, max(kv_len.bit_length(), max_kv_bits - 2)
 
 
 class TorchPagedAttention:
@@ -64,11 +71,11 @@ class TorchPagedAttention:
 
     def plan(self, meta: StepMetadata) -> None:
         """Build the padded gather indices and masks shared by every layer of this step."""
-        q_lens = meta.q_lens().tolist()
-        buckets: dict[int, list[int]] = {}
-        for i, n in enumerate(q_lens):
-            buckets.setdefault(_bucket(n), []).append(i)
         kv_lens = meta.kv_lens()
+        max_kv_bits = meta.max_kv_len.bit_length()
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for i, (q, kv) in enumerate(zip(meta.q_lens().tolist(), kv_lens.tolist())):
+            buckets.setdefault(_bucket(q, kv, max_kv_bits), []).append(i)
         self.num_tokens = meta.num_tokens
         self.groups = [self._group(meta, torch.tensor(rows), kv_lens)
                        for _, rows in sorted(buckets.items())]
@@ -121,7 +128,7 @@ class TorchPagedAttention:
             qg = qg.view(s, mq, hkv, g, -1).permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
             kg = _gather(k_blocks, grp.pages, s, q.dtype)  # [S, Hkv, max_pages * B, D]
             vg = _gather(v_blocks, grp.pages, s, q.dtype)
-            mask = grp.mask(window, g)
+            mask = grp.mask(window, g, q.dtype)
             if softcap is None and sinks is None:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
             else:
@@ -145,11 +152,12 @@ def _gather(blocks: torch.Tensor, pages: torch.Tensor, s: int, dtype: torch.dtyp
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                         scale: float, softcap: float | None, sinks: torch.Tensor | None,
                         hkv: int, g: int, mq: int) -> torch.Tensor:
-    """Softmax attention with Gemma-2 logit softcap and GPT-OSS sinks, as HF's eager path."""
+    """Softmax attention with Gemma-2 logit softcap and GPT-OSS sinks, as HF's eager path;
+    `mask` is additive (0 / -inf)."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
+    scores = scores + mask
     if sinks is not None:
         s = scores.shape[0]
         sink = sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(s, hkv, g, mq, 1)

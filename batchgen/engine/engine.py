@@ -30,7 +30,7 @@ class Engine:
     """Runs sequence groups to completion on one model, one KV pool and one scheduler."""
 
     def __init__(self, runner: ModelRunner, cache: KVCache, block_manager: BlockManager,
-                 scheduler: Scheduler, sampler: Sampler, tokenizer, eos_token_id: int | None
+                 scheduler: Scheduler, sampler: Sampler, tokenizer, eos_token_ids: list[int]
                  ) -> None:
         self.runner = runner
         self.cache = cache
@@ -38,7 +38,7 @@ class Engine:
         self.scheduler = scheduler
         self.sampler = sampler
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids or None
 
     # ---- sequences ----------------------------------------------------------------------------
     def new_sequence(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
@@ -47,7 +47,7 @@ class Engine:
         gen = None
         if p.seed is not None:
             gen = torch.Generator().manual_seed(sample_seed(p.seed, index))
-        stop = StopChecker(p, self.eos_token_id, self.tokenizer, group.prompt_token_ids,
+        stop = StopChecker(p, self.eos_token_ids, self.tokenizer, group.prompt_token_ids,
                            group.max_tokens)
         seq = Sequence(group=group, index=index, token_ids=list(token_ids), stop=stop,
                        generator=gen, logprobs=[] if p.logprobs is not None else None)
@@ -119,7 +119,7 @@ class Engine:
                 targets.append(seq)
         rows = [SamplingRow(params=s.group.params, token_ids=s.token_ids,
                             num_prompt_tokens=s.num_prompt_tokens, generator=s.generator,
-                            eos_token_id=self.eos_token_id) for s in targets]
+                            eos_token_id=self.eos_token_ids) for s in targets]
         out = self.sampler(logits, rows)
         for i, seq in enumerate(targets):
             self._append(seq, out.token_ids[i], out.logprobs[i], out.top_logprobs[i])

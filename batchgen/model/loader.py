@@ -7,7 +7,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+)
 from transformers.utils import logging as hf_logging
 
 from batchgen.attention.interface import register
@@ -104,6 +110,13 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
         if bars_were_on:
             hf_logging.enable_progress_bar()
     return model.to(device).eval()
+
+
+def load_generation_config(path: Path) -> GenerationConfig | None:
+    """The folder's generation_config.json (for its EOS ids), or None."""
+    if not (path / "generation_config.json").is_file():
+        return None
+    return GenerationConfig.from_pretrained(path)
 
 
 def load_config(path: Path) -> PretrainedConfig:

@@ -1,0 +1,338 @@
+"""Beam search selection with exactly HuggingFace ``generate(num_beams=...)`` semantics.
+
+Pure and engine-independent: one :class:`BeamSearchState` drives the beams of ONE prompt,
+one decoding step at a time. Each step the engine hands over the float32 log-probs of the
+next token of every live beam and gets back a :class:`BeamStep`: which live beam (parent)
+continues with which token in each next running slot, which hypotheses were finalised, and
+whether the group is done. The engine owns the KV cache (fork a parent's block table for each
+extra child, free parents that have no child); this module never touches it.
+
+The arithmetic mirrors ``transformers`` 5.24 ``GenerationMixin._beam_search``
+(``generation/utils.py``) tensor op by tensor op, in float32 and on the device of the given
+log-probs, so that sequences, ``sequences_scores`` and the stopping step agree with HF:
+
+- State per group (HF ``batch_size = 1``): ``running_beam_scores`` ``[1, W]`` starting at
+  ``[0, -1e9, ...]``; finished buffer ``beam_scores`` ``[1, W]`` starting at ``-1e9``;
+  ``is_sent_finished`` ``[1, W]``; ``is_early_stop_heuristic_unsatisfied`` ``[1, 1]``.
+- HF runs the first step on ``W`` identical copies of the prompt. The engine may pass a single
+  row on the first step; it is expanded to ``W`` rows (copies 1.. carry ``-1e9``) so that even
+  the ``K > V`` corner and ``-1e9`` ties behave as in HF. After the first step there are always
+  ``W`` live beams (some may carry a ``~-1e9`` score when too few candidates were unfinished,
+  exactly like HF, which keeps computing them).
+- ``K = max(2, 1 + n_stop_ids) * W`` candidates: ``torch.topk`` over the flattened
+  ``[W * V]`` accumulated scores (``_get_top_k_continuations``).
+- A candidate hits a stopping criterion when its token is an EOS / stop token id, when the
+  ``is_stop`` callback says so (stop strings: HF's ``StopStringCriteria`` is also evaluated on
+  all K candidates), or when it reaches ``max_tokens`` (``MaxLengthCriteria``).
+- Next running beams: ``topk(topk_scores + hit * -1e9, W)`` (``_get_running_beams_for_next_
+  iteration``), i.e. the best W unfinished candidates, in that order.
+- Finalisation (``_update_finished_beams``): only hits ranked ``< W`` among the K are admitted,
+  scored ``sum_logprobs / gen_len ** length_penalty`` with ``gen_len`` the generated length
+  including the new (EOS) token (HF ``cur_len + 1 - decoder_prompt_len``); the buffer keeps
+  the best W of ``cat(buffer, candidates)`` with ``-1e9`` penalties for non-admitted ones.
+- Stop (``_check_early_stop_heuristic`` + ``_beam_search_has_unfinished_sequences``): done when
+  no improvement is possible (best running ``/ L ** lp`` is not above the worst finished score,
+  with ``L = max_tokens`` if ``early_stopping == "never" and lp > 0`` else the current generated
+  length; an unfilled buffer slot counts as ``-1e9``), or when ``early_stopping is True`` and all
+  W buffer slots are finished, or when every one of the K candidates hit a stopping criterion
+  (e.g. ``max_tokens``).
+- :meth:`BeamSearchState.finalize` returns the first ``num_return_sequences`` buffer slots (best
+  first), like HF ``sequences[:, :num_return_sequences]``. HF 5.24 has no "pad with running
+  beams" fallback any more: at ``max_tokens`` every candidate is a hit, so the top W running
+  continuations are finalised by the normal rule.
+
+Note: HF ``generate(num_beams=1)`` runs *greedy* search, not ``_beam_search``. This module with
+``beam_width=1`` reproduces ``_beam_search`` with one beam (it can differ from greedy unless
+``early_stopping=True``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BeamHypothesis", "BeamSearchState", "BeamStep", "StopFn"]
+
+#: ``is_stop(parent_idx, token) -> bool``: does appending ``token`` to live beam
+#: ``parent_idx`` end the hypothesis (e.g. completes a stop string)? Called only on the top-K
+#: candidates of a step (at most ``K`` calls), never on the whole vocabulary.
+StopFn = Callable[[int, int], bool]
+
+_NEG = -1.0e9  # HF's "impossible" score
+
+#: finish codes stored per finished-buffer slot
+_UNSET, _STOP, _LENGTH = 0, 1, 2
+_REASONS = {_STOP: "stop", _LENGTH: "length"}
+
+
+@dataclass
+class BeamHypothesis:
+    """One hypothesis of the finished buffer."""
+
+    token_ids: list[int]  # generated tokens only, including the final EOS / stop token
+    sum_logprobs: float  # accumulated log-probs (HF's raw running score)
+    score: float  # HF sequences_scores: sum_logprobs / len(token_ids) ** length_penalty
+    finish_reason: str  # "stop" (EOS / stop id / stop string) or "length"
+
+
+@dataclass
+class BeamStep:
+    """What the engine must do after one step.
+
+    ``parents[j]`` / ``tokens[j]``: next running slot ``j`` is live beam ``parents[j]`` (index
+    into the beams passed to :meth:`BeamSearchState.step`) extended by ``tokens[j]``. A parent
+    may appear several times (fork its KV) or not at all (free it). Empty when ``done``.
+    ``finished``: hypotheses admitted to the finished buffer at this step (a later step may
+    still push them out of the best W). ``done``: HF would stop; call ``finalize()``.
+    """
+
+    parents: list[int]
+    tokens: list[int]
+    done: bool
+    finished: list[BeamHypothesis] = field(default_factory=list)
+
+
+class BeamSearchState:
+    """HF beam search selection for one prompt; see the module docstring.
+
+    ``eos_token_ids`` and ``stop_token_ids`` are merged into one set of stop ids (pass
+    ``eos_token_ids=[]`` for ``ignore_eos``); their count sets ``K`` like HF's
+    ``len(eos_token_id)``, so ``stop_token_ids=[s]`` behaves like HF with
+    ``eos_token_id=[eos, s]``. ``vocab_size`` (optional) is checked against the log-probs width.
+    """
+
+    def __init__(
+        self,
+        beam_width: int,
+        max_tokens: int,
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        eos_token_ids: Sequence[int] = (),
+        num_return_sequences: int | None = None,
+        vocab_size: int | None = None,
+        stop_token_ids: Sequence[int] = (),
+    ) -> None:
+        if beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {beam_width}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+            raise ValueError(f'early_stopping must be True, False or "never", got {early_stopping!r}')
+        if num_return_sequences is None:
+            num_return_sequences = beam_width
+        if not 1 <= num_return_sequences <= beam_width:
+            raise ValueError(
+                f"num_return_sequences must be in [1, {beam_width}], got {num_return_sequences}"
+            )
+        self.beam_width = beam_width
+        self.max_tokens = max_tokens
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        self.num_return_sequences = num_return_sequences
+        self.vocab_size = vocab_size
+        ids: list[int] = []
+        for t in (*eos_token_ids, *stop_token_ids):
+            if t not in ids:
+                ids.append(int(t))
+        self.stop_ids = ids
+        self.num_candidates = max(2, 1 + len(ids)) * beam_width  # HF beams_to_keep
+        self.gen_len = 0  # generated tokens so far (HF cur_len - decoder_prompt_len)
+        self.done = False
+        self._device: torch.device | None = None
+        # Running beams (HF running_sequences / running_beam_scores).
+        self._running: list[list[int]] = [[]]
+        self._running_scores: torch.Tensor | None = None
+        # Finished buffer (HF sequences / beam_scores / is_sent_finished), W slots.
+        self._fin_tokens: list[list[int]] = [[] for _ in range(beam_width)]
+        self._fin_scores: torch.Tensor | None = None
+        self._fin_sums: torch.Tensor | None = None  # raw sums, gathered alongside
+        self._fin_reason: torch.Tensor | None = None
+        self._fin_done: torch.Tensor | None = None
+        self._unsatisfied: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def _init_tensors(self, device: torch.device) -> None:
+        w = self.beam_width
+        self._device = device
+        self._running_scores = torch.zeros((1, w), dtype=torch.float, device=device)
+        self._running_scores[:, 1:] = _NEG
+        self._fin_scores = torch.full((1, w), _NEG, dtype=torch.float, device=device)
+        self._fin_sums = torch.full((1, w), _NEG, dtype=torch.float, device=device)
+        self._fin_reason = torch.zeros((1, w), dtype=torch.int8, device=device)
+        self._fin_done = torch.zeros((1, w), dtype=torch.bool, device=device)
+        self._unsatisfied = torch.ones((1, 1), dtype=torch.bool, device=device)
+        self._stop_id_tensor = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
+        k = self.num_candidates
+        self._top_mask = torch.cat(
+            (torch.ones(w, dtype=torch.bool), torch.zeros(k - w, dtype=torch.bool))
+        ).to(device)
+
+    @property
+    def num_live_beams(self) -> int:
+        """Rows :meth:`step` expects (1 before the first step, then ``beam_width``; 0 once done)."""
+        return len(self._running)
+
+    @property
+    def running_tokens(self) -> list[list[int]]:
+        """Generated tokens of each live beam (copies)."""
+        return [list(t) for t in self._running]
+
+    @property
+    def running_scores(self) -> list[float]:
+        """Accumulated log-probs of each live beam."""
+        if self._running_scores is None:
+            return [0.0]
+        return self._running_scores[0, : len(self._running)].tolist()
+
+    # --------------------------------------------------------------------- step
+    def step(self, logprobs: torch.Tensor, is_stop: StopFn | None = None) -> BeamStep:
+        """Advance one token.
+
+        ``logprobs``: ``[num_live_beams, V]`` float32 ``log_softmax`` of the live beams'
+        next-token logits (after any processors), rows in the order of :attr:`running_tokens`.
+        On the first step a single row (the prompt) is expected; ``W`` identical rows are also
+        accepted. ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
+        """
+        if self.done:
+            raise RuntimeError("beam search group is already done")
+        if logprobs.dim() != 2:
+            raise ValueError(f"logprobs must be 2-D [beams, V], got shape {tuple(logprobs.shape)}")
+        w = self.beam_width
+        n_live, vocab = logprobs.shape
+        if self.vocab_size is not None and vocab != self.vocab_size:
+            raise ValueError(f"logprobs has {vocab} columns, expected vocab_size={self.vocab_size}")
+        first = self._running_scores is None
+        if first:
+            self._init_tensors(logprobs.device)
+            if n_live == 1:
+                logprobs = logprobs.expand(w, vocab)
+            elif n_live != w:
+                raise ValueError(f"first step expects 1 or {w} rows, got {n_live}")
+        elif n_live != w:
+            raise ValueError(f"expected {w} live beams, got {n_live}")
+        assert self._running_scores is not None and self._fin_scores is not None
+        assert self._fin_sums is not None and self._fin_reason is not None
+        assert self._fin_done is not None and self._unsatisfied is not None
+        k = self.num_candidates
+        lp = self.length_penalty
+        new_len = self.gen_len + 1  # generated length including the new token
+
+        # b. accumulate and flatten to [1, W * V]
+        log_probs = logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]
+        log_probs = torch.reshape(log_probs, (1, -1))
+
+        # c. top-K continuations (_get_top_k_continuations)
+        topk_log_probs, topk_indices = torch.topk(log_probs, k=k)
+        topk_beams = topk_indices // vocab
+        topk_ids = topk_indices % vocab
+        beams_l = topk_beams[0].tolist()
+        ids_l = topk_ids[0].tolist()
+        parents_l = [0] * k if (first and n_live == 1) else beams_l
+
+        # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
+        is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
+        if is_stop is not None:
+            extra = [bool(is_stop(p, t)) for p, t in zip(parents_l, ids_l)]
+            is_stop_tok = is_stop_tok | torch.tensor([extra], dtype=torch.bool, device=self._device)
+        at_max = new_len >= self.max_tokens
+        hits = is_stop_tok | at_max
+
+        # e. next running beams (_get_running_beams_for_next_iteration)
+        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * _NEG
+        next_idx = torch.topk(topk_running_log_probs, k=w)[1]
+        self._running_scores = torch.take_along_dim(topk_running_log_probs, next_idx, dim=1)
+        next_l = next_idx[0].tolist()
+
+        # f. finished buffer update (_update_finished_beams)
+        did_finish = hits & self._top_mask[None, :]
+        scores = topk_log_probs / (new_len**lp)
+        full = torch.all(self._fin_done, dim=-1, keepdim=True) & (self.early_stopping is True)
+        scores += full.to(torch.float32) * _NEG
+        scores += (~self._unsatisfied).to(torch.float32) * _NEG
+        scores += (~did_finish) * _NEG
+        reason = torch.where(
+            is_stop_tok,
+            torch.tensor(_STOP, dtype=torch.int8, device=self._device),
+            torch.tensor(_LENGTH, dtype=torch.int8, device=self._device),
+        )
+        reason = torch.where(did_finish, reason, torch.zeros_like(reason))
+        merged_scores = torch.cat((self._fin_scores, scores), dim=1)
+        merged_sums = torch.cat((self._fin_sums, topk_log_probs), dim=1)
+        merged_reason = torch.cat((self._fin_reason, reason), dim=1)
+        merged_done = torch.cat((self._fin_done, did_finish), dim=1)
+        keep = torch.topk(merged_scores, k=w)[1]
+        self._fin_scores = torch.take_along_dim(merged_scores, keep, dim=1)
+        self._fin_sums = torch.take_along_dim(merged_sums, keep, dim=1)
+        self._fin_reason = torch.take_along_dim(merged_reason, keep, dim=1)
+        self._fin_done = torch.take_along_dim(merged_done, keep, dim=1)
+
+        old_running = self._running
+        old_fin = self._fin_tokens
+        new_fin: list[list[int]] = []
+        finished: list[BeamHypothesis] = []
+        fin_scores_l = self._fin_scores[0].tolist()
+        fin_sums_l = self._fin_sums[0].tolist()
+        fin_reason_l = self._fin_reason[0].tolist()
+        for slot, i in enumerate(keep[0].tolist()):
+            if i < w:
+                new_fin.append(old_fin[i])
+                continue
+            c = i - w
+            toks = [*old_running[parents_l[c]], ids_l[c]]
+            new_fin.append(toks)
+            if fin_reason_l[slot] != _UNSET:
+                finished.append(
+                    BeamHypothesis(
+                        list(toks), fin_sums_l[slot], fin_scores_l[slot], _REASONS[fin_reason_l[slot]]
+                    )
+                )
+        self._fin_tokens = new_fin
+
+        # g. stopping condition of the group
+        self.gen_len = new_len
+        if self.early_stopping == "never" and lp > 0.0:
+            best_len = self.max_tokens
+        else:
+            best_len = self.gen_len
+        best_running = self._running_scores[:, :1] / (best_len**lp)
+        worst_finished = torch.where(
+            self._fin_done, torch.min(self._fin_scores, dim=1, keepdim=True)[0], _NEG
+        )
+        self._unsatisfied = self._unsatisfied & torch.any(
+            best_running > worst_finished, dim=-1, keepdim=True
+        )
+        improvement_possible = bool(torch.any(self._unsatisfied))
+        exists_open_beam = not (bool(torch.all(self._fin_done)) and self.early_stopping is True)
+        valid_continuations = not bool(torch.all(hits))
+        self.done = not (improvement_possible and exists_open_beam and valid_continuations)
+
+        if self.done:
+            self._running = []
+            return BeamStep([], [], True, finished)
+        parents = [parents_l[c] for c in next_l]
+        tokens = [ids_l[c] for c in next_l]
+        self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
+        return BeamStep(parents, tokens, False, finished)
+
+    # ----------------------------------------------------------------- finalize
+    def finalize(self) -> list[BeamHypothesis]:
+        """Best ``num_return_sequences`` hypotheses, best first (HF ``sequences[:n]``).
+
+        Normally called once :attr:`done`; calling it earlier returns the current buffer. A slot
+        that never received a finished hypothesis (only possible in HF's degenerate ``-1e9``
+        cases) comes back with its HF content: its tokens so far, a ``~-1e9`` score and
+        ``finish_reason="length"``.
+        """
+        if self._fin_scores is None:
+            raise RuntimeError("finalize() before the first step")
+        assert self._fin_sums is not None and self._fin_reason is not None
+        n = self.num_return_sequences
+        scores = self._fin_scores[0, :n].tolist()
+        sums = self._fin_sums[0, :n].tolist()
+        reasons = self._fin_reason[0, :n].tolist()
+        return [
+            BeamHypothesis(list(self._fin_tokens[i]), sums[i], scores[i], _REASONS.get(reasons[i], "length"))
+            for i in range(n)
+        ]

@@ -1,0 +1,339 @@
+"""Offline throughput: batchgen vs HF ``generate`` vs HF ``generate_batch`` (continuous batching).
+
+All three systems run in one process on the same random-weight Llama folder and the same
+workload: ``--num-prompts`` token-id prompts with lengths uniform in
+[``--min-prompt-len``, ``--max-prompt-len``] and exactly ``--output-len`` greedy tokens each
+(EOS ignored), so every system must produce ``num_prompts * output_len`` tokens; the counts are
+asserted. Each system gets one untimed warm-up on two prompts, then the whole workload is timed
+with ``time.perf_counter`` under ``torch.inference_mode`` (torch's default thread count unless
+``--threads``), ``--repeats`` times, keeping the fastest run. Greedy outputs are compared with
+batchgen's as a sanity check (identical sequences, mean common prefix).
+
+* batchgen: ``LLM.generate`` with ``SamplingParams(temperature=0, max_tokens=L, ignore_eos=True)``.
+* HF generate: sdpa attention, left-padded batches of ``--hf-batch-sizes`` prompts taken in input
+  order (not sorted by length, as a user would call it), ``max_new_tokens = min_new_tokens = L``;
+  every batch size is timed and the best one is used for the ratio.
+* HF generate_batch: transformers' continuous batching with sdpa (flash attention is not
+  available on CPU), EOS disabled (``eos_token_id=None`` becomes -1) since its CB logits
+  processors do not support ``min_new_tokens``; an explicit ``ContinuousBatchingConfig`` sized to
+  hold the whole workload (HF's default would claim 60% of RAM on CPU) with the same per-step
+  token budget and request cap as batchgen; the manager is kept across the warm-up and the timed
+  run so, as for batchgen, cache allocation is not timed.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=. python benchmarks/throughput.py
+    PYTHONPATH=. python benchmarks/throughput.py --num-prompts 4 --output-len 8 --json out.json
+    PYTHONPATH=. python benchmarks/throughput.py --repeats 3   # on a busy machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from benchmarks.common import (  # noqa: E402
+    DTYPES,
+    PAD_ID,
+    Result,
+    add_model_args,
+    add_run_args,
+    add_workload_args,
+    args_dict,
+    check_workload_args,
+    count_params,
+    fmt_ratio,
+    left_pad,
+    load_hf_model,
+    machine_info,
+    machine_line,
+    make_prompts,
+    markdown_table,
+    prepare_model_dir,
+    sync,
+    timed_repeats,
+    write_json,
+)
+
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 8
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_model_args(p)
+    add_workload_args(p)
+    add_run_args(p)
+    g = p.add_argument_group("systems")
+    g.add_argument("--block-size", type=int, default=16, help="batchgen KV block size")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="max running sequences (batchgen max_num_seqs, generate_batch "
+                        "max_requests_per_batch)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="per-step token budget (batchgen max_num_batched_tokens, generate_batch "
+                        "max_batch_tokens; 8192 is both libraries' default)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="batchgen KV pool size in blocks (default: batchgen's own sizing)")
+    g.add_argument("--hf-batch-sizes", default="8,32",
+                   help="comma-separated batch sizes for HF generate; the best is reported")
+    g.add_argument("--gb-page-size", type=int, default=256,
+                   help="generate_batch page size in tokens (256 is transformers' default)")
+    g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    g.add_argument("--skip-generate-batch", action="store_true", help="skip HF generate_batch")
+    g.add_argument("--verbose", action="store_true", help="keep transformers/batchgen logging")
+    args = p.parse_args(argv)
+    check_workload_args(p, args)
+    try:
+        args.hf_batch_sizes = [int(b) for b in str(args.hf_batch_sizes).split(",") if b.strip()]
+    except ValueError:
+        p.error("--hf-batch-sizes must be comma-separated integers, e.g. 8,32")
+    if not args.hf_batch_sizes or min(args.hf_batch_sizes) < 1:
+        p.error("--hf-batch-sizes needs at least one batch size >= 1")
+    return args
+
+
+# ---- systems --------------------------------------------------------------------------------
+def run_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                 ) -> tuple[Result, list[list[int]]]:
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+              dtype=args.dtype, device=args.device, seed=args.seed)
+    L = args.output_len
+
+    def go(ps: list[list[int]], n_tokens: int) -> list[list[int]]:
+        sp = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    with torch.inference_mode():
+        go(prompts[:WARMUP_PROMPTS], min(L, WARMUP_TOKENS))
+    tokens, walls = timed_repeats(lambda: go(prompts, L), args.repeats, args.device)
+    stats = llm.kv_stats()
+    extra = {"wall_s_all": walls, "kv_num_blocks": stats.num_blocks, "kv_block_size": stats.block_size,
+             "kv_peak_blocks": stats.peak_blocks_in_use, "preemptions": stats.preemptions,
+             "cow_copies": stats.cow_copies, "max_num_batched_tokens": llm.max_num_batched_tokens}
+    config = (f"block {args.block_size}, peak {stats.peak_blocks_in_use}/{stats.num_blocks} blocks, "
+              f"{stats.preemptions} preempt")
+    res = Result("batchgen", config, min(walls), sum(map(len, tokens)), sum(map(len, prompts)), extra)
+    return res, tokens
+
+
+def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
+                    n_tokens: int, device: str) -> list[list[int]]:
+    """HF generate over all prompts in input order, ``batch_size`` at a time, left-padded."""
+    out_tokens: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids, mask = left_pad(chunk, PAD_ID, device)
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
+                              min_new_tokens=n_tokens, do_sample=False, pad_token_id=PAD_ID)
+        new = seqs[:, ids.shape[1]:]
+        assert new.shape[1] == n_tokens, f"HF generate made {new.shape[1]} tokens, not {n_tokens}"
+        out_tokens.extend(new.tolist())
+    return out_tokens
+
+
+def run_hf_generate(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                    ) -> list[tuple[Result, list[list[int]]]]:
+    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
+    L = args.output_len
+    with torch.inference_mode():
+        hf_generate_all(model, prompts[:WARMUP_PROMPTS], WARMUP_PROMPTS, min(L, WARMUP_TOKENS),
+                        args.device)
+    runs = []
+    n_prompt = sum(map(len, prompts))
+    for bs in args.hf_batch_sizes:
+        tokens, walls = timed_repeats(
+            lambda bs=bs: hf_generate_all(model, prompts, bs, L, args.device), args.repeats,
+            args.device)
+        runs.append((Result("HF generate", f"sdpa, batch {bs}, left-padded", min(walls),
+                            sum(map(len, tokens)), n_prompt,
+                            {"batch_size": bs, "wall_s_all": walls}), tokens))
+    return runs
+
+
+def run_generate_batch(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                       ) -> tuple[Result, list[list[int]]]:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
+    L = args.output_len
+    page = args.gb_page_size
+    # Room for the whole workload at once (plus one page per request of slack), like batchgen.
+    num_blocks = sum(math.ceil((len(p) + L) / page) + 1 for p in prompts)
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, num_blocks=num_blocks, max_batch_tokens=args.max_num_batched_tokens,
+        max_requests_per_batch=args.max_num_seqs, seed=args.seed)
+    # eos_token_id=None: generate_batch turns it into -1, i.e. no EOS, so every request runs
+    # to max_new_tokens (its CB logits processors have no min_new_tokens).
+    gen_config = GenerationConfig(max_new_tokens=L, do_sample=False, eos_token_id=None,
+                                  pad_token_id=PAD_ID)
+
+    def go(ps: list[list[int]], n_tokens: int) -> list[list[int]]:
+        results = model.generate_batch(inputs=ps, generation_config=gen_config,
+                                       continuous_batching_config=cb_config,
+                                       max_new_tokens=n_tokens, persistent_manager=True)
+        assert len(results) == len(ps), f"generate_batch returned {len(results)} of {len(ps)}"
+        bad = [rid for rid, r in results.items() if r.error is not None]
+        assert not bad, f"generate_batch failed requests {bad}"
+        return [list(r.generated_tokens) for r in results.values()]
+
+    try:
+        with torch.inference_mode():
+            go(prompts[:WARMUP_PROMPTS], min(L, WARMUP_TOKENS))
+        tokens, walls = timed_repeats(lambda: go(prompts, L), args.repeats, args.device)
+        manager = getattr(model, "_cached_continuous_batching_manager", None)
+        resolved = getattr(manager, "continuous_batching_config", cb_config)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    extra = {"wall_s_all": walls, "page_size": page, "num_blocks": resolved.num_blocks,
+             "max_batch_tokens": resolved.max_batch_tokens,
+             "max_requests_per_batch": resolved.max_requests_per_batch,
+             "attn_implementation": model.config._attn_implementation,
+             "allow_block_sharing": resolved.allow_block_sharing}
+    config = (f"sdpa, page {page}, {resolved.num_blocks} blocks, "
+              f"{resolved.max_batch_tokens} batch tok")
+    res = Result("HF generate_batch", config, min(walls), sum(map(len, tokens)),
+                 sum(map(len, prompts)), extra)
+    return res, tokens
+
+
+# ---- report ---------------------------------------------------------------------------------
+def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+    """Identical sequences and mean common-prefix fraction between two greedy outputs."""
+    same = sum(x == y for x, y in zip(a, b))
+    prefix = []
+    for x, y in zip(a, b):
+        k = 0
+        while k < min(len(x), len(y)) and x[k] == y[k]:
+            k += 1
+        prefix.append(k / max(len(x), 1))
+    return {"identical": same, "of": len(a), "mean_prefix_frac": sum(prefix) / max(len(prefix), 1)}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if not args.verbose:
+        import logging
+
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        # generate_batch's own logger warns about persistent managers and the disabled EOS.
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+        logging.getLogger("batchgen").setLevel(logging.WARNING)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                           args.vocab_size, args.seed)
+    L = args.output_len
+    expected = len(prompts) * L
+    n_prompt = sum(map(len, prompts))
+    info = machine_info(args.device)
+
+    results: list[Result] = []
+    outputs: dict[str, list[list[int]]] = {}
+    with prepare_model_dir(args, args.max_prompt_len + L) as model_dir:
+        probe = load_hf_model(model_dir, DTYPES[args.dtype], "cpu")
+        n_params = count_params(probe)
+        del probe
+        print(f"model: random Llama, {n_params / 1e6:.2f}M params, hidden {args.hidden_size}, "
+              f"{args.num_layers} layers, {args.num_heads}/{args.num_kv_heads} q/kv heads, "
+              f"ffn {args.intermediate_size}, vocab {args.vocab_size}, {args.dtype}")
+        print(f"workload: {len(prompts)} prompts, lengths {args.min_prompt_len}-"
+              f"{args.max_prompt_len} (mean {n_prompt / len(prompts):.0f}, {n_prompt} prompt "
+              f"tokens), {L} output tokens each = {expected} output tokens, greedy, EOS ignored",
+              flush=True)
+
+        res, toks = run_batchgen(model_dir, prompts, args)
+        results.append(res)
+        outputs["batchgen"] = toks
+        gc.collect()  # the systems' models and KV pools are freed between runs
+        print(f"  batchgen: {res.wall_s:.2f} s", flush=True)
+        if not args.skip_hf:
+            for res, toks in run_hf_generate(model_dir, prompts, args):
+                results.append(res)
+                outputs[f"HF generate bs={res.extra['batch_size']}"] = toks
+                print(f"  HF generate (batch {res.extra['batch_size']}): {res.wall_s:.2f} s",
+                      flush=True)
+            gc.collect()
+        if not args.skip_generate_batch:
+            res, toks = run_generate_batch(model_dir, prompts, args)
+            results.append(res)
+            outputs["HF generate_batch"] = toks
+            print(f"  HF generate_batch: {res.wall_s:.2f} s", flush=True)
+    sync(args.device)
+
+    # Every system must have produced exactly N * L tokens, L per prompt.
+    for r in results:
+        assert r.output_tokens == expected, (
+            f"{r.system} ({r.config}) produced {r.output_tokens} output tokens, expected {expected}")
+    for name, toks in outputs.items():
+        assert len(toks) == len(prompts) and all(len(t) == L for t in toks), (
+            f"{name}: per-prompt output lengths {sorted({len(t) for t in toks})}, expected {L}")
+
+    bg = results[0]
+    hf_runs = [r for r in results if r.system == "HF generate"]
+    best_hf = max(hf_runs, key=lambda r: r.output_tok_s) if hf_runs else None
+    gb = next((r for r in results if r.system == "HF generate_batch"), None)
+
+    rows = []
+    for r in results:
+        name = r.system + (" (best)" if r is best_hf and len(hf_runs) > 1 else "")
+        rows.append([name, r.config, f"{r.wall_s:.2f}", f"{r.output_tok_s:,.1f}".replace(",", ""),
+                     fmt_ratio(bg.output_tok_s, r.output_tok_s)])
+    print()
+    wall_head = "wall s" if args.repeats == 1 else f"wall s (best of {args.repeats})"
+    print(markdown_table(["system", "batch / config", wall_head, "output tok/s",
+                          "batchgen / this"], rows))
+    print()
+    summary: dict[str, Any] = {}
+    if best_hf is not None:
+        summary["batchgen_over_hf_generate"] = bg.output_tok_s / best_hf.output_tok_s
+        summary["hf_generate_best_batch_size"] = best_hf.extra["batch_size"]
+        print(f"batchgen / HF generate (best, batch {best_hf.extra['batch_size']}): "
+              f"{summary['batchgen_over_hf_generate']:.2f}x")
+    if gb is not None:
+        summary["batchgen_over_generate_batch"] = bg.output_tok_s / gb.output_tok_s
+        print(f"batchgen / HF generate_batch: {summary['batchgen_over_generate_batch']:.2f}x")
+    print(f"batchgen KV: peak {bg.extra['kv_peak_blocks']} of {bg.extra['kv_num_blocks']} blocks "
+          f"x {bg.extra['kv_block_size']} tokens, {bg.extra['preemptions']} preemptions")
+    agree = {}
+    for name, toks in outputs.items():
+        if name == "batchgen":
+            continue
+        agree[name] = agreement(outputs["batchgen"], toks)
+        a = agree[name]
+        print(f"greedy agreement batchgen vs {name}: {a['identical']}/{a['of']} identical, "
+              f"mean common prefix {100 * a['mean_prefix_frac']:.1f}%")
+    print(machine_line(info))
+    print("note: timings are wall-clock on a possibly shared machine; rerun to check noise.")
+
+    payload = {"machine": info, "args": args_dict(args), "model_params": n_params,
+               "prompt_tokens": n_prompt, "expected_output_tokens": expected,
+               "results": [r.to_dict() for r in results], "summary": summary,
+               "greedy_agreement_vs_batchgen": agree}
+    if args.json is not None:
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
