@@ -19,6 +19,7 @@ from batchgen.config import (
     check_positive_int,
     pool_blocks,
 )
+from batchgen.engine.beam import BeamHypothesis, BeamSearchState
 from batchgen.engine.engine import Engine, StepStats
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import SequenceGroup
@@ -26,8 +27,14 @@ from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
 from batchgen.model import loader
 from batchgen.model.runner import ModelRunner
-from batchgen.outputs import CompletionOutput, KVStats, RequestOutput
-from batchgen.params import SamplingParams
+from batchgen.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    CompletionOutput,
+    KVStats,
+    RequestOutput,
+)
+from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.sampling.sampler import Sampler
 
 logger = logging.getLogger("batchgen")
@@ -123,9 +130,23 @@ class LLM:
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
-        groups = self._make_groups(prompts, sampling_params)
+        groups = self._make_groups(prompts, sampling_params, SamplingParams)
+        self._run(groups, use_tqdm)
+        return [self._request_output(g) for g in groups]
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType],
+                    params: BeamSearchParams | Seq[BeamSearchParams],
+                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+        """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
+        prompts run at once under continuous batching and beams share prefix blocks."""
+        groups = self._make_groups(prompts, params, BeamSearchParams)
+        self._run(groups, use_tqdm)
+        return [self._beam_output(g) for g in groups]
+
+    def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
+        """Run validated groups to completion and record the call's KV figures."""
         if not groups:
-            return []
+            return
         self.block_manager.reset_stats()
         preempt0 = self.scheduler.num_preemptions
         for g in groups:
@@ -138,7 +159,6 @@ class LLM:
                 self.block_manager.num_blocks, self.block_manager.block_size,
                 self.block_manager.peak_blocks_in_use, self.block_manager.cow_copies,
                 self.scheduler.num_preemptions - preempt0, 0)
-        return [self._request_output(g) for g in groups]
 
     def kv_stats(self) -> KVStats:
         """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions."""
@@ -149,8 +169,7 @@ class LLM:
 
     # ---- input handling -----------------------------------------------------------------------
     def _make_groups(self, prompts: PromptType | Seq[PromptType],
-                     sampling_params: SamplingParams | Seq[SamplingParams] | None
-                     ) -> list[SequenceGroup]:
+                     sampling_params: Any, kind: type) -> list[SequenceGroup]:
         """Validate and tokenize everything before any work starts."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -158,25 +177,37 @@ class LLM:
             raise ValueError("prompts must be a str, a dict with 'prompt_token_ids', or a list "
                              f"of those, got {type(prompts).__name__}")
         prompts = list(prompts)
-        params = self._params_per_prompt(sampling_params, len(prompts))
+        params = self._params_per_prompt(sampling_params, len(prompts), kind)
         texts, token_ids = self._tokenize(prompts)
         groups = []
         for i, (text, ids, p) in enumerate(zip(texts, token_ids, params)):
-            self._check_request(i, ids, p)
-            room = self.max_model_len - len(ids)
-            max_tokens = room if p.max_tokens is None else min(p.max_tokens, room)
-            groups.append(SequenceGroup(i, text, ids, p, max_tokens))
+            max_tokens = self._check_request(i, ids, p)
+            beam = self._beam_state(p, max_tokens) if kind is BeamSearchParams else None
+            groups.append(SequenceGroup(i, text, ids, p, max_tokens, beam=beam))
         return groups
 
-    def _params_per_prompt(self, sp: SamplingParams | Seq[SamplingParams] | None,
-                           n: int) -> list[SamplingParams]:
-        if sp is None:
+    def _beam_state(self, p: BeamSearchParams, max_tokens: int) -> BeamSearchState:
+        """HF beam search state; width 1 is greedy decoding, as HF `generate(num_beams=1)`."""
+        return BeamSearchState(
+            p.beam_width, max_tokens, p.length_penalty,
+            True if p.beam_width == 1 else p.early_stopping,
+            eos_token_ids=[] if p.ignore_eos else self.eos_token_ids,
+            num_return_sequences=p.num_return_sequences, vocab_size=self.vocab_size,
+            stop_token_ids=p.stop_ids)
+
+    def _params_per_prompt(self, sp: Any, n: int, kind: type) -> list[Any]:
+        """One params object per prompt (a single one applies to all)."""
+        name = "sampling_params" if kind is SamplingParams else "params"
+        if sp is None and kind is SamplingParams:
             return [SamplingParams()] * n
-        if isinstance(sp, SamplingParams):
+        if isinstance(sp, kind):
             return [sp] * n
+        if not isinstance(sp, (list, tuple)):
+            raise ValueError(f"{name} must be a {kind.__name__} or a list of {n}, "
+                             f"got {type(sp).__name__}")
         sp = list(sp)
-        if len(sp) != n or not all(isinstance(p, SamplingParams) for p in sp):
-            raise ValueError(f"sampling_params must be one SamplingParams or a list of {n} "
+        if len(sp) != n or not all(isinstance(p, kind) for p in sp):
+            raise ValueError(f"{name} must be one {kind.__name__} or a list of {n} "
                              f"(one per prompt), got {len(sp)} items")
         return sp
 
@@ -208,8 +239,10 @@ class LLM:
                 ids[i] = list(e)
         return texts, ids  # type: ignore[return-value]
 
-    def _check_request(self, i: int, ids: list[int], p: SamplingParams) -> None:
-        """Refuse a request that could never run, naming the argument and the limit."""
+    def _check_request(self, i: int, ids: list[int], p: SamplingParams | BeamSearchParams
+                       ) -> int:
+        """Refuse a request that could never run, naming the argument and the limit; returns
+        its max_tokens capped by max_model_len."""
         if not ids:
             raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
         lo, hi = min(ids), max(ids)
@@ -222,18 +255,27 @@ class LLM:
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
-        if p.logprobs is not None and p.logprobs > self.vocab_size:
+        if getattr(p, "logprobs", None) is not None and p.logprobs > self.vocab_size:
             raise ValueError(f"logprobs must be <= the vocabulary size {self.vocab_size}, "
                              f"got {p.logprobs}")
         bs = self.block_manager.block_size
         room = self.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
-        need = blocks_for(len(ids), bs) + p.n * blocks_for(t + 1, bs)
+        if isinstance(p, BeamSearchParams):
+            width, name = p.beam_width, "beam_width"
+            need = blocks_for(len(ids), bs) + width * (blocks_for(t, bs) + 1)
+            if width > self.scheduler.max_num_seqs:
+                raise ValueError(f"beam_width ({width}) must be <= max_num_seqs "
+                                 f"({self.scheduler.max_num_seqs}): all beams decode together")
+        else:
+            width, name = p.n, "n"
+            need = blocks_for(len(ids), bs) + width * blocks_for(t + 1, bs)
         if need > self.block_manager.num_blocks:
             raise ValueError(
-                f"prompts[{i}] with n={p.n} and up to {t} new tokens needs {need} KV blocks and "
-                f"can never fit the pool of {self.block_manager.num_blocks} blocks; raise "
-                "num_kv_blocks / kv_cache_memory or lower max_tokens / n")
+                f"prompts[{i}] with {name}={width} and up to {t} new tokens needs {need} KV "
+                f"blocks and can never fit the pool of {self.block_manager.num_blocks} blocks; "
+                "raise num_kv_blocks / kv_cache_memory or lower max_tokens / " + name)
+        return t
 
     # ---- outputs and progress -----------------------------------------------------------------
     def _request_output(self, g: SequenceGroup) -> RequestOutput:
@@ -244,6 +286,25 @@ class LLM:
                 for s in sorted(g.seqs, key=lambda s: s.index)]
         return RequestOutput(request_id=str(g.index), prompt=g.prompt,
                              prompt_token_ids=g.prompt_token_ids, outputs=outs)
+
+    def _beam_output(self, g: SequenceGroup) -> BeamSearchOutput:
+        seqs = [BeamSequence(token_ids=h.token_ids, text=self._beam_text(g, h),
+                             cumulative_logprob=h.sum_logprobs, score=h.score,
+                             finish_reason=h.finish_reason)
+                for h in g.beam.finalize()]
+        return BeamSearchOutput(prompt=g.prompt, prompt_token_ids=g.prompt_token_ids,
+                                sequences=seqs)
+
+    def _beam_text(self, g: SequenceGroup, h: BeamHypothesis) -> str:
+        """Decoded hypothesis, cut before the stop string that ended it (as generate does)."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+        if h.finish_reason == "stop":
+            hits = [text.find(s) for s in g.params.stop_strings if s in text]
+            if hits:
+                text = text[:min(hits)]
+        return text
 
     def _progress(self, total: int):
         bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

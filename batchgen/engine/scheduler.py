@@ -3,7 +3,8 @@
 Decodes first, then chunked prefills, within `max_num_seqs` and `max_num_batched_tokens`;
 new groups are admitted in input order while free blocks allow; when a running sequence
 cannot get a block, the newest running group is preempted by recompute (its blocks freed, its
-tokens recomputed later), which never changes outputs.
+tokens recomputed later), which never changes outputs. A beam group's live beams decode
+together or not at all, because one beam step needs the logits of all of them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ class SchedulerOutput:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new for s in self.scheduled)
+
+
+class _Budget:
+    """Tokens and sequence slots left in this step."""
+
+    def __init__(self, tokens: int, seqs: int) -> None:
+        self.tokens = tokens
+        self.seqs = seqs
+
+    def fits(self, tokens: int, seqs: int) -> bool:
+        return tokens <= self.tokens and seqs <= self.seqs
 
 
 class Scheduler:
@@ -69,45 +81,88 @@ class Scheduler:
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = [self.max_num_batched_tokens, self.max_num_seqs]
-        decoding = [s for g in self.running for s in g.unfinished() if s.num_uncomputed == 1]
-        prefilling = [s for g in self.running for s in g.unfinished() if s.num_uncomputed > 1]
+        budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
         preempted = False
-        for seq in decoding + prefilling:
-            if seq.status is not SequenceStatus.RUNNING or budget[0] == 0 or budget[1] == 0:
+        for group in list(self.running):
+            if group in self.running and group.share_pending:
+                self._refork(group)
+        # Decodes first (one token each; a beam group's live beams all together) ...
+        for group in list(self.running):
+            if group not in self.running:
                 continue
-            n = min(seq.num_uncomputed, budget[0])
-            while not self._reserve(seq, n, out):
-                victim = self.running[-1]
-                self._preempt(victim, out, budget)
-                preempted = True
-                if victim is seq.group:
+            units = self._decode_units(group)
+            for unit in units:
+                if not budget.fits(len(unit), len(unit)):
+                    continue
+                ok, hit = self._reserve_or_preempt(unit, [1] * len(unit), out, budget)
+                preempted |= hit
+                if not ok:
                     break
-            else:
-                self._take(seq, n, out, budget)
-        if not preempted:  # a group just preempted would only thrash back in
+                for seq in unit:
+                    self._take(seq, 1, out, budget)
+        # ... then prefill chunks of running sequences ...
+        for group in list(self.running):
+            for seq in group.unfinished():
+                if group not in self.running or budget.tokens == 0 or budget.seqs == 0:
+                    break
+                if seq.num_uncomputed <= 1:
+                    continue
+                n = min(group.max_chunk(seq), budget.tokens)
+                if n <= 0:
+                    continue
+                ok, hit = self._reserve_or_preempt([seq], [n], out, budget)
+                preempted |= hit
+                if ok:
+                    self._take(seq, n, out, budget)
+        # ... then new (or preempted) groups, unless a preemption just freed room for them.
+        if not preempted:
             self._admit(out, budget)
         return out
 
-    def _admit(self, out: SchedulerOutput, budget: list[int]) -> None:
+    def _decode_units(self, group: SequenceGroup) -> list[list[Sequence]]:
+        """Sequences that decode this step, as all-or-nothing units."""
+        if group.share_pending:
+            return []
+        ready = [s for s in group.unfinished() if s.num_uncomputed == 1]
+        if group.beam is not None and group.forked:
+            return [ready] if ready and len(ready) == len(group.unfinished()) else []
+        return [[s] for s in ready]
+
+    def _reserve_or_preempt(self, seqs: list[Sequence], counts: list[int],
+                            out: SchedulerOutput, budget: _Budget) -> tuple[bool, bool]:
+        """Reserve blocks for the sequences, preempting the newest groups while they do not
+        fit. Returns (reserved, preempted anything)."""
+        preempted = False
+        group = seqs[0].group
+        while self._blocks_needed(seqs, counts) > self.bm.num_free_blocks():
+            victim = self.running[-1]
+            self._preempt(victim, out, budget)
+            preempted = True
+            if victim is group:
+                return False, True
+        for seq, n in zip(seqs, counts):
+            self._reserve(seq, n, out)
+        return True, preempted
+
+    def _admit(self, out: SchedulerOutput, budget: _Budget) -> None:
         """Admit waiting groups in order while tokens, sequence slots and blocks allow."""
-        while self.waiting and budget[0] > 0:
+        while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
             seqs = group.unfinished()
-            if len(seqs) > budget[1]:
+            if len(seqs) > budget.seqs:
                 return
-            plan = []
-            tokens, blocks = budget[0], 0
+            plan: list[tuple[Sequence, int]] = []
+            tokens = budget.tokens
             for seq in seqs:
-                n = min(seq.num_uncomputed, tokens)
-                if n == 0:
-                    break
-                tokens -= n
-                blocks += self.bm.blocks_needed(seq.seq_id, seq.num_computed_tokens + n)
-                plan.append((seq, n))
-            if blocks > self.bm.num_free_blocks() - self.watermark_blocks and self.running:
+                n = min(group.max_chunk(seq), tokens)
+                if n > 0:
+                    tokens -= n
+                    plan.append((seq, n))
+            if not plan:
                 return
-            if blocks > self.bm.num_free_blocks():
+            need = self._blocks_needed([s for s, _ in plan], [n for _, n in plan])
+            reserve = self.watermark_blocks if self.running else 0
+            if need > self.bm.num_free_blocks() - reserve:
                 return
             self.waiting.popleft()
             group.admitted_at = self._stamp
@@ -116,30 +171,48 @@ class Scheduler:
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
             for seq, n in plan:
-                reserved = self._reserve(seq, n, out)
-                assert reserved, "admission checked the free blocks"
+                self._reserve(seq, n, out)
                 self._take(seq, n, out, budget)
 
-    def _take(self, seq: Sequence, n: int, out: SchedulerOutput, budget: list[int]) -> None:
+    def _take(self, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         out.scheduled.append(ScheduledSeq(seq, n))
-        budget[0] -= n
-        budget[1] -= 1
+        budget.tokens -= n
+        budget.seqs -= 1
 
-    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Blocks for positions [computed, computed+n), copying a shared partial block first."""
-        bm, sid, start = self.bm, seq.seq_id, seq.num_computed_tokens
-        table = bm.block_tables.get(sid)
-        shared = (table is not None and start % bm.block_size != 0
-                  and bm.ref_count[table[start // bm.block_size]] > 1)
-        if bm.blocks_needed(sid, start + n) + shared > bm.num_free_blocks():
-            return False
-        if shared:
-            src, dst = bm.cow_append(sid, start // bm.block_size)
+    def _shared_partial(self, seq: Sequence) -> bool:
+        """Would writing at the sequence's next position hit a block shared with others?"""
+        table = self.bm.block_tables.get(seq.seq_id)
+        start = seq.num_computed_tokens
+        bs = self.bm.block_size
+        return (table is not None and start % bs != 0 and start // bs < len(table)
+                and self.bm.ref_count[table[start // bs]] > 1)
+
+    def _blocks_needed(self, seqs: list[Sequence], counts: list[int]) -> int:
+        return sum(self.bm.blocks_needed(s.seq_id, s.num_computed_tokens + n)
+                   + self._shared_partial(s) for s, n in zip(seqs, counts))
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        """Blocks for positions [computed, computed+n); a shared partial block is copied first
+        (copy-on-write), the only block a forked sequence ever copies."""
+        if self._shared_partial(seq):
+            src, dst = self.bm.cow_append(seq.seq_id, seq.num_computed_tokens // self.bm.block_size)
             out.copies.append((src, dst))
-        bm.ensure_capacity(sid, start + n)
-        return True
+        self.bm.ensure_capacity(seq.seq_id, seq.num_computed_tokens + n)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, budget: list[int]) -> None:
+    def _refork(self, group: SequenceGroup) -> None:
+        """After a preemption: once the leader has recomputed the prompt, fork its prompt
+        blocks to every sibling, which then recomputes only its own tokens."""
+        leader, *siblings = group.unfinished()
+        p = group.num_prompt_tokens
+        if leader.num_computed_tokens < p:
+            return
+        for sib in siblings:
+            self.bm.fork(leader.seq_id, sib.seq_id, num_tokens=p)
+            sib.num_computed_tokens = p
+            sib.status = SequenceStatus.RUNNING
+        group.share_pending = False
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
         """Recompute preemption: free the group's blocks and requeue it at the front."""
         self.running.remove(group)
         ids = set()
@@ -150,11 +223,12 @@ class Scheduler:
             seq.num_computed_tokens = 0
             if not seq.finished:
                 seq.status = SequenceStatus.WAITING
-        dropped = [s for s in out.scheduled if s.seq.group is group]
-        for s in dropped:  # refund the step budget they held
-            budget[0] += s.num_new
-            budget[1] += 1
+        for s in out.scheduled:  # refund the step budget they held
+            if s.seq.group is group:
+                budget.tokens += s.num_new
+                budget.seqs += 1
         out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
         out.copies = [(s, d) for s, d in out.copies if d not in ids]
+        group.share_pending = group.forked and len(group.unfinished()) > 1
         self.waiting.appendleft(group)
         self.num_preemptions += 1

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.params import SamplingParams
+from batchgen.engine.beam import BeamSearchState
+from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.sampling.stop import StopChecker
 
 _seq_ids = itertools.count()
@@ -37,7 +38,7 @@ class Sequence:
     group: SequenceGroup
     index: int
     token_ids: list[int]
-    stop: StopChecker
+    stop: StopChecker | None  # None for beams: their stops are decided by the beam search
     generator: torch.Generator | None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     num_computed_tokens: int = 0
@@ -71,15 +72,21 @@ class Sequence:
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """One prompt and its n samples. Before the prompt is computed it holds a single sequence;
-    the n-1 siblings are forked from it once the prompt's last token has been computed."""
+    """One prompt and its n samples (or W beams). The prompt is computed once by a single
+    leader sequence; the siblings are then forked from it and share its blocks. After a
+    preemption the same happens again: the leader recomputes the prompt, the siblings are
+    re-forked from it (`share_pending`) and each recomputes only its own tokens."""
 
     index: int  # position in the user's input list
     prompt: str | None
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     max_tokens: int  # params.max_tokens capped by max_model_len
+    beam: BeamSearchState | None = None  # beam search state (HF semantics), else sampling
     seqs: list[Sequence] = field(default_factory=list)
+    forked: bool = False  # siblings exist (n > 1 samples, or beams after their first step)
+    share_pending: bool = False  # preempted with siblings: re-fork them from the leader
+    done: bool = False  # beam search finished (its live beams are freed)
     admitted_at: int = -1  # scheduler stamp; the newest group is preempted first
 
     @property
@@ -87,12 +94,27 @@ class SequenceGroup:
         return len(self.prompt_token_ids)
 
     @property
-    def forked(self) -> bool:
-        return len(self.seqs) == self.params.n
+    def width(self) -> int:
+        """Sequences this group runs at once: n samples or W beams."""
+        return self.beam.beam_width if self.beam is not None else self.params.n
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
 
     @property
     def finished(self) -> bool:
-        return self.forked and all(s.finished for s in self.seqs)
+        if self.beam is not None:
+            return self.done
+        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+
+    def max_chunk(self, seq: Sequence) -> int:
+        """Tokens `seq` may compute now: a waiting sibling computes nothing until it is
+        forked from the leader; beams leave their last token to the group-wide decode step."""
+        n = seq.num_uncomputed
+        if self.share_pending:
+            if seq is not self.unfinished()[0]:
+                return 0
+            return max(0, min(n, self.num_prompt_tokens - seq.num_computed_tokens))
+        if self.beam is not None and self.forked:
+            return n - 1
+        return n

@@ -73,9 +73,13 @@ class BlockManager:
         for blk in self.block_tables.pop(seq_id):
             self._release(blk)
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """Share all of the parent's blocks with a new child: table copy, no KV copy."""
+    def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None
+             ) -> None:
+        """Share the parent's blocks with a new child: table copy, no KV copy. With
+        `num_tokens`, only the blocks holding the first `num_tokens` tokens are shared."""
         parent = self.block_tables[parent_id]
+        if num_tokens is not None:
+            parent = parent[:blocks_for(num_tokens, self.block_size)]
         if child_id in self.block_tables:
             raise KeyError(f"sequence {child_id!r} already has a block table")
         self.block_tables[child_id] = list(parent)
