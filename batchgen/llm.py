@@ -59,7 +59,8 @@ class LLM:
 
     def __init__(self, model: str | os.PathLike, *, block_size: int = 16,
                  max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, attention_backend: str | None = None,
@@ -80,6 +81,9 @@ class LLM:
         if attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be None or one of {ATTENTION_BACKENDS}, "
                              f"got {attention_backend!r}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, "
+                             f"got {enable_prefix_caching!r}")
         if not isinstance(seed, int):
             raise ValueError(f"seed must be an integer, got {seed!r}")
 
@@ -113,7 +117,7 @@ class LLM:
 
         self.cache = KVCache(geo.num_layers, num_blocks, block_size, geo.num_kv_heads,
                              geo.head_dim, kv_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens)
         backend = TorchPagedAttention(self.device)
         runner = ModelRunner(self.model, self.cache, backend, self.device)
@@ -158,7 +162,7 @@ class LLM:
             self._last_stats = KVStats(
                 self.block_manager.num_blocks, self.block_manager.block_size,
                 self.block_manager.peak_blocks_in_use, self.block_manager.cow_copies,
-                self.scheduler.num_preemptions - preempt0, 0)
+                self.scheduler.num_preemptions - preempt0, self.block_manager.prefix_hit_tokens)
 
     def kv_stats(self) -> KVStats:
         """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions."""

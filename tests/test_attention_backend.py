@@ -115,7 +115,8 @@ def test_kv_cache_bytes_and_pool_layout():
     assert kv_cache_bytes(40, 40, 128, 2048) == 1_677_721_600
     assert kv_cache_bytes(30, 2, 64, 1) == 15_360
     cache = KVCache(3, 5, 4, 2, 8, torch.float16, "cpu")
-    assert cache.pool.shape == (3, 2, 5, 4, 2, 8)
+    assert cache.pool.shape == (3, 2, 6, 4, 2, 8)  # + the scratch block for padding tokens
+    assert cache.scratch_block == 5
     assert cache.bytes_per_token == kv_cache_bytes(3, 2, 8, 1, 2)
     k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
     cache.write(1, k, v, torch.tensor([5, 19]))  # block 1 offset 1, block 4 offset 3

@@ -27,7 +27,7 @@ def family_dir(request, tiny_model_factory):
     return tiny_model_factory(request.param, eos_boost=0.2)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_beams(model_dir, prompt: tuple, width: int, lp: float, es, stop_ids: tuple = ()):
     """HF generate's W hypotheses (generated ids, EOS kept) and sequences_scores."""
     model = load_hf_model(model_dir)

@@ -148,7 +148,8 @@ def test_n_samples_are_independent_and_greedy_at_temperature_zero(llm, prompts):
     assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
 
 
-def test_kv_stats_report_the_last_call(llm, prompts):
+def test_kv_stats_report_the_last_call(model_dir, prompts):
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=1024, enable_prefix_caching=False)
     llm.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=False)
     s = llm.kv_stats()

@@ -67,6 +67,7 @@ def test_packed_prefill_logits_equal_hf(tiny_model_factory, prompts, family):
         chunks.append(SeqChunk(bm.block_tables[("packed", i)], 0, len(p), 1))
     meta = StepMetadata.build(chunks, bm.block_size)
     meta.logits_indices = torch.arange(meta.num_tokens, dtype=torch.int32)
+    meta.num_logits = meta.num_tokens
     got = llm.engine.runner.execute([t for p in batch for t in p], meta)
     for i in range(len(batch)):
         bm.free_seq(("packed", i))

@@ -44,6 +44,11 @@ class StepMetadata:
     block_size: int
     max_q_len: int
     max_kv_len: int
+    num_logits: int = -1  # real rows of logits_indices; the rest pad the lm_head batch
+
+    def __post_init__(self) -> None:
+        if self.num_logits < 0:
+            self.num_logits = self.logits_indices.numel()
 
     @property
     def num_seqs(self) -> int:
@@ -62,8 +67,19 @@ class StepMetadata:
         return self.qo_indptr[1:] - self.qo_indptr[:-1]
 
     @classmethod
-    def build(cls, chunks: list[SeqChunk], block_size: int) -> StepMetadata:
-        """Turn host-side block tables into the step tensors (one pass over the sequences)."""
+    def build(cls, chunks: list[SeqChunk], block_size: int, min_rows: int = 0,
+              scratch_block: int | None = None) -> StepMetadata:
+        """Turn host-side block tables into the step tensors (one pass over the sequences).
+
+        With `min_rows`, a step of fewer tokens is padded with one-token dummy sequences in
+        `scratch_block` and the kept logits rows are padded likewise: CPU GEMM kernels round
+        differently for a handful of rows, so padding keeps every row's result independent of
+        the batch (batch invariance; prefix caching on and off give bit-identical outputs)."""
+        num_tokens = sum(c.num_new for c in chunks)
+        if num_tokens < min_rows:
+            if scratch_block is None:
+                raise ValueError("min_rows needs a scratch_block for the padding tokens")
+            chunks = chunks + [SeqChunk([scratch_block], 0, 1, 0)] * (min_rows - num_tokens)
         qo, kv, last = [0], [0], []
         indices: list[int] = []
         slots: list[int] = []
@@ -93,7 +109,10 @@ class StepMetadata:
         def i32(xs: list[int]) -> torch.Tensor:
             return torch.tensor(xs, dtype=torch.int32)
 
+        num_logits = len(logits)
+        if 0 < num_logits < min_rows:
+            logits.extend([logits[-1]] * (min_rows - num_logits))
         return cls(qo_indptr=i32(qo), kv_indptr=i32(kv), kv_indices=i32(indices),
                    kv_last_page_len=i32(last), slot_mapping=i32(slots),
                    positions=i32(positions), logits_indices=i32(logits), block_size=block_size,
-                   max_q_len=max_q, max_kv_len=max_kv)
+                   max_q_len=max_q, max_kv_len=max_kv, num_logits=num_logits)

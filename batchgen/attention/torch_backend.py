@@ -29,6 +29,7 @@ class _Group:
     q_valid: torch.Tensor | None  # [S, max_q] bool when queries are padded, else None
     num_seqs: int
     max_q: int
+    width: int  # keys per query row (whole gathered blocks are cut to this)
     pages: torch.Tensor  # [S * max_pages] physical block of each logical block; pads → 0
     q_pos: torch.Tensor  # [S, max_q, 1] position of each query (bottom-right aligned)
     base_mask: torch.Tensor  # [S, max_q, max_kv] causal & in-range
@@ -57,24 +58,29 @@ class _Group:
 # Prefill chunks longer than this are split into query tiles that each attend only to the keys
 # up to their last query (bottom-right causal), skipping the upper triangle: ~0.6x the work.
 QUERY_TILE = 32
+# CPU SDPA reduces over keys in blocks of min(512, keys): a decode row padded to a multiple of
+# 512 keys gets the same bits whatever else shares its call.
+KV_SPLIT = 512
 
 
-def _bucket(q_len: int, kv_len: int, max_kv_bits: int) -> tuple[int, int]:
-    """Group key. Decode rows (q_len 1) group by KV length in coarse octaves (few kernel calls);
-    prefill tiles by query and KV length in quarter octaves (padding under ~1.2x)."""
+def _shape(q_len: int, kv_len: int) -> tuple[int, int]:
+    """The canonical (queries, keys) of the SDPA call a tile joins. It depends on the tile
+    alone, so a sequence's result never depends on the batch (batch invariance): prefill
+    tiles group by exact shape, decode rows by keys rounded up to KV_SPLIT."""
     if q_len == 1:
-        return 0, max(kv_len.bit_length(), max_kv_bits - 1, 10)
-    return math.ceil(4 * math.log2(q_len)), math.ceil(4 * math.log2(kv_len))
+        return 1, KV_SPLIT * math.ceil(kv_len / KV_SPLIT)
+    return q_len, kv_len
 
 
 def _tiles(q_start: int, q_len: int, kv_len: int) -> list[tuple[int, int, int]]:
     """(q_start, q_len, kv_len) tiles of one sequence's queries: one for a decode row or short
-    chunk, else QUERY_TILE-sized tiles, each seeing the keys up to its own last query."""
+    chunk, else tiles cut at multiples of QUERY_TILE positions (so a query lands in the same
+    tile whatever chunk it came in), each seeing the keys up to its own last query."""
     if q_len <= QUERY_TILE:
         return [(q_start, q_len, kv_len)]
-    first_kv = kv_len - q_len
-    return [(q_start + a, min(QUERY_TILE, q_len - a), first_kv + min(a + QUERY_TILE, q_len))
-            for a in range(0, q_len, QUERY_TILE)]
+    first = kv_len - q_len  # position of the first query
+    cuts = [first, *range((first // QUERY_TILE + 1) * QUERY_TILE, kv_len, QUERY_TILE), kv_len]
+    return [(q_start + a - first, b - a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 class TorchPagedAttention:
@@ -94,23 +100,23 @@ class TorchPagedAttention:
         kv_ptr = meta.kv_indptr.tolist()
         last = meta.kv_last_page_len.tolist()
         indices = meta.kv_indices.tolist()
-        max_kv_bits = meta.max_kv_len.bit_length()
         buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
         for i in range(len(last)):
             kv = (kv_ptr[i + 1] - kv_ptr[i] - 1) * bs + last[i]
             pages = indices[kv_ptr[i]:kv_ptr[i + 1]]
             for q0, qn, kvn in _tiles(qo[i], qo[i + 1] - qo[i], kv):
-                key = _bucket(qn, kvn, max_kv_bits)
-                buckets.setdefault(key, []).append((q0, qn, kvn, pages))
-        self.groups = [self._group(tiles, bs) for _, tiles in sorted(buckets.items())]
+                buckets.setdefault(_shape(qn, kvn), []).append((q0, qn, kvn, pages))
+        self.groups = [self._group(tiles, width, bs)
+                       for (_, width), tiles in sorted(buckets.items())]
 
-    def _group(self, tiles: list[tuple[int, int, int, list[int]]], bs: int) -> _Group:
-        """Padded index tensors and the causal mask of one group of query tiles."""
+    def _group(self, tiles: list[tuple[int, int, int, list[int]]], width: int, bs: int
+               ) -> _Group:
+        """Index tensors and the causal mask of one group of query tiles, `width` keys each."""
         dev = self.device
         q_len = [t[1] for t in tiles]
         kv_len = [t[2] for t in tiles]
         max_q = max(q_len)
-        max_pages = (max(kv_len) + bs - 1) // bs
+        max_pages = (width + bs - 1) // bs
         pages: list[int] = []
         for _, _, kvn, own in tiles:  # page table rows, right-padded with block 0 (masked)
             n = (kvn + bs - 1) // bs
@@ -119,7 +125,7 @@ class TorchPagedAttention:
         q_len_t = torch.tensor(q_len)
         kv_len_t = torch.tensor(kv_len)
         ar_q = torch.arange(max_q)
-        ar_kv = torch.arange(max_pages * bs)
+        ar_kv = torch.arange(width)
         q_pos = (kv_len_t - q_len_t)[:, None] + ar_q[None]  # bottom-right causal alignment
         base = (ar_kv[None, None, :] < kv_len_t[:, None, None]) & (
             ar_kv[None, None, :] <= q_pos[:, :, None])
@@ -132,7 +138,7 @@ class TorchPagedAttention:
             starts = torch.tensor([t[0] for t in tiles])
             sel = torch.where(q_valid, starts[:, None] + ar_q[None], 0).to(dev)
             q_valid = q_valid.to(dev)
-        return _Group(rows=sel, q_valid=q_valid, num_seqs=len(tiles), max_q=max_q,
+        return _Group(rows=sel, q_valid=q_valid, num_seqs=len(tiles), max_q=max_q, width=width,
                       pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
                       base_mask=base.to(dev))
 
@@ -149,7 +155,7 @@ class TorchPagedAttention:
             s, mq = grp.num_seqs, grp.max_q
             qg = q[grp.rows].view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
             qg = qg.permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
-            kg, vg = _gather(kv_blocks, grp.pages, s, q.dtype)  # [S, Hkv, max_kv, D] each
+            kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype)  # [S, Hkv, W, D]
             mask = grp.mask(window, g, q.dtype)
             if softcap is None and sinks is None:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=scale)
@@ -163,13 +169,13 @@ class TorchPagedAttention:
         return out
 
 
-def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, dtype: torch.dtype
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of each sequence (contiguous block_size x Hkv x D rows, cheaper than
-    per-slot gathers): K and V as [S, Hkv, max_kv, D] views in the compute dtype."""
+    per-slot gathers), cut to `width` keys: K and V as [S, Hkv, width, D] in the compute dtype."""
     _, _, bs, hkv, d = kv_blocks.shape
-    k = kv_blocks[0].index_select(0, pages).view(s, -1, hkv, d).transpose(1, 2)
-    v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, d).transpose(1, 2)
+    k = kv_blocks[0].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
+    v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
     return k.to(dtype), v.to(dtype)
 
 

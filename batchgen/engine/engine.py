@@ -18,6 +18,10 @@ from batchgen.params import SamplingParams
 from batchgen.sampling.sampler import Sampler, SamplingRow
 from batchgen.sampling.stop import StopChecker
 
+# Steps of fewer tokens (or logits rows) are padded to this many: small-M GEMMs on CPU round
+# differently, and padding keeps each row's result independent of what else is in the batch.
+MIN_BATCH_ROWS = 16
+
 
 @dataclass
 class StepStats:
@@ -102,10 +106,12 @@ class Engine:
                 rows = group.params.n if group.beam is None and not group.forked else 1
                 done.append(seq)
             chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows))
-        meta = StepMetadata.build(chunks, self.bm.block_size)
+        meta = StepMetadata.build(chunks, self.bm.block_size, MIN_BATCH_ROWS,
+                                  self.cache.scratch_block)
         logits = self.runner.execute(input_ids, meta)
         for item in sched.scheduled:
             item.seq.num_computed_tokens += item.num_new
+            self.scheduler.cache_computed(item.seq)
         new_tokens = self._update(done, logits) if done else 0
         return StepStats(prompt_tokens, new_tokens, self.scheduler.drop_finished_groups())
 
@@ -142,6 +148,7 @@ class Engine:
             child = self.new_sequence(group, i, leader.token_ids)
             self.bm.fork(leader.seq_id, child.seq_id)
             child.num_computed_tokens = leader.num_computed_tokens
+            child.block_hashes = list(leader.block_hashes)
             child.status = SequenceStatus.RUNNING
         group.forked = True
         return list(group.seqs)
@@ -190,7 +197,8 @@ class Engine:
             if p in taken:
                 child = Sequence(group=group, index=j, token_ids=[], stop=None, generator=None,
                                  status=SequenceStatus.RUNNING,
-                                 num_computed_tokens=parent.num_computed_tokens)
+                                 num_computed_tokens=parent.num_computed_tokens,
+                                 block_hashes=list(parent.block_hashes))
                 self.bm.fork(parent.seq_id, child.seq_id)
             else:
                 taken.add(p)

@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.kv.block_manager import BlockManager
+from batchgen.kv.block_manager import BlockManager, chain_hashes
 
 
 @dataclass
@@ -145,22 +145,33 @@ class Scheduler:
         return True, preempted
 
     def _admit(self, out: SchedulerOutput, budget: _Budget) -> None:
-        """Admit waiting groups in order while tokens, sequence slots and blocks allow."""
+        """Admit waiting groups in order while tokens, sequence slots and blocks allow. With
+        prefix caching a sequence starts from its cached prefix blocks, and a group waits one
+        step when the next block it needs is being computed by a group admitted before it."""
+        inflight = self._inflight_hashes()
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
             seqs = group.unfinished()
             if len(seqs) > budget.seqs:
                 return
+            leader = seqs[0]
+            hashes, hit = self._prefix_hit(group, leader)
+            if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
+                return  # computed this step by an earlier request: hit it next step instead
             plan: list[tuple[Sequence, int]] = []
             tokens = budget.tokens
             for seq in seqs:
-                n = min(group.max_chunk(seq), tokens)
+                skip = len(hit) * self.bm.block_size if seq is leader else 0
+                n = min(group.max_chunk(seq) - skip, tokens)
                 if n > 0:
                     tokens -= n
                     plan.append((seq, n))
             if not plan:
                 return
-            need = self._blocks_needed([s for s, _ in plan], [n for _, n in plan])
+            need = sum(self.bm.blocks_for_tokens(s.num_computed_tokens
+                                                 + (len(hit) * self.bm.block_size
+                                                    if s is leader else 0) + n)
+                       for s, n in plan) - len(hit) + self.bm.num_evictable(hit)
             reserve = self.watermark_blocks if self.running else 0
             if need > self.bm.num_free_blocks() - reserve:
                 return
@@ -170,9 +181,44 @@ class Scheduler:
             self.running.append(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING
+            if hit:
+                self.bm.allocate_cached(leader.seq_id, hit)
+                leader.num_computed_tokens = len(hit) * self.bm.block_size
+                leader.block_hashes = hashes[:len(hit)]
+            inflight.update(hashes[len(hit):])
             for seq, n in plan:
                 self._reserve(seq, n, out)
                 self._take(seq, n, out, budget)
+
+    def _prefix_hit(self, group: SequenceGroup, leader: Sequence
+                    ) -> tuple[list[bytes], list[int]]:
+        """Hashes of the leader's full blocks, and the cached blocks of their longest prefix.
+        At least one token is always left to compute (a full hit would be an empty query)."""
+        if not self.bm.enable_prefix_caching or leader.seq_id in self.bm.block_tables:
+            return [], []
+        limit = group.num_prompt_tokens if group.share_pending else len(leader.token_ids)
+        hashes = chain_hashes(leader.token_ids, self.bm.block_size, [], limit)
+        return hashes, self.bm.lookup(hashes[:(limit - 1) // self.bm.block_size])
+
+    def _inflight_hashes(self) -> set[bytes]:
+        """Hashes of full blocks that admitted sequences have yet to compute."""
+        if not self.bm.enable_prefix_caching:
+            return set()
+        pending: set[bytes] = set()
+        for group in self.running:
+            for seq in group.unfinished():
+                if seq.num_uncomputed > 1:
+                    pending.update(chain_hashes(seq.token_ids, self.bm.block_size,
+                                                seq.block_hashes)[len(seq.block_hashes):])
+        return pending
+
+    def cache_computed(self, seq: Sequence) -> None:
+        """After a step: hash the sequence's newly completed full blocks and publish them."""
+        if self.bm.enable_prefix_caching and not seq.finished and (
+                seq.num_computed_tokens // self.bm.block_size > len(seq.block_hashes)):
+            seq.block_hashes = chain_hashes(seq.token_ids, self.bm.block_size,
+                                            seq.block_hashes, seq.num_computed_tokens)
+            self.bm.register(seq.seq_id, seq.block_hashes)
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         out.scheduled.append(ScheduledSeq(seq, n))
@@ -209,6 +255,7 @@ class Scheduler:
         for sib in siblings:
             self.bm.fork(leader.seq_id, sib.seq_id, num_tokens=p)
             sib.num_computed_tokens = p
+            sib.block_hashes = leader.block_hashes[:p // self.bm.block_size]
             sib.status = SequenceStatus.RUNNING
         group.share_pending = False
 
@@ -221,6 +268,7 @@ class Scheduler:
                 ids.update(self.bm.block_tables[seq.seq_id])
                 self.bm.free_seq(seq.seq_id)
             seq.num_computed_tokens = 0
+            seq.block_hashes = []
             if not seq.finished:
                 seq.status = SequenceStatus.WAITING
         for s in out.scheduled:  # refund the step budget they held

@@ -47,6 +47,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of its computed full blocks
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,9 +1,14 @@
 """The chapter's BlockManager: a free list of physical KV blocks, per-sequence block tables,
-reference counts and copy-on-write. It owns no tensors; the KVCache pool holds the bytes."""
+reference counts and copy-on-write, plus prefix caching: full blocks carry a content hash
+chained on their parent's, and a freed hashed block stays reusable (LRU) until the pool needs
+it. It owns no tensors; the KVCache pool holds the bytes."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 
 
 class PoolExhausted(MemoryError):
@@ -15,6 +20,20 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+def chain_hashes(token_ids: Sequence[int], block_size: int, parent_hashes: list[bytes],
+                 num_tokens: int | None = None) -> list[bytes]:
+    """Content hashes of the full blocks among the first `num_tokens` tokens, each chained on
+    the previous block's hash (equal hashes mean equal prefixes). `parent_hashes` are the known
+    hashes of the leading blocks; only the missing ones are computed."""
+    end = len(token_ids) if num_tokens is None else num_tokens
+    hashes = list(parent_hashes)
+    for i in range(len(hashes), end // block_size):
+        h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
+        h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        hashes.append(h.digest())
+    return hashes
+
+
 class BlockManager:
     """Paged KV allocator with the chapter's API and names (vLLM's design).
 
@@ -23,7 +42,8 @@ class BlockManager:
     point at `blk`, so forked sequences share blocks until one of them writes (copy-on-write).
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
@@ -34,17 +54,32 @@ class BlockManager:
         self.block_tables: dict[Hashable, list[int]] = {}
         self.peak_blocks_in_use = 0
         self.cow_copies = 0
+        # Prefix cache: hash -> block, each hashed block's hash, and the hashed blocks that no
+        # sequence references any more, oldest first (evicted only when the free list is empty).
+        self.enable_prefix_caching = enable_prefix_caching
+        self.cached: dict[bytes, int] = {}
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self.prefix_hit_tokens = 0
 
     # ---- the chapter's API ------------------------------------------------------------------
     def _alloc_block(self) -> int:
-        if not self.free:
+        if self.free:
+            blk = self.free.pop()
+        elif self.evictable:  # the least recently used cached block gives up its content
+            blk, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash[blk]]
+            self.block_hash[blk] = None
+        else:
             raise PoolExhausted("KV pool exhausted — must preempt a sequence")
-        blk = self.free.pop()
         self.ref_count[blk] = 1
-        in_use = self.num_blocks - len(self.free)
+        self._track_peak()
+        return blk
+
+    def _track_peak(self) -> None:
+        in_use = self.num_blocks_in_use()
         if in_use > self.peak_blocks_in_use:
             self.peak_blocks_in_use = in_use
-        return blk
 
     def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
         """Give a new sequence the blocks for `num_tokens` tokens (all or nothing)."""
@@ -99,15 +134,19 @@ class BlockManager:
         return phys, new_phys
 
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        """Blocks that can be handed out now: free ones and cached ones nobody references."""
+        return len(self.free) + len(self.evictable)
 
     def can_allocate(self, num_tokens: int) -> bool:
         """True iff a new sequence of `num_tokens` tokens fits in the free blocks now."""
-        return blocks_for(num_tokens, self.block_size) <= len(self.free)
+        return blocks_for(num_tokens, self.block_size) <= self.num_free_blocks()
 
     # ---- what the scheduler needs beyond the chapter ----------------------------------------
     def num_blocks_in_use(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free_blocks()
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return blocks_for(num_tokens, self.block_size)
 
     def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
         """New blocks the sequence needs so that its table covers `num_tokens` tokens."""
@@ -117,19 +156,62 @@ class BlockManager:
     def ensure_capacity(self, seq_id: Hashable, num_tokens: int) -> None:
         """Grow the table to cover `num_tokens` tokens; on exhaustion nothing is taken."""
         need = self.blocks_needed(seq_id, num_tokens)
-        if need > len(self.free):
+        if need > self.num_free_blocks():
             raise PoolExhausted(
-                f"KV pool exhausted: need {need} blocks, {len(self.free)} free")
+                f"KV pool exhausted: need {need} blocks, {self.num_free_blocks()} free")
         table = self.block_tables.setdefault(seq_id, [])
         for _ in range(need):
             table.append(self._alloc_block())
 
     def reset_stats(self) -> None:
-        """Start a new measurement window for peak usage and COW copies."""
+        """Start a new measurement window for peak usage, COW copies and prefix hits."""
         self.peak_blocks_in_use = self.num_blocks_in_use()
         self.cow_copies = 0
+        self.prefix_hit_tokens = 0
 
     def _release(self, blk: int) -> None:
         self.ref_count[blk] -= 1
         if self.ref_count[blk] == 0:
-            self.free.append(blk)
+            if self.block_hash[blk] is not None:
+                self.evictable[blk] = None  # most recently used last
+            else:
+                self.free.append(blk)
+
+    # ---- prefix caching -----------------------------------------------------------------------
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """Cached blocks holding the longest prefix of these chained block hashes."""
+        if not self.enable_prefix_caching:
+            return []
+        hit = []
+        for h in hashes:
+            blk = self.cached.get(h)
+            if blk is None:
+                break
+            hit.append(blk)
+        return hit
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        """How many of these cached blocks sit unreferenced (taking them uses free room)."""
+        return sum(self.ref_count[b] == 0 for b in blocks)
+
+    def allocate_cached(self, seq_id: Hashable, blocks: list[int]) -> None:
+        """Start a sequence's table with cached prefix blocks (shared, reference counted)."""
+        if seq_id in self.block_tables:
+            raise KeyError(f"sequence {seq_id!r} already has a block table")
+        for blk in blocks:
+            if self.ref_count[blk] == 0:
+                del self.evictable[blk]
+            self.ref_count[blk] += 1
+        self.block_tables[seq_id] = list(blocks)
+        self.prefix_hit_tokens += len(blocks) * self.block_size
+        self._track_peak()
+
+    def register(self, seq_id: Hashable, hashes: list[bytes]) -> None:
+        """Publish the hashes of a sequence's computed full blocks (hashes[i] ↔ table[i])."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.block_tables[seq_id]
+        for blk, h in zip(table, hashes):
+            if self.block_hash[blk] is None and h not in self.cached:
+                self.cached[h] = blk
+                self.block_hash[blk] = h

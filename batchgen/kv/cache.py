@@ -22,12 +22,16 @@ def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: i
 
 
 class KVCache:
-    """The paged K/V pool shared by all sequences; written by flat slot, read via block ids."""
+    """The paged K/V pool shared by all sequences; written by flat slot, read via block ids.
+    One extra block past `num_blocks`, `scratch_block`, takes the K/V of padding tokens; the
+    BlockManager never hands it out."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
+        self.scratch_block = num_blocks
+        num_blocks += 1
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim

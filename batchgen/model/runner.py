@@ -23,8 +23,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, input_ids: list[int], meta: StepMetadata) -> torch.Tensor:
-        """Run one step; returns float32 logits [len(meta.logits_indices), vocab]."""
+        """Run one step; returns float32 logits [meta.num_logits, vocab]."""
         dev = self.device
+        if len(input_ids) < meta.num_tokens:  # padding rows (token 0) that the metadata added
+            input_ids = input_ids + [0] * (meta.num_tokens - len(input_ids))
         self.backend.plan(meta)
         ctx = StepContext(self.cache, self.backend, meta.slot_mapping.to(dev, torch.long))
         out = self.model(
@@ -34,4 +36,4 @@ class ModelRunner:
             logits_to_keep=meta.logits_indices.to(dev, torch.long),
             batchgen_step=ctx,
         )
-        return out.logits[0].float()
+        return out.logits[0, :meta.num_logits].float()

@@ -1,0 +1,152 @@
+"""Prefix caching: identical outputs with caching on and off, exact hit counts, no leaks."""
+
+import random
+
+import pytest
+
+from batchgen import LLM, BeamSearchParams, SamplingParams
+
+B = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("llama", eos_boost=0.06)
+
+
+def _tokens(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(n)]
+
+
+def _shared(prefix_len, n, seed=0, qmin=5, qmax=30):
+    rng = random.Random(seed)
+    prefix = [1] + _tokens(prefix_len - 1, seed + 1000)
+    return [prefix + _tokens(rng.randint(qmin, qmax), seed + i) for i in range(n)]
+
+
+def _ids(prompts):
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def _pair(model_dir, **kw):
+    return (LLM(model_dir, block_size=B, enable_prefix_caching=True, **kw),
+            LLM(model_dir, block_size=B, enable_prefix_caching=False, **kw))
+
+
+def _same(a, b, bits=True):
+    """Identical tokens; with `bits`, bit-identical logprobs too. Reused prompt blocks are
+    computed exactly as a recompute would (batch-invariant shapes); blocks written by decode
+    steps or recomputed in other chunks round differently, so there only the tokens must match
+    and logprobs agree to float noise."""
+    for x, y in zip(a, b):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert cx.token_ids == cy.token_ids
+            if bits:
+                assert cx.cumulative_logprob == cy.cumulative_logprob
+                assert cx.logprobs == cy.logprobs
+            else:
+                assert cx.cumulative_logprob == pytest.approx(cy.cumulative_logprob, abs=1e-4)
+
+
+def _no_leak(llm):
+    bm = llm.block_manager
+    assert bm.num_free_blocks() == bm.num_blocks and not bm.block_tables
+    assert all(r == 0 for r in bm.ref_count)
+
+
+SP = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+
+
+@pytest.mark.parametrize("prefix_len", [64, 40, 1])  # block multiple, mid-block, no sharing
+def test_shared_system_prompt_in_one_call(model_dir, prefix_len):
+    prompts = _shared(prefix_len, 10)
+    on, off = _pair(model_dir, num_kv_blocks=512)
+    computed = []
+    execute = on.engine.runner.execute
+    on.engine.runner.execute = lambda ids, m: (computed.append(len(ids)), execute(ids, m))[1]
+    a = on.generate(_ids(prompts), SP, use_tqdm=False)
+    b = off.generate(_ids(prompts), SP, use_tqdm=False)
+    _same(a, b)
+    full = prefix_len // B * B  # the shared full blocks
+    assert on.kv_stats().prefix_hit_tokens == 9 * full
+    assert off.kv_stats().prefix_hit_tokens == 0
+    decode_tokens = 10 * (SP.max_tokens - 1)
+    assert sum(computed) - decode_tokens == sum(map(len, prompts)) - 9 * full  # prefix once
+    _no_leak(on)
+    _no_leak(off)
+
+
+def test_full_prompt_hit_still_computes_the_last_token(model_dir):
+    on, off = _pair(model_dir, num_kv_blocks=256)
+    exact = [1] + _tokens(47, 5)  # 48 tokens = 3 full blocks
+    ragged = [1] + _tokens(49, 6)  # 50 tokens
+    first = on.generate(_ids([exact, ragged]), SP, use_tqdm=False)
+    again = on.generate(_ids([exact, ragged]), SP, use_tqdm=False)
+    # at most len - 1 tokens may hit: 2 of the 3 blocks of `exact`, all 3 full blocks of `ragged`
+    assert on.kv_stats().prefix_hit_tokens == 32 + 48
+    _same(first, again)
+    _same(again, off.generate(_ids([exact, ragged]), SP, use_tqdm=False))
+    _no_leak(on)
+
+
+def test_generated_blocks_are_reused_across_calls(model_dir):
+    """A follow-up prompt = earlier prompt + its answer hits the answer's blocks too."""
+    on, off = _pair(model_dir, num_kv_blocks=256)
+    p = [1] + _tokens(20, 7)
+    out = on.generate(_ids([p]), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+                      use_tqdm=False)[0].outputs[0].token_ids
+    follow = p + out + _tokens(5, 8)
+    a = on.generate(_ids([follow]), SP, use_tqdm=False)
+    assert on.kv_stats().prefix_hit_tokens == (len(p) + len(out) - 1) // B * B
+    _same(a, off.generate(_ids([follow]), SP, use_tqdm=False), bits=False)
+
+
+def test_eviction_and_preemption_keep_outputs_identical(model_dir):
+    prompts = _shared(48, 12, seed=3) + _shared(33, 8, seed=4)
+    sp = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, logprobs=1)
+          for i in range(len(prompts))]
+    on, off = _pair(model_dir, num_kv_blocks=24, max_num_batched_tokens=48)
+    a = on.generate(_ids(prompts), sp, use_tqdm=False)
+    b = off.generate(_ids(prompts), sp, use_tqdm=False)
+    _same(a, b, bits=False)  # recomputed chunks differ from the first pass in rounding only
+    assert on.kv_stats().preemptions > 0 and on.kv_stats().prefix_hit_tokens > 0
+    # a second call must evict the first call's cached blocks to make room
+    c = on.generate(_ids(_shared(64, 6, seed=9)), SP, use_tqdm=False)
+    _same(c, off.generate(_ids(_shared(64, 6, seed=9)), SP, use_tqdm=False), bits=False)
+    _no_leak(on)
+
+
+def test_n_samples_and_beams_with_caching(model_dir):
+    prompts = _shared(40, 4, seed=12)
+    on, off = _pair(model_dir, num_kv_blocks=400)
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=10, logprobs=0)
+    _same(on.generate(_ids(prompts), sp, use_tqdm=False),
+          off.generate(_ids(prompts), sp, use_tqdm=False))
+    bp = BeamSearchParams(beam_width=4, max_tokens=8)
+    x = on.beam_search(_ids(prompts), bp, use_tqdm=False)
+    y = off.beam_search(_ids(prompts), bp, use_tqdm=False)
+    assert on.kv_stats().prefix_hit_tokens > 0
+    for u, v in zip(x, y):
+        assert [s.token_ids for s in u.sequences] == [s.token_ids for s in v.sequences]
+        assert [s.score for s in u.sequences] == [s.score for s in v.sequences]
+    _no_leak(on)
+
+
+def test_lru_keeps_the_most_recent_prefixes(model_dir):
+    llm = LLM(model_dir, block_size=B, num_kv_blocks=20)
+    old, new = [1] + _tokens(63, 20), [1] + _tokens(63, 21)
+    llm.generate(_ids([old]), SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate(_ids([new]), SamplingParams(max_tokens=1), use_tqdm=False)
+    # 12 blocks are free; a third prompt needs 14: the two least recently used cached blocks
+    # (the older prompt's first two) are evicted, which breaks its whole chain
+    llm.generate(_ids([[1] + _tokens(219, 22)]), SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.generate(_ids([new]), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.kv_stats().prefix_hit_tokens == 48
+    llm.generate(_ids([old]), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert llm.kv_stats().prefix_hit_tokens == 0
+
+
+def test_prefix_caching_flag_is_validated(model_dir):
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        LLM(model_dir, enable_prefix_caching="yes")
