@@ -126,7 +126,7 @@ class LLM:
         self.engine = Engine(runner, self.cache, self.block_manager, self.scheduler,
                              Sampler(seed), self.tokenizer, self.eos_token_ids)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self._last_stats = KVStats(num_blocks, block_size, 0, 0, 0, 0)
+        self._last_stats = KVStats(num_blocks, block_size, 0, 0, 0, 0, 0)
         logger.info(self.cache_config.capacity_line(self.max_model_len))
 
     # ---- public API ---------------------------------------------------------------------------
@@ -152,6 +152,7 @@ class LLM:
         if not groups:
             return
         self.block_manager.reset_stats()
+        self.engine.prompt_tokens_computed = 0
         preempt0 = self.scheduler.num_preemptions
         for g in groups:
             self.engine.add_group(g)
@@ -162,7 +163,8 @@ class LLM:
             self._last_stats = KVStats(
                 self.block_manager.num_blocks, self.block_manager.block_size,
                 self.block_manager.peak_blocks_in_use, self.block_manager.cow_copies,
-                self.scheduler.num_preemptions - preempt0, self.block_manager.prefix_hit_tokens)
+                self.scheduler.num_preemptions - preempt0, self.block_manager.prefix_hit_tokens,
+                self.engine.prompt_tokens_computed)
 
     def kv_stats(self) -> KVStats:
         """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions."""

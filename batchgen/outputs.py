@@ -63,3 +63,4 @@ class KVStats:
     cow_copies: int
     preemptions: int
     prefix_hit_tokens: int
+    prompt_tokens_computed: int = 0  # prompt positions the model ran (after hits, with recomputes)

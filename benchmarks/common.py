@@ -302,3 +302,37 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
 
 def args_dict(args: argparse.Namespace) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+# ---- small helpers for benchmark scripts ----------------------------------------------------
+def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: int = 1
+                   ) -> list[int]:
+    """Comma-separated integers (each >= ``minimum``), or parser.error() naming ``flag``."""
+    try:
+        out = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
+    if not out or min(out) < minimum:
+        p.error(f"{flag} needs at least one value, each >= {minimum}")
+    return out
+
+
+def quiet_logging() -> None:
+    """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
+    info lines, as the benchmarks do unless ``--verbose``."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("batchgen").setLevel(logging.WARNING)
+
+
+def common_prefix_frac(a: Sequence[int], b: Sequence[int]) -> float:
+    """Length of the common prefix of two token lists over the longer one's length."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k / max(len(a), len(b), 1)

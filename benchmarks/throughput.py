@@ -110,7 +110,8 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Names
 
     llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
-              dtype=args.dtype, device=args.device, seed=args.seed)
+              dtype=args.dtype, device=args.device, seed=args.seed,
+              enable_prefix_caching=False)  # repeats and warm-up reuse prompts: no cache hits
     L = args.output_len
 
     def go(ps: list[list[int]], n_tokens: int) -> list[list[int]]:

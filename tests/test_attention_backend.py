@@ -51,14 +51,15 @@ CASES = [  # (block_size, hq, hkv, window, softcap, sinks)
 def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sinks):
     torch.manual_seed(0)
     rng = random.Random(block_size * 31 + hq)
-    d, num_blocks = 8, 200
+    d, num_blocks = 8, 1200
     cache = KVCache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")
     bm = BlockManager(num_blocks, block_size)
     rng.shuffle(bm.free)  # scattered physical blocks
     # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix, exact
     # block multiples
+    # long chunks (> 32 queries) are cut into query tiles, also mid-sequence
     shapes = [(0, 7), (9, 1), (3 * block_size, 1), (0, 2 * block_size), (5, 6), (12, 1),
-              (block_size, block_size), (0, 1)]
+              (block_size, block_size), (0, 1), (0, 70), (41, 50), (600, 1)]
     full_k, full_v, chunks = [], [], []
     for sid, (cached, new) in enumerate(shapes):
         n = cached + new

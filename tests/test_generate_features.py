@@ -98,6 +98,18 @@ def test_seeded_requests_do_not_depend_on_the_batch(llm, prompts):
     assert other_seed[0].outputs[0].token_ids != alone
 
 
+def test_logprobs_are_bit_identical_alone_or_in_any_batch(model_dir, prompts):
+    """Batch invariance: fixed attention shapes per sequence and padded tiny steps."""
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=1024, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0, max_tokens=10, logprobs=2)
+    together = llm.generate(_ids(prompts), sp, use_tqdm=False)
+    for p, t in zip(prompts, together):
+        alone = llm.generate(_ids([p]), sp, use_tqdm=False)[0].outputs[0]
+        assert alone.token_ids == t.outputs[0].token_ids
+        assert alone.cumulative_logprob == t.outputs[0].cumulative_logprob
+        assert alone.logprobs == t.outputs[0].logprobs
+
+
 def test_seeded_requests_survive_preemption(model_dir, prompts):
     """A tiny pool preempts and recomputes; seeded samples come out unchanged."""
     sp = [SamplingParams(temperature=0.9, max_tokens=20, seed=i, ignore_eos=True)

@@ -73,6 +73,8 @@ def test_shared_system_prompt_in_one_call(model_dir, prefix_len):
     assert off.kv_stats().prefix_hit_tokens == 0
     decode_tokens = 10 * (SP.max_tokens - 1)
     assert sum(computed) - decode_tokens == sum(map(len, prompts)) - 9 * full  # prefix once
+    assert on.kv_stats().prompt_tokens_computed == sum(map(len, prompts)) - 9 * full
+    assert off.kv_stats().prompt_tokens_computed == sum(map(len, prompts))
     _no_leak(on)
     _no_leak(off)
 

@@ -1,11 +1,12 @@
 """Reference paged attention in plain PyTorch: any device, GQA/MQA, bottom-right causal chunks,
 sliding windows, logit softcap and attention sinks.
 
-plan() turns the step's FlashInfer-format metadata into padded gather indices and masks once per
-step; run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax
-when softcap or sinks need it). Long prefill chunks are cut into query tiles that see only the keys up
-to their last query (the causal upper triangle is skipped), and tiles are bucketed by query and
-KV length to bound padding; there is no Python loop over tokens.
+plan() turns the step's FlashInfer-format metadata into gather indices and masks once per step;
+run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax when
+softcap or sinks need it). Long prefill chunks are cut into query tiles that see only the keys
+up to their last query (the causal upper triangle is skipped). Tiles of one shape share an SDPA
+call; the shape depends on the tile alone (see _shape), so results are batch invariant. There is
+no Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -22,21 +23,19 @@ from batchgen.kv.cache import KVCache
 
 @dataclass
 class _Group:
-    """Sequences of similar query and KV length, padded to [S, max_q] queries and [S, max_kv]
-    keys (max_kv = max_pages * block_size: whole blocks are gathered)."""
+    """Query tiles of one shape: S tiles of `q_len` queries, each over `width` keys."""
 
-    rows: slice | torch.Tensor  # packed rows of its queries: a slice when contiguous, unpadded
-    q_valid: torch.Tensor | None  # [S, max_q] bool when queries are padded, else None
+    rows: slice | torch.Tensor  # packed rows of the tiles' queries: a slice when contiguous
     num_seqs: int
-    max_q: int
-    width: int  # keys per query row (whole gathered blocks are cut to this)
-    pages: torch.Tensor  # [S * max_pages] physical block of each logical block; pads → 0
-    q_pos: torch.Tensor  # [S, max_q, 1] position of each query (bottom-right aligned)
-    base_mask: torch.Tensor  # [S, max_q, max_kv] causal & in-range
+    q_len: int
+    width: int  # keys per tile (gathered whole blocks are cut to this)
+    pages: torch.Tensor  # [S * ceil(width / B)] physical blocks of each tile; pads → 0
+    q_pos: torch.Tensor  # [S, q_len, 1] position of each query (bottom-right aligned)
+    base_mask: torch.Tensor  # [S, q_len, width] causal & in-range
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     def mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """[S, 1, groups*max_q, max_kv] additive mask (0 / -inf), built once per step for each
+        """[S, 1, groups*q_len, width] additive mask (0 / -inf), built once per step for each
         window size and shared by the layers (SDPA would otherwise convert a bool mask per call)."""
         key = (window, groups, dtype)
         if key not in self.masks:
@@ -44,9 +43,6 @@ class _Group:
             if window is not None:
                 kv_pos = torch.arange(m.shape[-1], device=m.device)
                 m = m & (kv_pos > self.q_pos - window)
-            if self.q_valid is not None:  # padded query rows see key 0: no all -inf row (NaN)
-                m = m.clone()
-                m[..., 0] |= ~self.q_valid
             s, q, k = m.shape
             add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
                 ~m, float("-inf"))
@@ -91,10 +87,9 @@ class TorchPagedAttention:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.groups: list[_Group] = []
-        self.num_tokens = 0
 
     def plan(self, meta: StepMetadata) -> None:
-        """Build the padded gather indices and masks shared by every layer of this step."""
+        """Build the gather indices and masks shared by every layer of this step."""
         bs = meta.block_size
         qo = meta.qo_indptr.tolist()
         kv_ptr = meta.kv_indptr.tolist()
@@ -111,34 +106,26 @@ class TorchPagedAttention:
 
     def _group(self, tiles: list[tuple[int, int, int, list[int]]], width: int, bs: int
                ) -> _Group:
-        """Index tensors and the causal mask of one group of query tiles, `width` keys each."""
+        """Index tensors and the causal mask of one group of same-shape query tiles."""
         dev = self.device
-        q_len = [t[1] for t in tiles]
-        kv_len = [t[2] for t in tiles]
-        max_q = max(q_len)
-        max_pages = (width + bs - 1) // bs
+        q_len = tiles[0][1]
+        kv_len = torch.tensor([t[2] for t in tiles])
+        n_pages = (width + bs - 1) // bs
         pages: list[int] = []
         for _, _, kvn, own in tiles:  # page table rows, right-padded with block 0 (masked)
             n = (kvn + bs - 1) // bs
             pages.extend(own[:n])
-            pages.extend([0] * (max_pages - n))
-        q_len_t = torch.tensor(q_len)
-        kv_len_t = torch.tensor(kv_len)
-        ar_q = torch.arange(max_q)
+            pages.extend([0] * (n_pages - n))
         ar_kv = torch.arange(width)
-        q_pos = (kv_len_t - q_len_t)[:, None] + ar_q[None]  # bottom-right causal alignment
-        base = (ar_kv[None, None, :] < kv_len_t[:, None, None]) & (
+        q_pos = (kv_len - q_len)[:, None] + torch.arange(q_len)[None]  # bottom-right causal
+        base = (ar_kv[None, None, :] < kv_len[:, None, None]) & (
             ar_kv[None, None, :] <= q_pos[:, :, None])
-        contiguous = all(a[0] + a[1] == b[0] for a, b in zip(tiles, tiles[1:]))
-        if min(q_len) == max_q and contiguous:
-            sel: slice | torch.Tensor = slice(tiles[0][0], tiles[-1][0] + tiles[-1][1])
-            q_valid = None
+        if all(a[0] + a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
+            rows: slice | torch.Tensor = slice(tiles[0][0], tiles[-1][0] + q_len)
         else:
-            q_valid = ar_q[None] < q_len_t[:, None]
             starts = torch.tensor([t[0] for t in tiles])
-            sel = torch.where(q_valid, starts[:, None] + ar_q[None], 0).to(dev)
-            q_valid = q_valid.to(dev)
-        return _Group(rows=sel, q_valid=q_valid, num_seqs=len(tiles), max_q=max_q, width=width,
+            rows = (starts[:, None] + torch.arange(q_len)[None]).reshape(-1).to(dev)
+        return _Group(rows=rows, num_seqs=len(tiles), q_len=q_len, width=width,
                       pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
                       base_mask=base.to(dev))
 
@@ -152,7 +139,7 @@ class TorchPagedAttention:
         g = hq // hkv
         out = q.new_empty(t, hq, kv_blocks.shape[-1])
         for grp in self.groups:
-            s, mq = grp.num_seqs, grp.max_q
+            s, mq = grp.num_seqs, grp.q_len
             qg = q[grp.rows].view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
             qg = qg.permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
             kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype)  # [S, Hkv, W, D]
@@ -162,10 +149,7 @@ class TorchPagedAttention:
             else:
                 og = _explicit_attention(qg, kg, vg, mask, scale, softcap, sinks, hkv, g, mq)
             og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4)  # [S, mq, Hkv, G, Dv]
-            if grp.q_valid is None:
-                out[grp.rows] = og.reshape(s * mq, hq, -1)
-            else:
-                out[grp.rows[grp.q_valid]] = og.reshape(s, mq, hq, -1)[grp.q_valid]
+            out[grp.rows] = og.reshape(s * mq, hq, -1)
         return out
 
 

@@ -45,6 +45,7 @@ class Engine:
         self.sampler = sampler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids or None
+        self.prompt_tokens_computed = 0  # prompt positions run through the model (recomputes too)
 
     # ---- sequences ----------------------------------------------------------------------------
     def new_sequence(self, group: SequenceGroup, index: int, token_ids: list[int]) -> Sequence:
@@ -106,6 +107,7 @@ class Engine:
                 rows = group.params.n if group.beam is None and not group.forked else 1
                 done.append(seq)
             chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows))
+        self.prompt_tokens_computed += prompt_tokens
         meta = StepMetadata.build(chunks, self.bm.block_size, MIN_BATCH_ROWS,
                                   self.cache.scratch_block)
         logits = self.runner.execute(input_ids, meta)
