@@ -270,9 +270,10 @@ class LLM:
         if isinstance(p, BeamSearchParams):
             width, name = p.beam_width, "beam_width"
             need = blocks_for(len(ids), bs) + width * (blocks_for(t, bs) + 1)
-            if width > self.scheduler.max_num_seqs:
-                raise ValueError(f"beam_width ({width}) must be <= max_num_seqs "
-                                 f"({self.scheduler.max_num_seqs}): all beams decode together")
+            limit = min(self.scheduler.max_num_seqs, self.max_num_batched_tokens)
+            if width > limit:
+                raise ValueError(f"beam_width ({width}) must be <= max_num_seqs and "
+                                 f"max_num_batched_tokens ({limit}): all beams decode together")
         else:
             width, name = p.n, "n"
             need = blocks_for(len(ids), bs) + width * blocks_for(t + 1, bs)

@@ -145,6 +145,9 @@ def test_num_return_sequences_and_bad_params(tiny_model_factory, prompts):
     with pytest.raises(ValueError, match="beam_width"):
         LLM(tiny_model_factory("llama"), max_num_seqs=4, num_kv_blocks=64).beam_search(
             "hi", BeamSearchParams(beam_width=8, max_tokens=4))
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(tiny_model_factory("llama"), max_num_batched_tokens=4, num_kv_blocks=64).beam_search(
+            "hi", BeamSearchParams(beam_width=8, max_tokens=4))
     with pytest.raises(ValueError, match="params"):
         llm.beam_search(["a", "b"], [BeamSearchParams(beam_width=2, max_tokens=3)])
 

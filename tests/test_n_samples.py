@@ -96,3 +96,26 @@ def test_thousands_of_samples(model_dir):
     assert all(len(c.token_ids) == 4 for c in out[0].outputs)
     assert llm.kv_stats().peak_blocks_in_use <= 3 + 2000 * 1
     assert llm.block_manager.num_free_blocks() == 4096
+
+
+def test_a_preempted_group_wider_than_max_num_seqs_is_readmitted(model_dir):
+    """After preemption only the leader recomputes the prompt, so a group of more samples
+    than max_num_seqs is readmitted (it used to wait forever) and finishes unchanged."""
+    from batchgen.engine.scheduler import SchedulerOutput, _Budget
+
+    prompt = make_prompt_token_ids(1, 30, 30, vocab_size=512, seed=6)[0]
+    sp = SamplingParams(n=40, temperature=1.0, max_tokens=12, seed=2, ignore_eos=True)
+    want = LLM(model_dir, block_size=4, num_kv_blocks=1024, max_num_seqs=16).generate(
+        _ids([prompt]), sp, use_tqdm=False)[0]
+    llm = LLM(model_dir, block_size=4, num_kv_blocks=1024, max_num_seqs=16)
+    (group,) = llm._make_groups(_ids([prompt]), sp, SamplingParams)
+    llm.engine.add_group(group)
+    for _ in range(4):  # prefill, fork, a few decode steps
+        llm.engine.step(llm.scheduler.schedule())
+    assert group.forked and len(group.unfinished()) > 16
+    llm.scheduler._preempt(group, SchedulerOutput(), _Budget(0, 0))
+    assert group.share_pending
+    llm.engine.run()
+    got = llm._request_output(group)
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert llm.block_manager.num_free_blocks() == 1024

@@ -152,8 +152,6 @@ class Scheduler:
         while self.waiting and budget.tokens > 0:
             group = self.waiting[0]
             seqs = group.unfinished()
-            if len(seqs) > budget.seqs:
-                return
             leader = seqs[0]
             hashes, hit = self._prefix_hit(group, leader)
             if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
@@ -166,7 +164,7 @@ class Scheduler:
                 if n > 0:
                     tokens -= n
                     plan.append((seq, n))
-            if not plan:
+            if not plan or len(plan) > budget.seqs:
                 return
             need = sum(self.bm.blocks_for_tokens(s.num_computed_tokens
                                                  + (len(hit) * self.bm.block_size
