@@ -126,3 +126,53 @@ def test_kv_cache_bytes_and_pool_layout():
     cache.copy_blocks(torch.tensor([1, 4]), torch.tensor([0, 2]))
     assert torch.equal(cache.pool[:, :, 0], cache.pool[:, :, 1])
     assert torch.equal(cache.pool[:, :, 2], cache.pool[:, :, 4])
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (9, None, False),
+                                                  (None, 15.0, True), (40, None, False)])
+def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks):
+    """Siblings sharing prefix blocks are attended in two levels (shared prefix once, own
+    tails apart) and must equal plain attention over each sibling's own sequence."""
+    torch.manual_seed(1)
+    bs, hq, hkv, d = 4, 4, 2, 8
+    cache = KVCache(1, 300, bs, hkv, d, torch.float32, "cpu")
+    bm = BlockManager(300, bs)
+    prompt = 37
+    bm.allocate("p", prompt)
+    k_prompt, v_prompt = torch.randn(prompt, hkv, d), torch.randn(prompt, hkv, d)
+    cache.write(0, k_prompt, v_prompt, torch.tensor([bm.slot_index("p", i) for i in range(prompt)]))
+    full_k, full_v, chunks, other = [], [], [], []
+    for c, extra in enumerate([5, 9, 1, 14]):  # siblings at different lengths (beams differ too)
+        sid = f"c{c}"
+        bm.fork("p", sid, num_tokens=prompt)
+        n = prompt + extra
+        src, dst = bm.cow_append(sid, prompt // bs)
+        cache.copy_blocks(torch.tensor([src]), torch.tensor([dst]))
+        bm.ensure_capacity(sid, n)
+        k_own, v_own = torch.randn(extra, hkv, d), torch.randn(extra, hkv, d)
+        cache.write(0, k_own, v_own,
+                    torch.tensor([bm.slot_index(sid, i) for i in range(prompt, n)]))
+        full_k.append(torch.cat([k_prompt, k_own]))
+        full_v.append(torch.cat([v_prompt, v_own]))
+        chunks.append(SeqChunk(bm.block_tables[sid], n - 1, 1, 1, share_id=7))
+    bm.allocate("x", 20)  # an unrelated decode row in the same step
+    kx, vx = torch.randn(20, hkv, d), torch.randn(20, hkv, d)
+    cache.write(0, kx, vx, torch.tensor([bm.slot_index("x", i) for i in range(20)]))
+    other.append(SeqChunk(bm.block_tables["x"], 19, 1, 1))
+    q = torch.randn(5, hq, d)
+    sink_t = torch.randn(hq) if sinks else None
+    outs = {}
+    for share in (True, False):
+        cs = [SeqChunk(c.block_table, c.num_computed, 1, 1, c.share_id if share else -1)
+              for c in chunks] + other
+        meta = StepMetadata.build(cs, bs)
+        backend = TorchPagedAttention()
+        backend.plan(meta)
+        assert (backend.cascade is not None) == share
+        outs[share] = backend.run(0, q, cache, 0.3, window, softcap, sink_t)
+    torch.testing.assert_close(outs[True], outs[False], atol=2e-5, rtol=1e-4)
+    for i in range(4):
+        ref = _dense_reference(q[i:i + 1], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
+        torch.testing.assert_close(outs[True][i:i + 1], ref, atol=2e-5, rtol=1e-4)
+    ref_x = _dense_reference(q[4:5], kx, vx, 0.3, window, softcap, sink_t)
+    torch.testing.assert_close(outs[True][4:5], ref_x, atol=2e-5, rtol=1e-4)

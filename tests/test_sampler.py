@@ -274,3 +274,15 @@ def test_top_k_one_is_always_argmax_and_history_ids_beyond_vocab_are_ignored() -
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits must be"):
         Sampler()(torch.zeros(2, V), [_row()])
+
+
+def test_inverse_cdf_never_picks_a_masked_token():
+    """u at the very top of [0, 1) still lands on the last token with probability > 0."""
+    from batchgen.sampling.sampler import _inverse_cdf
+
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0], [0.2, 0.0, 0.8, 0.0, 0.0, 0.0]])
+    for u in (0.0, 0.25, 0.5, 0.75, 1 - 2 ** -30, 1 - 1e-12):
+        idx = _inverse_cdf(probs, torch.tensor([u, u], dtype=torch.float64))
+        assert all(probs[r, i] > 0 for r, i in enumerate(idx.tolist()))
+    assert _inverse_cdf(probs, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
+    assert _inverse_cdf(probs, torch.tensor([0.99, 0.99], dtype=torch.float64)).tolist() == [3, 2]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from batchgen.attention.cascade import Cascade, plan_cascades, run_cascade
 from batchgen.attention.metadata import StepMetadata
 from batchgen.kv.cache import KVCache
 
@@ -87,6 +88,7 @@ class TorchPagedAttention:
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.groups: list[_Group] = []
+        self.cascade: Cascade | None = None
 
     def plan(self, meta: StepMetadata) -> None:
         """Build the gather indices and masks shared by every layer of this step."""
@@ -95,12 +97,16 @@ class TorchPagedAttention:
         kv_ptr = meta.kv_indptr.tolist()
         last = meta.kv_last_page_len.tolist()
         indices = meta.kv_indices.tolist()
+        kv_lens = [(kv_ptr[i + 1] - kv_ptr[i] - 1) * bs + last[i] for i in range(len(last))]
+        pages = [indices[kv_ptr[i]:kv_ptr[i + 1]] for i in range(len(last))]
+        self.cascade, covered = plan_cascades(meta.share_ids.tolist(), qo, kv_lens, pages, bs,
+                                              self.device)
         buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
         for i in range(len(last)):
-            kv = (kv_ptr[i + 1] - kv_ptr[i] - 1) * bs + last[i]
-            pages = indices[kv_ptr[i]:kv_ptr[i + 1]]
-            for q0, qn, kvn in _tiles(qo[i], qo[i + 1] - qo[i], kv):
-                buckets.setdefault(_shape(qn, kvn), []).append((q0, qn, kvn, pages))
+            if i in covered:
+                continue
+            for q0, qn, kvn in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):
+                buckets.setdefault(_shape(qn, kvn), []).append((q0, qn, kvn, pages[i]))
         self.groups = [self._group(tiles, width, bs)
                        for (_, width), tiles in sorted(buckets.items())]
 
@@ -150,6 +156,8 @@ class TorchPagedAttention:
                 og = _explicit_attention(qg, kg, vg, mask, scale, softcap, sinks, hkv, g, mq)
             og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4)  # [S, mq, Hkv, G, Dv]
             out[grp.rows] = og.reshape(s * mq, hq, -1)
+        if self.cascade is not None:
+            run_cascade(self.cascade, q, kv_blocks, scale, window, softcap, sinks, out)
         return out
 
 

@@ -93,7 +93,7 @@ class Engine:
             self.cache.copy_blocks(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         # Decode rows sorted by context length, then prefill chunks by length: the attention
         # backend's length buckets become contiguous row ranges.
-        sched.scheduled.sort(key=lambda s: (s.num_new, s.seq.num_computed_tokens))
+        sched.scheduled.sort(key=lambda s: (s.num_new, s.seq.num_computed_tokens, s.seq.group.index))
         chunks, input_ids, done = [], [], []
         prompt_tokens = 0
         for item in sched.scheduled:
@@ -106,7 +106,8 @@ class Engine:
                 group = seq.group
                 rows = group.params.n if group.beam is None and not group.forked else 1
                 done.append(seq)
-            chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows))
+            share = seq.group.index if seq.group.forked and n == 1 else -1
+            chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows, share))
         self.prompt_tokens_computed += prompt_tokens
         meta = StepMetadata.build(chunks, self.bm.block_size, MIN_BATCH_ROWS,
                                   self.cache.scratch_block)
