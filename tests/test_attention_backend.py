@@ -131,8 +131,8 @@ def test_kv_cache_bytes_and_pool_layout():
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (9, None, False),
                                                   (None, 15.0, True), (40, None, False)])
 def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks):
-    """Siblings sharing prefix blocks are attended in two levels (shared prefix once, own
-    tails apart) and must equal plain attention over each sibling's own sequence."""
+    """Rows sharing leading blocks are attended in two levels (shared prefix once, own tails
+    apart) and must equal plain attention over each row's own sequence."""
     torch.manual_seed(1)
     bs, hq, hkv, d = 4, 4, 2, 8
     cache = KVCache(1, 300, bs, hkv, d, torch.float32, "cpu")
@@ -154,7 +154,7 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks)
                     torch.tensor([bm.slot_index(sid, i) for i in range(prompt, n)]))
         full_k.append(torch.cat([k_prompt, k_own]))
         full_v.append(torch.cat([v_prompt, v_own]))
-        chunks.append(SeqChunk(bm.block_tables[sid], n - 1, 1, 1, share_id=7))
+        chunks.append(SeqChunk(bm.block_tables[sid], n - 1, 1, 1))
     bm.allocate("x", 20)  # an unrelated decode row in the same step
     kx, vx = torch.randn(20, hkv, d), torch.randn(20, hkv, d)
     cache.write(0, kx, vx, torch.tensor([bm.slot_index("x", i) for i in range(20)]))
@@ -162,11 +162,9 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks)
     q = torch.randn(5, hq, d)
     sink_t = torch.randn(hq) if sinks else None
     outs = {}
+    meta = StepMetadata.build(chunks + other, bs)
     for share in (True, False):
-        cs = [SeqChunk(c.block_table, c.num_computed, 1, 1, c.share_id if share else -1)
-              for c in chunks] + other
-        meta = StepMetadata.build(cs, bs)
-        backend = TorchPagedAttention()
+        backend = TorchPagedAttention(use_cascade=share)
         backend.plan(meta)
         assert (backend.cascade is not None) == share
         outs[share] = backend.run(0, q, cache, 0.3, window, softcap, sink_t)

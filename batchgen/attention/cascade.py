@@ -1,9 +1,11 @@
-"""Cascade decode attention for forked siblings (n samples, beams) in the torch backend.
+"""Cascade decode attention over shared KV blocks in the torch backend.
 
-Siblings share their leading KV blocks. Instead of gathering those blocks once per sibling,
-the shared prefix is attended once for all siblings of a group (level 0) and each sibling's
+Decode rows whose block tables start with the same physical blocks (forked samples and beams,
+requests that hit the same cached prefix) share those blocks. Instead of gathering them once
+per row, the shared prefix is attended once for all rows of a group (level 0) and each row's
 own tail separately (level 1); the two partial softmaxes are merged exactly through their
-log-sum-exp. This is FlashInfer's two-level cascade, written with plain matmuls.
+log-sum-exp. This is FlashInfer's two-level cascade, written with plain matmuls. Sharing is
+read off the block tables alone, so the metadata stays FlashInfer's.
 """
 
 from __future__ import annotations
@@ -60,14 +62,15 @@ def _additive(ok: torch.Tensor) -> torch.Tensor:
     return torch.zeros(ok.shape, device=ok.device).masked_fill_(~ok, _NEG_INF)
 
 
-def plan_cascades(share: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]],
-                  bs: int, device: torch.device) -> tuple[Cascade | None, set[int]]:
-    """Group decode rows by share id and find each group's common full blocks. Returns the
-    step's Cascade (None if no group shares a block) and the sequences it covers."""
+def plan_cascades(qo: list[int], kv_lens: list[int], pages: list[list[int]], bs: int,
+                  device: torch.device) -> tuple[Cascade | None, set[int]]:
+    """Group decode rows by their first physical block and find each group's common full
+    blocks. Returns the step's Cascade (None if no rows share a block) and the sequences it
+    covers."""
     groups: dict[int, list[int]] = {}
-    for i, sid in enumerate(share):
-        if sid >= 0 and qo[i + 1] - qo[i] == 1:
-            groups.setdefault(sid, []).append(i)
+    for i, own in enumerate(pages):
+        if qo[i + 1] - qo[i] == 1 and len(own) > 1:
+            groups.setdefault(own[0], []).append(i)
     plans = []
     for members in groups.values():
         if len(members) < 2:

@@ -19,7 +19,6 @@ class SeqChunk:
     num_computed: int  # tokens already in the cache before this step
     num_new: int  # query tokens this step (1 = decode)
     want_logits: int  # rows of logits to keep for this sequence (0 mid-prefill, n for a fork)
-    share_id: int = -1  # decode rows of one forked group (samples, beams) share an id
 
 
 @dataclass
@@ -33,9 +32,6 @@ class StepMetadata:
     slot_mapping [T]       flat pool slot where each new token's K/V is written
     positions [T]          position id of each new token
     logits_indices [R]     rows of the packed batch whose logits are kept (duplicates allowed)
-    share_ids [S]          forked siblings share an id (-1: none); their common leading blocks
-                           can be attended once for all of them (cascade, FlashInfer's
-                           two-level MultiLevelCascadeAttention)
     """
 
     qo_indptr: torch.Tensor
@@ -45,7 +41,6 @@ class StepMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     logits_indices: torch.Tensor
-    share_ids: torch.Tensor
     block_size: int
     max_q_len: int
     max_kv_len: int
@@ -90,7 +85,6 @@ class StepMetadata:
         slots: list[int] = []
         positions: list[int] = []
         logits: list[int] = []
-        shares: list[int] = []
         max_q = max_kv = 0
         bs = block_size
         for c in chunks:
@@ -109,7 +103,6 @@ class StepMetadata:
             last.append(end - (n_pages - 1) * bs)
             if c.want_logits:
                 logits.extend([qo[-1] - 1] * c.want_logits)
-            shares.append(c.share_id)
             max_q = max(max_q, c.num_new)
             max_kv = max(max_kv, end)
 
@@ -121,6 +114,5 @@ class StepMetadata:
             logits.extend([logits[-1]] * (min_rows - num_logits))
         return cls(qo_indptr=i32(qo), kv_indptr=i32(kv), kv_indices=i32(indices),
                    kv_last_page_len=i32(last), slot_mapping=i32(slots),
-                   positions=i32(positions), logits_indices=i32(logits),
-                   share_ids=i32(shares), block_size=block_size,
+                   positions=i32(positions), logits_indices=i32(logits), block_size=block_size,
                    max_q_len=max_q, max_kv_len=max_kv, num_logits=num_logits)

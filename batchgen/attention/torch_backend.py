@@ -85,8 +85,9 @@ class TorchPagedAttention:
 
     name = "torch"
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", use_cascade: bool = True) -> None:
         self.device = torch.device(device)
+        self.use_cascade = use_cascade
         self.groups: list[_Group] = []
         self.cascade: Cascade | None = None
 
@@ -99,8 +100,9 @@ class TorchPagedAttention:
         indices = meta.kv_indices.tolist()
         kv_lens = [(kv_ptr[i + 1] - kv_ptr[i] - 1) * bs + last[i] for i in range(len(last))]
         pages = [indices[kv_ptr[i]:kv_ptr[i + 1]] for i in range(len(last))]
-        self.cascade, covered = plan_cascades(meta.share_ids.tolist(), qo, kv_lens, pages, bs,
-                                              self.device)
+        self.cascade, covered = None, set()
+        if self.use_cascade:
+            self.cascade, covered = plan_cascades(qo, kv_lens, pages, bs, self.device)
         buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
         for i in range(len(last)):
             if i in covered:

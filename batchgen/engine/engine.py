@@ -106,8 +106,7 @@ class Engine:
                 group = seq.group
                 rows = group.params.n if group.beam is None and not group.forked else 1
                 done.append(seq)
-            share = seq.group.index if seq.group.forked and n == 1 else -1
-            chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows, share))
+            chunks.append(SeqChunk(self.bm.block_tables[seq.seq_id], start, n, rows))
         self.prompt_tokens_computed += prompt_tokens
         meta = StepMetadata.build(chunks, self.bm.block_size, MIN_BATCH_ROWS,
                                   self.cache.scratch_block)
