@@ -50,8 +50,23 @@ def _as_id_list(value: list[int] | None, name: str) -> list[int]:
     return list(value)
 
 
+class _Stops:
+    """Validated stop strings and stop ids, shared by both parameter classes."""
+
+    _stop_strs: list[str]
+    _stop_ids: list[int]
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return self._stop_strs
+
+    @property
+    def stop_ids(self) -> list[int]:
+        return self._stop_ids
+
+
 @dataclass
-class SamplingParams:
+class SamplingParams(_Stops):
     """How to sample one request; the names and defaults follow vLLM's `SamplingParams`."""
 
     n: int = 1
@@ -105,17 +120,9 @@ class SamplingParams:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
 
-    @property
-    def stop_strings(self) -> list[str]:
-        return self._stop_strs
-
-    @property
-    def stop_ids(self) -> list[int]:
-        return self._stop_ids
-
 
 @dataclass
-class BeamSearchParams:
+class BeamSearchParams(_Stops):
     """Beam search with HF `generate(num_beams=...)` semantics."""
 
     beam_width: int
@@ -147,11 +154,3 @@ class BeamSearchParams:
         _check_flags(self, "ignore_eos")
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
-
-    @property
-    def stop_strings(self) -> list[str]:
-        return self._stop_strs
-
-    @property
-    def stop_ids(self) -> list[int]:
-        return self._stop_ids
