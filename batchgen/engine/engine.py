@@ -93,7 +93,7 @@ class Engine:
             self.cache.copy_blocks(torch.tensor(src, device=dev), torch.tensor(dst, device=dev))
         # Decode rows sorted by context length, then prefill chunks by length: the attention
         # backend's length buckets become contiguous row ranges.
-        sched.scheduled.sort(key=lambda s: (s.num_new, s.seq.num_computed_tokens, s.seq.group.index))
+        sched.scheduled.sort(key=lambda s: (s.num_new, s.seq.num_computed_tokens))
         chunks, input_ids, done = [], [], []
         prompt_tokens = 0
         for item in sched.scheduled:
@@ -121,12 +121,12 @@ class Engine:
         """Route each logits row: samples to the sampler, beams to their group's beam step."""
         sample_seqs: list[Sequence] = []
         sample_rows: list[int] = []
-        beam_rows: dict[SequenceGroup, list[int]] = {}
+        beam_rows: dict[SequenceGroup, dict[int, int]] = {}  # group -> {seq_id: logits row}
         row = 0
         for seq in done:
             group = seq.group
             if group.beam is not None:
-                beam_rows.setdefault(group, []).append(row)
+                beam_rows.setdefault(group, {})[seq.seq_id] = row
                 row += 1
             elif not group.forked and group.params.n > 1:  # prompt done: fork the siblings
                 sample_seqs.extend(self._fork_samples(seq))
@@ -138,8 +138,8 @@ class Engine:
                 row += 1
         if sample_seqs:
             self._sample(sample_seqs, logits[sample_rows])
-        for group, rows in beam_rows.items():
-            self._beam_step(group, logits[rows])
+        for group, rows in beam_rows.items():  # rows in the group's beam order
+            self._beam_step(group, logits[[rows[s.seq_id] for s in group.seqs]])
         return len(sample_seqs) + sum(g.width if not g.done else 0 for g in beam_rows)
 
     # ---- sampling -----------------------------------------------------------------------------
