@@ -173,6 +173,25 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
     return ids.to(device), mask.to(device)
 
 
+def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
+                    n_tokens: int, device: str, rows_per_prompt: int, **gen_kwargs: Any
+                    ) -> list[list[int]]:
+    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
+    returns the new tokens of every returned row (``rows_per_prompt`` per prompt)."""
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids, mask = left_pad(chunk, PAD_ID, device)
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
+                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
+        new = seqs[:, ids.shape[1]:]
+        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
+            f"HF generate returned {tuple(new.shape)} new tokens, expected "
+            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
+        out.extend(new.tolist())
+    return out
+
+
 # ---- timing and results ---------------------------------------------------------------------
 def sync(device: str | torch.device) -> None:
     """Wait for queued GPU work so wall-clock timings are honest (no-op on CPU)."""

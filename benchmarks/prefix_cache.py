@@ -32,7 +32,7 @@ from benchmarks.common import (  # noqa: E402
     add_run_args,
     args_dict,
     fmt_ratio,
-    left_pad,
+    hf_generate_all,
     load_hf_model,
     machine_info,
     machine_line,
@@ -114,18 +114,10 @@ def run_hf(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
     runs = []
     for bs in args.hf_batch_sizes:
         def go(bs: int = bs) -> list[list[int]]:
-            out = []
-            for i in range(0, len(prompts), bs):
-                ids, mask = left_pad(prompts[i:i + bs], device=args.device)
-                gen = model.generate(ids, attention_mask=mask, max_new_tokens=L,
-                                     min_new_tokens=L, do_sample=False)
-                out.extend(gen[:, ids.shape[1]:].tolist())
-            return out
+            return hf_generate_all(model, prompts, bs, L, args.device, 1, do_sample=False)
 
         with torch.inference_mode():
-            go_small = prompts[:2]
-            ids, mask = left_pad(go_small, device=args.device)
-            model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+            hf_generate_all(model, prompts[:2], 2, 2, args.device, 1, do_sample=False)
         tokens, walls = timed_repeats(go, args.repeats, args.device)
         runs.append((Result("HF generate", f"sdpa, batch {bs}, left-padded", min(walls),
                             sum(map(len, tokens)), sum(map(len, prompts)),

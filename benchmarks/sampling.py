@@ -70,6 +70,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+from batchgen.kv.block_manager import blocks_for  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DTYPES,
     PAD_ID,
@@ -82,7 +83,7 @@ from benchmarks.common import (  # noqa: E402
     common_prefix_frac,
     count_params,
     fmt_ratio,
-    left_pad,
+    hf_generate_all,
     load_hf_model,
     machine_info,
     machine_line,
@@ -156,10 +157,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---- KV accounting --------------------------------------------------------------------------
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
 def kv_baselines(prompts: list[list[int]], width: int, L: int, block_size: int
                  ) -> dict[str, int]:
     """Token footprints without sharing: contiguous (HF-style) and paged (per-sample blocks)."""
@@ -263,25 +260,6 @@ def run_batchgen_beam(llm, prompts: list[list[int]], width: int, args: argparse.
 
 
 # ---- HF generate ----------------------------------------------------------------------------
-def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
-                    n_tokens: int, device: str, rows_per_prompt: int, **gen_kwargs: Any
-                    ) -> list[list[int]]:
-    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
-    returns the new tokens of every returned row (``rows_per_prompt`` per prompt)."""
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, PAD_ID, device)
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
-        new = seqs[:, ids.shape[1]:]
-        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
-            f"HF generate returned {tuple(new.shape)} new tokens, expected "
-            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
-        out.extend(new.tolist())
-    return out
-
-
 def run_hf(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
            label: str, rows_per_prompt: int, width: int, **gen_kwargs: Any
            ) -> list[tuple[Result, list[list[int]]]]:

@@ -53,7 +53,7 @@ from benchmarks.common import (  # noqa: E402
     check_workload_args,
     count_params,
     fmt_ratio,
-    left_pad,
+    hf_generate_all,
     load_hf_model,
     machine_info,
     machine_line,
@@ -132,34 +132,19 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Names
     return res, tokens
 
 
-def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
-                    n_tokens: int, device: str) -> list[list[int]]:
-    """HF generate over all prompts in input order, ``batch_size`` at a time, left-padded."""
-    out_tokens: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, PAD_ID, device)
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens, do_sample=False, pad_token_id=PAD_ID)
-        new = seqs[:, ids.shape[1]:]
-        assert new.shape[1] == n_tokens, f"HF generate made {new.shape[1]} tokens, not {n_tokens}"
-        out_tokens.extend(new.tolist())
-    return out_tokens
-
-
 def run_hf_generate(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
                     ) -> list[tuple[Result, list[list[int]]]]:
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
     L = args.output_len
     with torch.inference_mode():
         hf_generate_all(model, prompts[:WARMUP_PROMPTS], WARMUP_PROMPTS, min(L, WARMUP_TOKENS),
-                        args.device)
+                        args.device, 1, do_sample=False)
     runs = []
     n_prompt = sum(map(len, prompts))
     for bs in args.hf_batch_sizes:
         tokens, walls = timed_repeats(
-            lambda bs=bs: hf_generate_all(model, prompts, bs, L, args.device), args.repeats,
-            args.device)
+            lambda bs=bs: hf_generate_all(model, prompts, bs, L, args.device, 1, do_sample=False),
+            args.repeats, args.device)
         runs.append((Result("HF generate", f"sdpa, batch {bs}, left-padded", min(walls),
                             sum(map(len, tokens)), n_prompt,
                             {"batch_size": bs, "wall_s_all": walls}), tokens))
