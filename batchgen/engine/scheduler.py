@@ -132,6 +132,8 @@ class Scheduler:
                             out: SchedulerOutput, budget: _Budget) -> tuple[bool, bool]:
         """Reserve blocks for the sequences, preempting the newest groups while they do not
         fit. Returns (reserved, preempted anything)."""
+        if len(seqs) == 1 and counts[0] == 1 and self._in_place(seqs[0]):
+            return True, False
         preempted = False
         group = seqs[0].group
         while self._blocks_needed(seqs, counts) > self.bm.num_free_blocks():
@@ -222,6 +224,15 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, n))
         budget.tokens -= n
         budget.seqs -= 1
+
+    def _in_place(self, seq: Sequence) -> bool:
+        """The decode fast path: the next token goes into an existing block it owns alone."""
+        start = seq.num_computed_tokens
+        bs = self.bm.block_size
+        if start % bs == 0:
+            return False
+        table = self.bm.block_tables.get(seq.seq_id)
+        return table is not None and self.bm.ref_count[table[start // bs]] == 1
 
     def _shared_partial(self, seq: Sequence) -> bool:
         """Would writing at the sequence's next position hit a block shared with others?"""
