@@ -158,6 +158,9 @@ class LLM:
             self.engine.add_group(g)
         try:
             self.engine.run(self._progress(len(groups)) if use_tqdm else None)
+        except BaseException:
+            self.scheduler.abort_all()  # an error or Ctrl-C must not leak into the next call
+            raise
         finally:
             self._close_progress()
             self._last_stats = KVStats(

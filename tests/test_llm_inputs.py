@@ -109,3 +109,28 @@ def test_text_prompts_need_a_tokenizer(tiny_model_factory):
         llm.generate(ids(4), SamplingParams(stop="x"), use_tqdm=False)
     out = llm.generate(ids(4), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].text == ""
+
+
+def test_a_failed_call_leaves_a_clean_engine(llm):
+    """An error (or Ctrl-C) mid-run frees every block; the next call works normally."""
+    good = [ids(9), ids(20)]
+    want = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    execute = llm.engine.runner.execute
+    calls = []
+
+    def failing(input_ids, meta):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return execute(input_ids, meta)
+
+    llm.engine.runner.execute = failing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    finally:
+        llm.engine.runner.execute = execute
+    assert not llm.scheduler.has_unfinished()
+    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    again = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]

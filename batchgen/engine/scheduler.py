@@ -72,6 +72,16 @@ class Scheduler:
         if seq.seq_id in self.bm.block_tables:
             self.bm.free_seq(seq.seq_id)
 
+    def abort_all(self) -> None:
+        """Drop every group (a failed or interrupted call): free their blocks, empty the queues,
+        so the next call starts from a clean pool."""
+        for group in [*self.running, *self.waiting]:
+            for seq in group.seqs:
+                if seq.seq_id in self.bm.block_tables:
+                    self.bm.free_seq(seq.seq_id)
+        self.running.clear()
+        self.waiting.clear()
+
     def drop_finished_groups(self) -> list[SequenceGroup]:
         done = [g for g in self.running if g.finished]
         if done:
