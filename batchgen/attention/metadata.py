@@ -63,9 +63,6 @@ class StepMetadata:
         pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
         return (pages - 1) * self.block_size + self.kv_last_page_len
 
-    def q_lens(self) -> torch.Tensor:
-        return self.qo_indptr[1:] - self.qo_indptr[:-1]
-
     @classmethod
     def build(cls, chunks: list[SeqChunk], block_size: int, min_rows: int = 0,
               scratch_block: int | None = None) -> StepMetadata:

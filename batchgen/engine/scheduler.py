@@ -56,7 +56,6 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
         self.num_preemptions = 0
-        self._stamp = 0
         # Admission leaves a little room so running sequences can grow without preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -186,8 +185,6 @@ class Scheduler:
             if need > self.bm.num_free_blocks() - reserve:
                 return
             self.waiting.popleft()
-            group.admitted_at = self._stamp
-            self._stamp += 1
             self.running.append(group)
             for seq in seqs:
                 seq.status = SequenceStatus.RUNNING

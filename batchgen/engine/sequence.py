@@ -88,7 +88,6 @@ class SequenceGroup:
     forked: bool = False  # siblings exist (n > 1 samples, or beams after their first step)
     share_pending: bool = False  # preempted with siblings: re-fork them from the leader
     done: bool = False  # beam search finished (its live beams are freed)
-    admitted_at: int = -1  # scheduler stamp; the newest group is preempted first
 
     @property
     def num_prompt_tokens(self) -> int:

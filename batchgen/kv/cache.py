@@ -51,9 +51,6 @@ class KVCache:
         return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
                               self.pool.element_size())
 
-    def total_bytes(self) -> int:
-        return self.pool.numel() * self.pool.element_size()
-
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k, v) of one layer, each [blocks, block_size, kv_heads, head_dim]."""
         return self.pool[layer, 0], self.pool[layer, 1]
