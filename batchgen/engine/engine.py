@@ -151,6 +151,7 @@ class Engine:
             self.bm.fork(leader.seq_id, child.seq_id)
             child.num_computed_tokens = leader.num_computed_tokens
             child.block_hashes = list(leader.block_hashes)
+            child.cached_blocks = leader.cached_blocks
             child.status = SequenceStatus.RUNNING
         group.forked = True
         return list(group.seqs)
@@ -200,7 +201,8 @@ class Engine:
                 child = Sequence(group=group, index=j, token_ids=[], stop=None, generator=None,
                                  status=SequenceStatus.RUNNING,
                                  num_computed_tokens=parent.num_computed_tokens,
-                                 block_hashes=list(parent.block_hashes))
+                                 block_hashes=list(parent.block_hashes),
+                                 cached_blocks=parent.cached_blocks)
                 self.bm.fork(parent.seq_id, child.seq_id)
             else:
                 taken.add(p)

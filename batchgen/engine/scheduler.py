@@ -191,7 +191,7 @@ class Scheduler:
             if hit:
                 self.bm.allocate_cached(leader.seq_id, hit)
                 leader.num_computed_tokens = len(hit) * self.bm.block_size
-                leader.block_hashes = hashes[:len(hit)]
+                leader.cached_blocks = len(hit)
             inflight.update(hashes[len(hit):])
             for seq, n in plan:
                 self._reserve(seq, n, out)
@@ -204,8 +204,16 @@ class Scheduler:
         if not self.bm.enable_prefix_caching or leader.seq_id in self.bm.block_tables:
             return [], []
         limit = group.num_prompt_tokens if group.share_pending else len(leader.token_ids)
-        hashes = chain_hashes(leader.token_ids, self.bm.block_size, [], limit)
+        hashes = self._hashes(leader, limit)[:limit // self.bm.block_size]
         return hashes, self.bm.lookup(hashes[:(limit - 1) // self.bm.block_size])
+
+    def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The sequence's block-hash memo, extended to the full blocks of `num_tokens` tokens
+        (each block is hashed once in the sequence's life)."""
+        if num_tokens // self.bm.block_size > len(seq.block_hashes):
+            seq.block_hashes = chain_hashes(seq.token_ids, self.bm.block_size,
+                                            seq.block_hashes, num_tokens)
+        return seq.block_hashes
 
     def _inflight_hashes(self) -> set[bytes]:
         """Hashes of full blocks that admitted sequences have yet to compute."""
@@ -215,17 +223,16 @@ class Scheduler:
         for group in self.running:
             for seq in group.unfinished():
                 if seq.num_uncomputed > 1:
-                    pending.update(chain_hashes(seq.token_ids, self.bm.block_size,
-                                                seq.block_hashes)[len(seq.block_hashes):])
+                    done = seq.num_computed_tokens // self.bm.block_size
+                    pending.update(self._hashes(seq, len(seq.token_ids))[done:])
         return pending
 
     def cache_computed(self, seq: Sequence) -> None:
-        """After a step: hash the sequence's newly completed full blocks and publish them."""
-        if self.bm.enable_prefix_caching and not seq.finished and (
-                seq.num_computed_tokens // self.bm.block_size > len(seq.block_hashes)):
-            seq.block_hashes = chain_hashes(seq.token_ids, self.bm.block_size,
-                                            seq.block_hashes, seq.num_computed_tokens)
-            self.bm.register(seq.seq_id, seq.block_hashes)
+        """After a step: publish the hashes of the sequence's newly completed full blocks."""
+        done = seq.num_computed_tokens // self.bm.block_size
+        if self.bm.enable_prefix_caching and not seq.finished and done > seq.cached_blocks:
+            self.bm.register(seq.seq_id, self._hashes(seq, seq.num_computed_tokens)[:done])
+            seq.cached_blocks = done
 
     def _take(self, seq: Sequence, n: int, out: SchedulerOutput, budget: _Budget) -> None:
         out.scheduled.append(ScheduledSeq(seq, n))
@@ -272,6 +279,7 @@ class Scheduler:
             self.bm.fork(leader.seq_id, sib.seq_id, num_tokens=p)
             sib.num_computed_tokens = p
             sib.block_hashes = leader.block_hashes[:p // self.bm.block_size]
+            sib.cached_blocks = min(leader.cached_blocks, p // self.bm.block_size)
             sib.status = SequenceStatus.RUNNING
         group.share_pending = False
 
@@ -284,7 +292,7 @@ class Scheduler:
                 ids.update(self.bm.block_tables[seq.seq_id])
                 self.bm.free_seq(seq.seq_id)
             seq.num_computed_tokens = 0
-            seq.block_hashes = []
+            seq.cached_blocks = 0  # the memo of hashes stays valid: the tokens are unchanged
             if not seq.finished:
                 seq.status = SequenceStatus.WAITING
         for s in out.scheduled:  # refund the step budget they held

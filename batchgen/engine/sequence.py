@@ -47,7 +47,10 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    block_hashes: list[bytes] = field(default_factory=list)  # of its computed full blocks
+    # prefix cache: chained hashes of the full blocks of token_ids (a memo that may run ahead of
+    # the KV; tokens only grow, so it stays valid), and how many blocks have been published
+    block_hashes: list[bytes] = field(default_factory=list)
+    cached_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
