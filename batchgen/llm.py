@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from batchgen.attention import cpu_kernel
 from batchgen.attention.torch_backend import TorchPagedAttention
 from batchgen.config import (
     DEFAULT_MAX_MODEL_LEN,
@@ -44,7 +45,9 @@ if not logger.handlers:
     logger.addHandler(_h)
     logger.setLevel(logging.INFO)
 
-ATTENTION_BACKENDS = ("torch",)
+# None picks the best available: on the CPU with a float32 KV pool, the compiled decode kernel
+# when it builds (else pure PyTorch); "torch" never compiles anything; "cpu_kernel" insists.
+ATTENTION_BACKENDS = ("torch", "cpu_kernel")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 PromptType = str | dict[str, Any]
@@ -119,7 +122,7 @@ class LLM:
                              geo.head_dim, kv_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, self.max_num_batched_tokens)
-        backend = TorchPagedAttention(self.device)
+        backend = _attention_backend(attention_backend, self.device, kv_dtype)
         runner = ModelRunner(self.model, self.cache, backend, self.device)
         self.eos_token_ids = _eos_ids(config, loader.load_generation_config(path),
                                       self.tokenizer)
@@ -340,6 +343,22 @@ class LLM:
         if bar is not None:
             bar.close()
             self._bar = None
+
+
+def _attention_backend(choice: str | None, device: torch.device, kv_dtype: torch.dtype
+                       ) -> TorchPagedAttention:
+    """The attention backend for `attention_backend` (validated by the caller)."""
+    fits_kernel = device.type == "cpu" and kv_dtype == torch.float32
+    if choice == "cpu_kernel":
+        if not fits_kernel:
+            raise ValueError("attention_backend='cpu_kernel' needs device='cpu' and a float32 "
+                             f"KV cache, got device={device.type!r}, KV dtype {kv_dtype}")
+        try:
+            return TorchPagedAttention(device, decode_kernel=cpu_kernel.load())
+        except cpu_kernel.KernelUnavailable as e:
+            raise RuntimeError(f"attention_backend='cpu_kernel': {e}") from e
+    kernel = cpu_kernel.try_load() if choice is None and fits_kernel else None
+    return TorchPagedAttention(device, decode_kernel=kernel)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from batchgen.attention import cpu_kernel
 from batchgen.attention.metadata import SeqChunk, StepMetadata
 from batchgen.attention.torch_backend import TorchPagedAttention
 from batchgen.kv.block_manager import BlockManager
@@ -36,6 +37,18 @@ def _dense_reference(q, k, v, scale, window, softcap, sinks):
     return torch.einsum("hqk,khd->qhd", p, v.double()).float()
 
 
+def _kernel(use: bool):
+    """The compiled decode kernel for use=True (skipping where it cannot be built)."""
+    if not use:
+        return None
+    kernel = cpu_kernel.try_load()
+    if kernel is None:
+        pytest.skip("CPU decode kernel unavailable here")
+    return kernel
+
+
+BACKENDS = pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])
+
 CASES = [  # (block_size, hq, hkv, window, softcap, sinks)
     (4, 4, 2, None, None, False),
     (1, 4, 4, None, None, False),
@@ -47,8 +60,9 @@ CASES = [  # (block_size, hq, hkv, window, softcap, sinks)
 ]
 
 
+@BACKENDS
 @pytest.mark.parametrize("block_size,hq,hkv,window,softcap,sinks", CASES)
-def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sinks):
+def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sinks, kernel):
     torch.manual_seed(0)
     rng = random.Random(block_size * 31 + hq)
     d, num_blocks = 8, 1200
@@ -77,8 +91,9 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
     cache.write(0, new_k, new_v, meta.slot_mapping.long())
     q = torch.randn(meta.num_tokens, hq, d)
     sink_t = torch.randn(hq) if sinks else None
-    backend = TorchPagedAttention()
+    backend = TorchPagedAttention(decode_kernel=_kernel(kernel))
     backend.plan(meta)
+    assert (backend.kernel_rows is not None) == kernel  # decode rows go to the kernel
     out = backend.run(0, q, cache, 0.3, window, softcap, sink_t)
     for i in range(len(shapes)):
         a, b = meta.qo_indptr[i].item(), meta.qo_indptr[i + 1].item()
@@ -128,9 +143,10 @@ def test_kv_cache_bytes_and_pool_layout():
     assert torch.equal(cache.pool[:, :, 2], cache.pool[:, :, 4])
 
 
+@BACKENDS
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (9, None, False),
                                                   (None, 15.0, True), (40, None, False)])
-def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks):
+def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks, kernel):
     """Rows sharing leading blocks are attended in two levels (shared prefix once, own tails
     apart) and must equal plain attention over each row's own sequence."""
     torch.manual_seed(1)
@@ -164,7 +180,7 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks)
     outs = {}
     meta = StepMetadata.build(chunks + other, bs)
     for share in (True, False):
-        backend = TorchPagedAttention(use_cascade=share)
+        backend = TorchPagedAttention(use_cascade=share, decode_kernel=_kernel(kernel))
         backend.plan(meta)
         assert (backend.cascade is not None) == share
         outs[share] = backend.run(0, q, cache, 0.3, window, softcap, sink_t)

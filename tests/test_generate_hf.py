@@ -13,11 +13,13 @@ from tests.helpers import hf_greedy, make_prompt_token_ids
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "gpt_neox", "opt"]
 MAX_NEW = 24
 
-# (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs)
+# (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs, attention_backend);
+# None = default (the compiled CPU decode kernel where it builds), "torch" = pure PyTorch
 LAYOUTS = {
-    "block16": (16, 512, None, 256),
-    "block1": (1, 4096, None, 256),
-    "preempt+chunked": (4, 48, 24, 8),  # ~2 sequences fit; prompts exceed the token budget
+    "block16": (16, 512, None, 256, None),
+    "block16-torch": (16, 512, None, 256, "torch"),
+    "block1": (1, 4096, None, 256, None),
+    "preempt+chunked": (4, 48, 24, 8, None),  # ~2 sequences fit; prompts exceed the budget
 }
 
 
@@ -35,9 +37,9 @@ def family_case(request, tiny_model_factory, prompts):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_greedy_equals_hf_generate(family_case, prompts, layout):
     family, path, expected = family_case
-    block_size, blocks, budget, seqs = LAYOUTS[layout]
+    block_size, blocks, budget, seqs, backend = LAYOUTS[layout]
     llm = LLM(path, block_size=block_size, num_kv_blocks=blocks, max_num_batched_tokens=budget,
-              max_num_seqs=seqs)
+              max_num_seqs=seqs, attention_backend=backend)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]

@@ -3,7 +3,8 @@ sliding windows, logit softcap and attention sinks.
 
 plan() turns the step's FlashInfer-format metadata into gather indices and masks once per step;
 run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax when
-softcap or sinks need it). Long prefill chunks are cut into query tiles that see only the keys
+softcap or sinks need it). With the compiled CPU kernel (cpu_kernel.py), decode rows skip the
+gathers: the kernel reads their blocks in place, each row over its exact length. Long prefill chunks are cut into query tiles that see only the keys
 up to their last query (the causal upper triangle is skipped). Tiles of one shape share an SDPA
 call; the shape depends on the tile alone (see _shape), so results are batch invariant. There is
 no Python loop over tokens.
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.attention.cascade import Cascade, plan_cascades, run_cascade
+from batchgen.attention.cpu_kernel import PagedDecodeKernel
 from batchgen.attention.metadata import StepMetadata
 from batchgen.kv.cache import KVCache
 
@@ -80,16 +82,29 @@ def _tiles(q_start: int, q_len: int, kv_len: int) -> list[tuple[int, int, int]]:
     return [(q_start + a - first, b - a, b) for a, b in zip(cuts, cuts[1:])]
 
 
+@dataclass
+class _KernelRows:
+    """Decode rows handed to the CPU kernel: their packed rows and page tables (int32)."""
+
+    rows: slice | torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len: torch.Tensor
+
+
 class TorchPagedAttention:
-    """Vectorised paged attention in PyTorch; the CPU path and the GPU reference."""
+    """Vectorised paged attention in PyTorch; the CPU path and the GPU reference. With
+    `decode_kernel`, float32 decode rows on the CPU go to the compiled kernel instead."""
 
-    name = "torch"
-
-    def __init__(self, device: torch.device | str = "cpu", use_cascade: bool = True) -> None:
+    def __init__(self, device: torch.device | str = "cpu", use_cascade: bool = True,
+                 decode_kernel: PagedDecodeKernel | None = None) -> None:
         self.device = torch.device(device)
         self.use_cascade = use_cascade
+        self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
+        self.name = "torch+cpu-kernel" if self.decode_kernel is not None else "torch"
         self.groups: list[_Group] = []
         self.cascade: Cascade | None = None
+        self.kernel_rows: _KernelRows | None = None
 
     def plan(self, meta: StepMetadata) -> None:
         """Build the gather indices and masks shared by every layer of this step."""
@@ -103,6 +118,12 @@ class TorchPagedAttention:
         self.cascade, covered = None, set()
         if self.use_cascade:
             self.cascade, covered = plan_cascades(qo, kv_lens, pages, bs, self.device)
+        self.kernel_rows = None
+        if self.decode_kernel is not None:
+            decode = [i for i in range(len(last)) if qo[i + 1] - qo[i] == 1 and i not in covered]
+            if decode:
+                self.kernel_rows = _kernel_rows(decode, qo, kv_lens, pages)
+                covered = covered | set(decode)
         buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
         for i in range(len(last)):
             if i in covered:
@@ -160,7 +181,39 @@ class TorchPagedAttention:
             out[grp.rows] = og.reshape(s * mq, hq, -1)
         if self.cascade is not None:
             run_cascade(self.cascade, q, kv_blocks, scale, window, softcap, sinks, out)
+        if self.kernel_rows is not None:
+            self._run_kernel(self.kernel_rows, q, kv_blocks, scale, window, softcap, sinks, out)
         return out
+
+    def _run_kernel(self, kr: _KernelRows, q: torch.Tensor, kv_blocks: torch.Tensor,
+                    scale: float, window: int | None, softcap: float | None,
+                    sinks: torch.Tensor | None, out: torch.Tensor) -> None:
+        """Decode rows through the compiled kernel, straight from the pool's blocks."""
+        assert self.decode_kernel is not None
+        qk = q[kr.rows].float().contiguous()
+        direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
+        res = out[kr.rows] if direct else torch.empty_like(qk)
+        self.decode_kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
+                           kr.kv_len, scale, window, softcap, sinks)
+        if not direct:
+            out[kr.rows] = res.to(out.dtype)
+
+
+def _kernel_rows(seqs: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]]
+                 ) -> _KernelRows:
+    """Page tables of the decode rows the kernel takes (their query rows, in order)."""
+    rows = [qo[i] for i in seqs]
+    indptr = [0]
+    indices: list[int] = []
+    for i in seqs:
+        indices.extend(pages[i])
+        indptr.append(len(indices))
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    i32 = torch.int32
+    return _KernelRows(
+        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows),
+        kv_indptr=torch.tensor(indptr, dtype=i32), kv_indices=torch.tensor(indices, dtype=i32),
+        kv_len=torch.tensor([kv_lens[i] for i in seqs], dtype=i32))
 
 
 def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,

@@ -1,0 +1,258 @@
+/* Paged decode attention on the CPU: one query token per sequence, K/V read in place from the
+ * paged pool (no gather), GQA/MQA, sliding window, logit softcap and attention sinks.
+ *
+ * Layouts (float32, contiguous): q and out [S, Hq, D]; k and v one layer of the pool
+ * [P, B, Hkv, D] (FlashInfer NHD); kv_indptr [S+1], kv_indices [pages], kv_len [S] (int32).
+ * Every sum has a fixed order (over d for a score, over keys
+ * in explicit 16-wide lanes for the softmax denominator, key by key for P V), so a sequence's
+ * result depends only on its own keys: not on the batch, the thread count, the physical blocks
+ * it got or memory alignment (batch invariance). Loaded by batchgen/attention/cpu_kernel.py.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define VL 16
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* exp(x) for x <= 0, branch-free so loops over it vectorise: 2^n * p(r), r = x - n ln2
+ * (|r| <= ln2/2), degree-6 Taylor polynomial (relative error < 3e-7). Inputs below -87 are
+ * clamped (exp(-87) ~ 1.6e-38: a probability that small adds nothing to a float32 sum). */
+static inline float exp_neg(float x) {
+    const float xc = x < -87.0f ? -87.0f : x;
+    const int32_t ni = (int32_t)(xc * 1.44269504f - 0.5f); /* round to nearest, xc <= 0 */
+    const float n = (float)ni;
+    float r = xc - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;
+    float p = 1.38888889e-3f;
+    p = p * r + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const int32_t bits = (ni + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+/* exp_neg on 16 lanes at once (the same steps, so the same values as the scalar form). */
+static inline v16 exp_neg16(v16 x) {
+    const v16i low = x < -87.0f; /* all ones where x < -87 */
+    const v16 xc = (v16)((low & (v16i)((v16){0} - 87.0f)) | (~low & (v16i)x));
+    const v16i ni = __builtin_convertvector(xc * 1.44269504f - 0.5f, v16i);
+    const v16 n = __builtin_convertvector(ni, v16);
+    v16 r = xc - n * 0.693145752f;
+    r = r - n * 1.42860677e-6f;
+    v16 p = r * 1.38888889e-3f + 8.33333333e-3f;
+    p = p * r + 4.16666667e-2f;
+    p = p * r + 1.66666667e-1f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return p * (v16)((ni + 127) << 23);
+}
+
+/* Fold 16 lanes to one in a fixed order. */
+static inline float fold16(v16 acc) {
+    const v8 s8 = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
+                  __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
+/* x[j] = exp(x[j] - m) in place; returns their sum (16 lanes, then the tail in order). */
+static float exp_sum(float *x, int64_t n, float m) {
+    v16 acc = {0};
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL) {
+        v16 xv;
+        memcpy(&xv, x + j, sizeof xv);
+        xv = exp_neg16(xv - m);
+        memcpy(x + j, &xv, sizeof xv);
+        acc += xv;
+    }
+    float tail = 0.0f;
+    for (; j < n; ++j) {
+        x[j] = exp_neg(x[j] - m);
+        tail += x[j];
+    }
+    return fold16(acc) + tail;
+}
+
+/* Max over explicit lanes (exact in any order; lanes only let it vectorise). */
+static float ordered_max(const float *x, int64_t n, float init) {
+    float l[VL];
+    for (int i = 0; i < VL; ++i) l[i] = init;
+    int64_t j = 0;
+    for (; j + VL <= n; j += VL)
+        for (int i = 0; i < VL; ++i) l[i] = x[j + i] > l[i] ? x[j + i] : l[i];
+    for (int i = 0; j + i < n; ++i) l[i] = x[j + i] > l[i] ? x[j + i] : l[i];
+    float m = init;
+    for (int i = 0; i < VL; ++i) m = l[i] > m ? l[i] : m;
+    return m;
+}
+
+
+/* q . k over d: 16-wide lanes, folded 16 → 8 → 4 → 1 in registers in a fixed order, plus the
+ * tail of d (head sizes not a multiple of 16) summed in order. GCC >= 12 / Clang vector
+ * extensions: no intrinsics, any ISA. */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v16 acc = {0};
+    int64_t d = 0;
+    for (; d + VL <= n; d += VL) {
+        v16 x, y;
+        memcpy(&x, a + d, sizeof x);
+        memcpy(&y, b + d, sizeof y);
+        acc += x * y;
+    }
+    float tail = 0.0f;
+    for (; d < n; ++d) tail += a[d] * b[d];
+    return fold16(acc) + tail;
+}
+
+/* Four dot products (q rows q4[0..3] at stride D against k[0..3]) folded together: the same
+ * additions in the same order as dot(), so each score has dot()'s bits, at a quarter of the
+ * shuffles. */
+static inline void dot4(const float *q4, const float *const *k, int64_t D, float *res) {
+    v16 a[4] = {{0}, {0}, {0}, {0}};
+    int64_t d = 0;
+    for (; d + VL <= D; d += VL)
+        for (int i = 0; i < 4; ++i) {
+            v16 x, y;
+            memcpy(&x, q4 + i * D + d, sizeof x);
+            memcpy(&y, k[i] + d, sizeof y);
+            a[i] += x * y;
+        }
+    float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; d < D; ++d)
+        for (int i = 0; i < 4; ++i) tail[i] += q4[i * D + d] * k[i][d];
+    const v16 x = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                          21, 22, 23) +
+                  __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                          27, 28, 29, 30, 31);
+    const v16 y = __builtin_shufflevector(a[2], a[3], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
+                                          21, 22, 23) +
+                  __builtin_shufflevector(a[2], a[3], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                          27, 28, 29, 30, 31);
+    const v16 z = __builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25,
+                                          26, 27) +
+                  __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                          29, 30, 31);
+    const v8 w = __builtin_shufflevector(z, z, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(z, z, 2, 3, 6, 7, 10, 11, 14, 15);
+    const v4 r = __builtin_shufflevector(w, w, 0, 2, 4, 6) + __builtin_shufflevector(w, w, 1, 3, 5, 7);
+    for (int i = 0; i < 4; ++i) res[i] = r[i] + tail[i];
+}
+
+/* a += p * x over d (16-wide vectors, then the tail): the P V accumulation, key by key. */
+static inline void axpy(float *restrict a, float p, const float *restrict x, int64_t n) {
+    int64_t d = 0;
+    for (; d + VL <= n; d += VL) {
+        v16 av, xv;
+        memcpy(&av, a + d, sizeof av);
+        memcpy(&xv, x + d, sizeof xv);
+        av += p * xv;
+        memcpy(a + d, &av, sizeof av);
+    }
+    for (; d < n; ++d) a[d] += p * x[d];
+}
+
+/* Ask for the rows of the block holding position `pos` (if < L), columns [col, col + width),
+ * ahead of use: one layer's block is often exactly one 4 KiB page, where hardware prefetchers
+ * stop. */
+static inline void prefetch_block(const float *base, const int32_t *pages, int64_t pos,
+                                  int64_t L, int64_t B, int64_t row, int64_t col,
+                                  int64_t width) {
+    if (pos >= L) return;
+    const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
+    const float *p = base + ((int64_t)pages[pos / B] * B + off) * row + col;
+    for (int64_t i = pos; i < end; ++i, p += row)
+        for (int64_t c = 0; c < width; c += 16) __builtin_prefetch(p + c, 0, 3);
+}
+
+/* Attention of one sequence's query heads of kv heads [h0, h1): scores, softmax, P V. The
+ * steps for a query head are the same whichever range it is computed in. */
+static int attend(const float *q, const float *k, const float *v, float *out,
+                  const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D,
+                  int64_t B, int64_t row, float scale, int64_t window, float softcap,
+                  const float *sinks) {
+    const int64_t j0 = (window > 0 && L > window) ? L - window : 0, n = L - j0;
+    const int64_t H = (h1 - h0) * G; /* query heads in this task */
+    const int64_t col = h0 * D, width = (h1 - h0) * D;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(H * (n + 2 * D) + 1));
+    if (!buf) return 1;
+    float *qs = buf, *acc = buf + H * D, *sc = acc + H * D;
+    const float *qh = q + h0 * G * D;
+    for (int64_t i = 0; i < H * D; ++i) qs[i] = qh[i] * scale;
+    memset(acc, 0, sizeof(float) * (size_t)(H * D));
+    prefetch_block(v, pages, j0, L, B, row, col, width); /* the V pass starts here */
+    for (int64_t pos = j0, j = 0; pos < L;) { /* scores [H, n], block by block */
+        const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
+        const float *kr = k + ((int64_t)pages[pos / B] * B + off) * row + col;
+        prefetch_block(k, pages, end, L, B, row, col, width);
+        for (; pos < end; ++pos, ++j, kr += row) {
+            int64_t i = 0;
+            for (; i + 4 <= H; i += 4) {
+                const float *k4[4] = {kr + (i / G) * D, kr + ((i + 1) / G) * D,
+                                      kr + ((i + 2) / G) * D, kr + ((i + 3) / G) * D};
+                float r[4];
+                dot4(qs + i * D, k4, D, r);
+                for (int u = 0; u < 4; ++u) sc[(i + u) * n + j] = r[u];
+            }
+            for (; i < H; ++i) sc[i * n + j] = dot(qs + i * D, kr + (i / G) * D, D);
+        }
+    }
+    for (int64_t i = 0; i < H; ++i) { /* softmax per query head, in place */
+        float *x = sc + i * n;
+        const float *sink = sinks ? sinks + h0 * G + i : NULL;
+        if (softcap > 0.0f)
+            for (int64_t j = 0; j < n; ++j) x[j] = tanhf(x[j] / softcap) * softcap;
+        const float m = ordered_max(x, n, sink ? *sink : -3.0e38f);
+        const float den = exp_sum(x, n, m) + (sink ? exp_neg(*sink - m) : 0.0f);
+        const float inv = 1.0f / den;
+        for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+    }
+    for (int64_t pos = j0, j = 0; pos < L;) { /* out = P V, keys in order */
+        const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
+        const float *vr = v + ((int64_t)pages[pos / B] * B + off) * row + col;
+        prefetch_block(v, pages, end, L, B, row, col, width);
+        for (; pos < end; ++pos, ++j, vr += row)
+            for (int64_t hk = 0, i = 0; hk < h1 - h0; ++hk)
+                for (int64_t g = 0; g < G; ++g, ++i) axpy(acc + i * D, sc[i * n + j], vr + hk * D, D);
+    }
+    memcpy(out + h0 * G * D, acc, sizeof(float) * (size_t)(H * D));
+    free(buf);
+    return 0;
+}
+
+/* One task per sequence (its K/V rows are read whole, in order), or per (sequence, kv head)
+ * when there are too few sequences to keep the threads busy. */
+int batchgen_paged_decode(const float *q, const float *k, const float *v, float *out,
+                          const int32_t *kv_indptr, const int32_t *kv_indices,
+                          const int32_t *kv_len, int64_t num_seqs, int64_t num_q_heads,
+                          int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, int64_t window, float softcap, const float *sinks) {
+    if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return 1;
+    const int64_t G = num_q_heads / num_kv_heads, D = head_dim;
+    const int64_t row = num_kv_heads * D; /* floats between consecutive slots */
+    const int64_t split = num_seqs < 4 * omp_get_max_threads() ? num_kv_heads : 1;
+    const int64_t per = num_kv_heads / split;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (int64_t t = 0; t < num_seqs * split; ++t) {
+        const int64_t s = t / split, h0 = (t % split) * per;
+        failed |= attend(q + s * num_q_heads * D, k, v, out + s * num_q_heads * D,
+                         kv_indices + kv_indptr[s], kv_len[s], h0, h0 + per, G, D, block_size,
+                         row, scale, window, softcap, sinks);
+    }
+    return failed;
+}

@@ -1,0 +1,125 @@
+"""The compiled CPU decode kernel vs a dense float64 reference, and its batch invariance: a
+sequence's output is bit-identical alone or in any batch, in any physical blocks, on any
+thread count."""
+
+import random
+
+import pytest
+import torch
+
+from batchgen.attention import cpu_kernel
+from tests.test_attention_backend import _dense_reference
+
+try:
+    KERNEL = cpu_kernel.load()
+except cpu_kernel.KernelUnavailable as e:  # no C compiler here: the PyTorch path is used
+    KERNEL, WHY = None, str(e)
+else:
+    WHY = ""
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"CPU kernel unavailable: {WHY}")
+
+
+def _pool(num_blocks, block_size, hkv, d, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    v = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    return k, v
+
+
+def _tables(lens, block_size, num_blocks, rng):
+    """Scattered page tables: kv_indptr, kv_indices (int32) and the Python lists."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)
+    tables = []
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append([free.pop() for _ in range(need)])
+    indptr = [0]
+    for t in tables:
+        indptr.append(indptr[-1] + len(t))
+    i32 = torch.int32
+    return (torch.tensor(indptr, dtype=i32), torch.tensor([p for t in tables for p in t], dtype=i32),
+            torch.tensor(lens, dtype=i32), tables)
+
+
+def _run(q, k, v, indptr, indices, lens, scale, window=None, softcap=None, sinks=None):
+    out = torch.empty_like(q)
+    KERNEL(q, k, v, out, indptr, indices, lens, scale, window, softcap, sinks)
+    return out
+
+
+@pytest.mark.parametrize("hq,hkv,d,block_size", [
+    (8, 2, 32, 16), (4, 4, 64, 4), (6, 1, 24, 3), (12, 4, 80, 1), (2, 2, 8, 5), (16, 2, 128, 16)])
+@pytest.mark.parametrize("window,softcap,sinks", [
+    (None, None, False), (7, None, False), (None, 12.0, False), (None, None, True),
+    (20, 8.0, True)])
+def test_kernel_matches_dense(hq, hkv, d, block_size, window, softcap, sinks):
+    rng = random.Random(hq * 100 + d)
+    lens = [1, 2, block_size, block_size + 1, 3 * block_size, 17, 40, 129, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 7
+    k, v = _pool(num_blocks, block_size, hkv, d, seed=d)
+    indptr, indices, kv_len, tables = _tables(lens, block_size, num_blocks, rng)
+    q = torch.randn(len(lens), hq, d)
+    sink_t = torch.randn(hq) if sinks else None
+    out = _run(q, k, v, indptr, indices, kv_len, d ** -0.5, window, softcap, sink_t)
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        ks = k[table].reshape(-1, hkv, d)[:n]
+        vs = v[table].reshape(-1, hkv, d)[:n]
+        ref = _dense_reference(q[i:i + 1], ks, vs, d ** -0.5, window, softcap, sink_t)
+        torch.testing.assert_close(out[i:i + 1], ref, atol=2e-6, rtol=2e-5)
+
+
+def test_kernel_is_batch_invariant():
+    """Same sequence, same bits: alone, among others, relocated to other blocks, 1 or 2 threads."""
+    hq, hkv, d, bs = 8, 2, 32, 16
+    k, v = _pool(600, bs, hkv, d)
+    rng = random.Random(3)
+    lens = [5, 300, 16, 77, 1000, 33]
+    indptr, indices, kv_len, tables = _tables(lens, bs, 600, rng)
+    q = torch.randn(len(lens), hq, d)
+    together = _run(q, k, v, indptr, indices, kv_len, 0.2)
+    threads = torch.get_num_threads()
+    try:
+        for target in range(len(lens)):
+            # move the target's blocks elsewhere (copy them into unused blocks)
+            used = {p for t in tables for p in t}
+            spare = [b for b in range(600) if b not in used][:len(tables[target])]
+            k2, v2 = k.clone(), v.clone()
+            k2[spare], v2[spare] = k[tables[target]], v[tables[target]]
+            one = (torch.tensor([0, len(spare)], dtype=torch.int32),
+                   torch.tensor(spare, dtype=torch.int32),
+                   torch.tensor([lens[target]], dtype=torch.int32))
+            for n_threads in (1, 2):
+                torch.set_num_threads(n_threads)
+                alone = _run(q[target:target + 1].clone(), k2, v2, *one, 0.2)
+                assert torch.equal(alone[0], together[target]), (target, n_threads)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_kernel_rejects_wrong_inputs():
+    k, v = _pool(4, 4, 2, 8)
+    q = torch.randn(1, 4, 8)
+    good = (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32),
+            torch.tensor([3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="q must be a contiguous float32"):
+        _run(q.double(), k, v, *good, 1.0)
+    with pytest.raises(ValueError, match="kv_indices must be a contiguous int32"):
+        _run(q, k, v, good[0], good[1].long(), good[2], 1.0)
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        _run(torch.randn(1, 3, 8), k, v, *good, 1.0)
+
+
+def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_CACHE_DIR", str(tmp_path))
+    first = cpu_kernel.build()
+    assert first.parent == tmp_path / "batchgen" / "kernels" and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernel.build() == first and first.stat().st_mtime_ns == stamp
+
+
+def test_switch_off_falls_back_to_pytorch(monkeypatch):
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    assert cpu_kernel.try_load() is None
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="disabled"):
+        cpu_kernel.load()
