@@ -75,6 +75,12 @@ def test_early_stopping_modes_equal_hf(family_dir, prompts, es, lp):
     _check(_llm(family_dir, "block16"), family_dir, prompts, 4, lp, es)
 
 
+@pytest.mark.parametrize("width", [4, 8])
+def test_beams_equal_hf_on_the_pytorch_path(family_dir, prompts, width):
+    """attention_backend="torch": beams sharing blocks decode as a two-level cascade."""
+    _check(_llm(family_dir, "block16", backend="torch"), family_dir, prompts, width, 1.0, False)
+
+
 @pytest.mark.parametrize("layout", ["block1", "preempt"])
 @pytest.mark.parametrize("width", [4, 8])
 def test_beams_equal_hf_at_block_size_1_and_under_preemption(family_dir, prompts, layout, width):
@@ -152,9 +158,9 @@ def test_num_return_sequences_and_bad_params(tiny_model_factory, prompts):
         llm.beam_search(["a", "b"], [BeamSearchParams(beam_width=2, max_tokens=3)])
 
 
-def _llm(path, layout, width=1, longest=0):
+def _llm(path, layout, width=1, longest=0, backend=None):
     bs, blocks, budget, seqs = LAYOUTS[layout]
     if blocks is None:
         blocks = math.ceil(longest / bs) + width * (math.ceil(T / bs) + 1)
     return LLM(path, block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget,
-               max_num_seqs=seqs)
+               max_num_seqs=seqs, attention_backend=backend)

@@ -4,7 +4,8 @@ sliding windows, logit softcap and attention sinks.
 plan() turns the step's FlashInfer-format metadata into gather indices and masks once per step;
 run() per layer gathers K/V through those indices and calls SDPA (or an explicit softmax when
 softcap or sinks need it). With the compiled CPU kernel (cpu_kernel.py), decode rows skip the
-gathers: the kernel reads their blocks in place, each row over its exact length. Long prefill chunks are cut into query tiles that see only the keys
+gathers: the kernel reads their blocks in place, each row over its exact length; rows sharing
+blocks then need no cascade. Long prefill chunks are cut into query tiles that see only the keys
 up to their last query (the causal upper triangle is skipped). Tiles of one shape share an SDPA
 call; the shape depends on the tile alone (see _shape), so results are batch invariant. There is
 no Python loop over tokens.
@@ -94,13 +95,16 @@ class _KernelRows:
 
 class TorchPagedAttention:
     """Vectorised paged attention in PyTorch; the CPU path and the GPU reference. With
-    `decode_kernel`, float32 decode rows on the CPU go to the compiled kernel instead."""
+    `decode_kernel`, every decode row on the CPU goes to the compiled kernel instead (and no
+    cascade is planned)."""
 
     def __init__(self, device: torch.device | str = "cpu", use_cascade: bool = True,
                  decode_kernel: PagedDecodeKernel | None = None) -> None:
         self.device = torch.device(device)
-        self.use_cascade = use_cascade
         self.decode_kernel = decode_kernel if self.device.type == "cpu" else None
+        # The kernel reads shared blocks in place (cache-hot after the first row), which beats
+        # the gathers a cascade saves and keeps every row's bits batch invariant.
+        self.use_cascade = use_cascade and self.decode_kernel is None
         self.name = "torch+cpu-kernel" if self.decode_kernel is not None else "torch"
         self.groups: list[_Group] = []
         self.cascade: Cascade | None = None
