@@ -97,7 +97,7 @@ def _cpu_id() -> str:
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernel into the cache (once per source, compiler, flags and CPU)."""
+    """Compile the kernel into the cache (once per source, compiler, flags and CPU; ~1 s)."""
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()])
@@ -114,7 +114,7 @@ def build(verbose: bool = False) -> Path:
             raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
         os.replace(out, target)  # atomic: concurrent builders agree on the file
     if verbose:
-        logger.info("built %s", target)
+        logger.info("compiled the CPU decode kernel (once per machine): %s", target)
     return target
 
 
@@ -141,7 +141,7 @@ def _build_and_load() -> PagedDecodeKernel:
     if not sys.platform.startswith("linux"):
         raise KernelUnavailable("the CPU kernel is built on Linux only")
     try:
-        path = build()
+        path = build(verbose=True)
     except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash
         raise KernelUnavailable(f"cannot build {SOURCE.name}: {e}") from e
     try:
