@@ -101,7 +101,6 @@ static float ordered_max(const float *x, int64_t n, float init) {
     return m;
 }
 
-
 /* q . k over d: 16-wide lanes, folded 16 → 8 → 4 → 1 in registers in a fixed order, plus the
  * tail of d (head sizes not a multiple of 16) summed in order. GCC >= 12 / Clang vector
  * extensions: no intrinsics, any ISA. */
