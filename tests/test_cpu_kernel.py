@@ -124,3 +124,19 @@ def test_switch_off_falls_back_to_pytorch(monkeypatch):
     assert cpu_kernel.try_load() is None
     with pytest.raises(cpu_kernel.KernelUnavailable, match="disabled"):
         cpu_kernel.load()
+
+
+def test_llm_attention_backend_choices(tiny_model_factory):
+    from batchgen import LLM
+
+    path = tiny_model_factory("llama")
+    assert LLM(path, num_kv_blocks=64).engine.runner.backend.decode_kernel is not None
+    assert LLM(path, num_kv_blocks=64, attention_backend="cpu_kernel"
+               ).engine.runner.backend.name == "torch+cpu-kernel"
+    torch_only = LLM(path, num_kv_blocks=64, attention_backend="torch").engine.runner.backend
+    assert torch_only.decode_kernel is None and torch_only.name == "torch"
+    # a bfloat16 pool: the default quietly uses PyTorch, insisting on the kernel is an error
+    assert LLM(path, num_kv_blocks=64, kv_cache_dtype="bfloat16"
+               ).engine.runner.backend.decode_kernel is None
+    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' needs"):
+        LLM(path, num_kv_blocks=64, kv_cache_dtype="bfloat16", attention_backend="cpu_kernel")
