@@ -109,6 +109,14 @@ def test_kernel_rejects_wrong_inputs():
         _run(q, k, v, good[0], good[1].long(), good[2], 1.0)
     with pytest.raises(ValueError, match="inconsistent shapes"):
         _run(torch.randn(1, 3, 8), k, v, *good, 1.0)
+    with pytest.raises(ValueError, match=r"kv_indices must lie in \[0, 4\)"):
+        _run(q, k, v, good[0], torch.tensor([4], dtype=torch.int32), good[2], 1.0)
+    with pytest.raises(ValueError, match="fit its pages"):
+        _run(q, k, v, good[0], good[1], torch.tensor([5], dtype=torch.int32), 1.0)
+    with pytest.raises(ValueError, match="end at len"):
+        _run(q, k, v, torch.tensor([0, 2], dtype=torch.int32), good[1], good[2], 1.0)
+    with pytest.raises(ValueError, match="one value per query head"):
+        _run(q, k, v, *good, 1.0, sinks=torch.zeros(3))
 
 
 def test_kernel_is_built_once_and_cached(tmp_path, monkeypatch):

@@ -48,10 +48,11 @@ class PagedDecodeKernel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: torch.Tensor,
                  scale: float, window: int | None, softcap: float | None,
-                 sinks: torch.Tensor | None) -> None:
+                 sinks: torch.Tensor | None, check_tables: bool = True) -> None:
         """out [S, Hq, D] = attention of q [S, Hq, D] over k/v [P, B, Hkv, D] (float32,
         contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
-        kv_indices[kv_indptr[i]:kv_indptr[i+1]] (int32)."""
+        kv_indices[kv_indptr[i]:kv_indptr[i+1]] (int32). `check_tables` verifies the page
+        tables stay inside the pool (the C code trusts them); once per step is enough."""
         s, hq, d = q.shape
         _, bs, hkv, dk = k.shape
         for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -64,7 +65,11 @@ class PagedDecodeKernel:
         if (dk != d or tuple(v.shape) != tuple(k.shape) or tuple(out.shape) != (s, hq, d)
                 or hq % hkv or kv_indptr.numel() != s + 1 or kv_len.numel() != s):
             raise ValueError("paged decode kernel: inconsistent shapes")
+        if check_tables:
+            _check_tables(kv_indptr, kv_indices, kv_len, k.shape[0], bs)
         if sinks is not None:
+            if sinks.numel() != hq:
+                raise ValueError(f"sinks must have one value per query head ({hq})")
             sinks = sinks.detach().to(torch.float32).contiguous()
         rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
                       kv_indptr.data_ptr(), kv_indices.data_ptr(), kv_len.data_ptr(),
@@ -72,6 +77,18 @@ class PagedDecodeKernel:
                       sinks.data_ptr() if sinks is not None else None)
         if rc != 0:
             raise MemoryError("paged decode kernel could not allocate its scratch buffers")
+
+
+def _check_tables(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: torch.Tensor,
+                  num_blocks: int, block_size: int) -> None:
+    """ValueError unless every page is a pool block and every length fits its pages."""
+    pages = kv_indptr[1:] - kv_indptr[:-1]
+    if bool((pages < 0).any()) or int(kv_indptr[-1]) != kv_indices.numel():
+        raise ValueError("kv_indptr must be non-decreasing and end at len(kv_indices)")
+    if kv_indices.numel() and (int(kv_indices.min()) < 0 or int(kv_indices.max()) >= num_blocks):
+        raise ValueError(f"kv_indices must lie in [0, {num_blocks})")
+    if bool(((kv_len < 1) | (kv_len > pages * block_size)).any()):
+        raise ValueError("each kv_len must be >= 1 and fit its pages")
 
 
 def _compiler() -> str:

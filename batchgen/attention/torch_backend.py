@@ -186,19 +186,21 @@ class TorchPagedAttention:
         if self.cascade is not None:
             run_cascade(self.cascade, q, kv_blocks, scale, window, softcap, sinks, out)
         if self.kernel_rows is not None:
-            self._run_kernel(self.kernel_rows, q, kv_blocks, scale, window, softcap, sinks, out)
+            self._run_kernel(self.kernel_rows, q, kv_blocks, scale, window, softcap, sinks, out,
+                             check_tables=layer == 0)
         return out
 
     def _run_kernel(self, kr: _KernelRows, q: torch.Tensor, kv_blocks: torch.Tensor,
                     scale: float, window: int | None, softcap: float | None,
-                    sinks: torch.Tensor | None, out: torch.Tensor) -> None:
-        """Decode rows through the compiled kernel, straight from the pool's blocks."""
+                    sinks: torch.Tensor | None, out: torch.Tensor, check_tables: bool) -> None:
+        """Decode rows through the compiled kernel, straight from the pool's blocks (the page
+        tables are checked against the pool on the step's first layer)."""
         assert self.decode_kernel is not None
         qk = q[kr.rows].float().contiguous()
         direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
         res = out[kr.rows] if direct else torch.empty_like(qk)
         self.decode_kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
-                           kr.kv_len, scale, window, softcap, sinks)
+                           kr.kv_len, scale, window, softcap, sinks, check_tables)
         if not direct:
             out[kr.rows] = res.to(out.dtype)
 
