@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []  # in admission order
         self.num_preemptions = 0
+        self._preempted_now: set[int] = set()  # ids of groups preempted in this schedule()
         # Admission leaves a little room so running sequences can grow without preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -92,12 +93,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
         preempted = False
+        self._preempted_now = set()  # a set lookup, not `in self.running` (O(n) per group)
         for group in list(self.running):
-            if group in self.running and group.share_pending:
+            if group.share_pending and id(group) not in self._preempted_now:
                 self._refork(group)
         # Decodes first (one token each; a beam group's live beams all together) ...
         for group in list(self.running):
-            if group not in self.running:
+            if id(group) in self._preempted_now:
                 continue
             units = self._decode_units(group)
             for unit in units:
@@ -112,7 +114,7 @@ class Scheduler:
         # ... then prefill chunks of running sequences ...
         for group in list(self.running):
             for seq in group.unfinished():
-                if group not in self.running or budget.tokens == 0 or budget.seqs == 0:
+                if id(group) in self._preempted_now or budget.tokens == 0 or budget.seqs == 0:
                     break
                 if seq.num_uncomputed <= 1:
                     continue
@@ -286,6 +288,7 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
         """Recompute preemption: free the group's blocks and requeue it at the front."""
         self.running.remove(group)
+        self._preempted_now.add(id(group))
         ids = set()
         for seq in group.seqs:
             if seq.seq_id in self.bm.block_tables:
