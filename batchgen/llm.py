@@ -45,7 +45,7 @@ if not logger.handlers:
     logger.addHandler(_h)
     logger.setLevel(logging.INFO)
 
-# None picks the best available: on the CPU with a float32 KV pool, the compiled decode kernel
+# None picks the best available: on the CPU with a float32/bfloat16 KV pool, the decode kernel
 # when it builds (else pure PyTorch); "torch" never compiles anything; "cpu_kernel" insists.
 ATTENTION_BACKENDS = ("torch", "cpu_kernel")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -348,11 +348,12 @@ class LLM:
 def _attention_backend(choice: str | None, device: torch.device, kv_dtype: torch.dtype
                        ) -> TorchPagedAttention:
     """The attention backend for `attention_backend` (validated by the caller)."""
-    fits_kernel = device.type == "cpu" and kv_dtype == torch.float32
+    fits_kernel = device.type == "cpu" and kv_dtype in cpu_kernel.KV_DTYPES
     if choice == "cpu_kernel":
         if not fits_kernel:
             raise ValueError("attention_backend='cpu_kernel' needs device='cpu' and a float32 "
-                             f"KV cache, got device={device.type!r}, KV dtype {kv_dtype}")
+                             f"or bfloat16 KV cache, got device={device.type!r}, KV dtype "
+                             f"{kv_dtype}")
         try:
             return TorchPagedAttention(device, decode_kernel=cpu_kernel.load())
         except cpu_kernel.KernelUnavailable as e:

@@ -19,11 +19,11 @@ else:
 pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"CPU kernel unavailable: {WHY}")
 
 
-def _pool(num_blocks, block_size, hkv, d, seed=0):
+def _pool(num_blocks, block_size, hkv, d, seed=0, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(num_blocks, block_size, hkv, d, generator=g)
     v = torch.randn(num_blocks, block_size, hkv, d, generator=g)
-    return k, v
+    return k.to(dtype), v.to(dtype)
 
 
 def _tables(lens, block_size, num_blocks, rng):
@@ -53,27 +53,31 @@ def _run(q, k, v, indptr, indices, lens, scale, window=None, softcap=None, sinks
 @pytest.mark.parametrize("window,softcap,sinks", [
     (None, None, False), (7, None, False), (None, 12.0, False), (None, None, True),
     (20, 8.0, True)])
-def test_kernel_matches_dense(hq, hkv, d, block_size, window, softcap, sinks):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_dense(hq, hkv, d, block_size, window, softcap, sinks, kv_dtype):
+    """float32 math either way; a bfloat16 pool is compared on its (widened) stored values."""
     rng = random.Random(hq * 100 + d)
     lens = [1, 2, block_size, block_size + 1, 3 * block_size, 17, 40, 129, 300]
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
-    k, v = _pool(num_blocks, block_size, hkv, d, seed=d)
+    k, v = _pool(num_blocks, block_size, hkv, d, seed=d, dtype=kv_dtype)
     indptr, indices, kv_len, tables = _tables(lens, block_size, num_blocks, rng)
     q = torch.randn(len(lens), hq, d)
     sink_t = torch.randn(hq) if sinks else None
     out = _run(q, k, v, indptr, indices, kv_len, d ** -0.5, window, softcap, sink_t)
     for i, (n, table) in enumerate(zip(lens, tables)):
-        ks = k[table].reshape(-1, hkv, d)[:n]
-        vs = v[table].reshape(-1, hkv, d)[:n]
+        ks = k[table].reshape(-1, hkv, d)[:n].float()
+        vs = v[table].reshape(-1, hkv, d)[:n].float()
         ref = _dense_reference(q[i:i + 1], ks, vs, d ** -0.5, window, softcap, sink_t)
         torch.testing.assert_close(out[i:i + 1], ref, atol=2e-6, rtol=2e-5)
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs", [(8, 2, 32, 16), (6, 2, 24, 5)])
-def test_kernel_is_batch_invariant(hq, hkv, d, bs):
+@pytest.mark.parametrize("hq,hkv,d,bs,kv_dtype", [(8, 2, 32, 16, torch.float32),
+                                                 (6, 2, 24, 5, torch.float32),
+                                                 (8, 2, 32, 16, torch.bfloat16)])
+def test_kernel_is_batch_invariant(hq, hkv, d, bs, kv_dtype):
     """Same sequence, same bits: alone, among others, relocated to other blocks, 1 or 2 threads
     (which also changes how heads are split into tasks and grouped for the 4-way dot)."""
-    k, v = _pool(600, bs, hkv, d)
+    k, v = _pool(600, bs, hkv, d, dtype=kv_dtype)
     rng = random.Random(3)
     lens = [5, 300, 16, 77, 1000, 33] if bs == 16 else [5, 300, 16, 77, 1000 // bs, 33]
     indptr, indices, kv_len, tables = _tables(lens, bs, 600, rng)
@@ -105,6 +109,10 @@ def test_kernel_rejects_wrong_inputs():
             torch.tensor([3], dtype=torch.int32))
     with pytest.raises(ValueError, match="q must be a contiguous float32"):
         _run(q.double(), k, v, *good, 1.0)
+    with pytest.raises(ValueError, match="v must be a contiguous CPU tensor of one of"):
+        _run(q, k, v.bfloat16(), *good, 1.0)
+    with pytest.raises(ValueError, match="k must be a contiguous CPU tensor of one of"):
+        _run(q, k.half(), v.half(), *good, 1.0)
     with pytest.raises(ValueError, match="kv_indices must be a contiguous int32"):
         _run(q, k, v, good[0], good[1].long(), good[2], 1.0)
     with pytest.raises(ValueError, match="inconsistent shapes"):
@@ -143,8 +151,32 @@ def test_llm_attention_backend_choices(tiny_model_factory):
                ).engine.runner.backend.name == "torch+cpu-kernel"
     torch_only = LLM(path, num_kv_blocks=64, attention_backend="torch").engine.runner.backend
     assert torch_only.decode_kernel is None and torch_only.name == "torch"
-    # a bfloat16 pool: the default quietly uses PyTorch, insisting on the kernel is an error
     assert LLM(path, num_kv_blocks=64, kv_cache_dtype="bfloat16"
+               ).engine.runner.backend.decode_kernel is not None
+    # a float16 pool: the default quietly uses PyTorch, insisting on the kernel is an error
+    assert LLM(path, num_kv_blocks=64, kv_cache_dtype="float16"
                ).engine.runner.backend.decode_kernel is None
     with pytest.raises(ValueError, match="attention_backend='cpu_kernel' needs"):
-        LLM(path, num_kv_blocks=64, kv_cache_dtype="bfloat16", attention_backend="cpu_kernel")
+        LLM(path, num_kv_blocks=64, kv_cache_dtype="float16", attention_backend="cpu_kernel")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32"])
+def test_kernel_and_pytorch_paths_agree_end_to_end(tiny_model_factory, kv_cache_dtype):
+    """Same model, same pool dtype: the kernel and the PyTorch path give the same greedy tokens
+    and logprobs to float noise. With a bfloat16 pool that noise is larger: a K/V value whose
+    float32 attention input differs in the last bit can round to the neighbouring bfloat16
+    (2^-8 apart), so a logprob may move by ~1e-4."""
+    from batchgen import LLM, SamplingParams
+    from tests.helpers import make_prompt_token_ids
+
+    path = tiny_model_factory("qwen2")  # GQA with qkv bias
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompt_token_ids(8, 3, 70, vocab_size=512, seed=4)]
+    sp = SamplingParams(temperature=0, max_tokens=12, logprobs=1, ignore_eos=True)
+    outs = [LLM(path, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype, attention_backend=b
+                ).generate(prompts, sp, use_tqdm=False) for b in ("cpu_kernel", "torch")]
+    for a, b in zip(*outs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        tol = 1e-3 if kv_cache_dtype == "bfloat16" else 1e-4
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=tol)

@@ -27,8 +27,9 @@ logger = logging.getLogger("batchgen")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-         "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
+         "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"  # "0" disables the kernel
+KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads
 
 
 class KernelUnavailable(RuntimeError):
@@ -42,22 +43,28 @@ class PagedDecodeKernel:
         self.path = path
         self._fn = lib.batchgen_paged_decode
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5
+        self._fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4
+                             + [ctypes.c_int64] * 5
                              + [ctypes.c_float, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p])
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                  kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: torch.Tensor,
                  scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None, check_tables: bool = True) -> None:
-        """out [S, Hq, D] = attention of q [S, Hq, D] over k/v [P, B, Hkv, D] (float32,
-        contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
+        """out [S, Hq, D] = attention of q [S, Hq, D] over k/v [P, B, Hkv, D] (q and out
+        float32, k and v float32 or bfloat16; contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
         kv_indices[kv_indptr[i]:kv_indptr[i+1]] (int32). `check_tables` verifies the page
         tables stay inside the pool (the C code trusts them); once per step is enough."""
         s, hq, d = q.shape
         _, bs, hkv, dk = k.shape
-        for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+        for name, t in (("q", q), ("out", out)):
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous float32 CPU tensor")
+        for name, t in (("k", k), ("v", v)):
+            if (t.dtype not in KV_DTYPES or t.dtype != k.dtype or t.device.type != "cpu"
+                    or not t.is_contiguous()):
+                raise ValueError(f"{name} must be a contiguous CPU tensor of one of "
+                                 f"{[str(d) for d in KV_DTYPES]} (k and v alike)")
         for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
                         ("kv_len", kv_len)):
             if t.dtype != torch.int32 or not t.is_contiguous():
@@ -71,7 +78,8 @@ class PagedDecodeKernel:
             if sinks.numel() != hq:
                 raise ValueError(f"sinks must have one value per query head ({hq})")
             sinks = sinks.detach().to(torch.float32).contiguous()
-        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(),
+        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                      out.data_ptr(),
                       kv_indptr.data_ptr(), kv_indices.data_ptr(), kv_len.data_ptr(),
                       s, hq, hkv, d, bs, scale, window or 0, softcap or 0.0,
                       sinks.data_ptr() if sinks is not None else None)
