@@ -27,7 +27,7 @@ logger = logging.getLogger("batchgen")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-         "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+         "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"  # "0" disables the kernel
 KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads
 

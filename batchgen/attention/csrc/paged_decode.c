@@ -4,8 +4,8 @@
  * Layouts (contiguous): q and out [S, Hq, D] float32; k and v one layer of the pool
  * [P, B, Hkv, D] (FlashInfer NHD), float32 or bfloat16 (widened to float32 on load, all math in
  * float32); kv_indptr [S+1], kv_indices [pages], kv_len [S] (int32).
- * Every sum has a fixed order (over d for a score, over keys
- * in explicit 16-wide lanes for the softmax denominator, key by key for P V), so a sequence's
+ * Every sum has a fixed order (over d for a score, over keys in explicit 16-wide lanes for the
+ * softmax denominator, key by key for P V), so a sequence's
  * result depends only on its own keys: not on the batch, the thread count, the physical blocks
  * it got or memory alignment (batch invariance). Loaded by batchgen/attention/cpu_kernel.py.
  */
@@ -23,32 +23,30 @@ typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-/* One layer's K or V: float32 or bfloat16 elements. */
-typedef struct {
-    const void *base;
-    int bf16;
-} kv_t;
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* 16 elements from element index i, as float32 (bfloat16 is the top half of a float32). */
-static inline v16 load16(kv_t t, int64_t i) {
-    if (t.bf16) {
+/* 16 elements of K or V from element index i, as float32 (a bfloat16 is the top half of a
+ * float32). `bf16` is a constant wherever these are inlined, so each pool dtype gets its own
+ * branch-free copy of the loops. */
+ALWAYS_INLINE v16 load16(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
         v16h h;
-        memcpy(&h, (const uint16_t *)t.base + i, sizeof h);
+        memcpy(&h, (const uint16_t *)base + i, sizeof h);
         return (v16)(__builtin_convertvector(h, v16i) << 16);
     }
     v16 x;
-    memcpy(&x, (const float *)t.base + i, sizeof x);
+    memcpy(&x, (const float *)base + i, sizeof x);
     return x;
 }
 
-static inline float load1(kv_t t, int64_t i) {
-    if (t.bf16) {
-        const uint32_t w = (uint32_t)((const uint16_t *)t.base)[i] << 16;
+ALWAYS_INLINE float load1(const void *base, int64_t i, const int bf16) {
+    if (bf16) {
+        const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
         float f;
         memcpy(&f, &w, sizeof f);
         return f;
     }
-    return ((const float *)t.base)[i];
+    return ((const float *)base)[i];
 }
 
 /* exp(x) for x <= 0, branch-free so loops over it vectorise: 2^n * p(r), r = x - n ln2
@@ -131,37 +129,24 @@ static float ordered_max(const float *x, int64_t n, float init) {
     return m;
 }
 
-/* q . k over d: 16-wide lanes, folded 16 → 8 → 4 → 1 in registers in a fixed order, plus the
- * tail of d (head sizes not a multiple of 16) summed in order. GCC >= 12 / Clang vector
- * extensions: no intrinsics, any ISA. */
-static inline float dot(const float *a, kv_t k, int64_t b, int64_t n) {
-    v16 acc = {0};
-    int64_t d = 0;
-    for (; d + VL <= n; d += VL) {
-        v16 x;
-        memcpy(&x, a + d, sizeof x);
-        acc += x * load16(k, b + d);
-    }
-    float tail = 0.0f;
-    for (; d < n; ++d) tail += a[d] * load1(k, b + d);
-    return fold16(acc) + tail;
-}
-
-/* Four dot products (q rows q4[0..3] at stride D against the K rows at element offsets
- * b[0..3]) folded together: the same additions in the same order as dot(), so each score has
- * dot()'s bits, at a quarter of the shuffles. */
-static inline void dot4(const float *q4, kv_t k, const int64_t *b, int64_t D, float *res) {
+/* Four scores q_i . k_i (q rows q[0..3], K rows at element offsets b[0..3]) at once: each in
+ * 16-wide lanes over d, the lanes folded 16 → 8 → 4 → 1 in a fixed tree, the tail of d (head
+ * sizes not a multiple of 16) summed in order. Every score of the kernel comes from here, the
+ * four lanes treated alike, so a score's bits do not depend on which heads share the call.
+ * GCC >= 12 / Clang vector extensions: no intrinsics, any ISA. */
+ALWAYS_INLINE void dot4(const float *const *q, const void *k, const int64_t *b, int64_t D,
+                        float *res, const int bf16) {
     v16 a[4] = {{0}, {0}, {0}, {0}};
     int64_t d = 0;
     for (; d + VL <= D; d += VL)
         for (int i = 0; i < 4; ++i) {
             v16 x;
-            memcpy(&x, q4 + i * D + d, sizeof x);
-            a[i] += x * load16(k, b[i] + d);
+            memcpy(&x, q[i] + d, sizeof x);
+            a[i] += x * load16(k, b[i] + d, bf16);
         }
     float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; d < D; ++d)
-        for (int i = 0; i < 4; ++i) tail[i] += q4[i * D + d] * load1(k, b[i] + d);
+        for (int i = 0; i < 4; ++i) tail[i] += q[i][d] * load1(k, b[i] + d, bf16);
     const v16 x = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
                                           21, 22, 23) +
                   __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
@@ -181,36 +166,38 @@ static inline void dot4(const float *q4, kv_t k, const int64_t *b, int64_t D, fl
 }
 
 /* a += p * V[x : x + n] (16-wide vectors, then the tail): the P V accumulation, key by key. */
-static inline void axpy(float *restrict a, float p, kv_t v, int64_t x, int64_t n) {
+ALWAYS_INLINE void axpy(float *restrict a, float p, const void *v, int64_t x, int64_t n,
+                        const int bf16) {
     int64_t d = 0;
     for (; d + VL <= n; d += VL) {
         v16 av;
         memcpy(&av, a + d, sizeof av);
-        av += p * load16(v, x + d);
+        av += p * load16(v, x + d, bf16);
         memcpy(a + d, &av, sizeof av);
     }
-    for (; d < n; ++d) a[d] += p * load1(v, x + d);
+    for (; d < n; ++d) a[d] += p * load1(v, x + d, bf16);
 }
 
 /* Ask for the rows of the block holding position `pos` (if < L), columns [col, col + width),
  * ahead of use: one layer's block is often exactly one 4 KiB page, where hardware prefetchers
  * stop. */
-static inline void prefetch_block(kv_t t, const int32_t *pages, int64_t pos, int64_t L,
-                                  int64_t B, int64_t row, int64_t col, int64_t width) {
+ALWAYS_INLINE void prefetch_block(const void *base, const int32_t *pages, int64_t pos,
+                                  int64_t L, int64_t B, int64_t row, int64_t col, int64_t width,
+                                  const int bf16) {
     if (pos >= L) return;
-    const int64_t esize = t.bf16 ? 2 : 4;
+    const int64_t esize = bf16 ? 2 : 4;
     const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
-    const char *p = (const char *)t.base + (((int64_t)pages[pos / B] * B + off) * row + col) * esize;
+    const char *p = (const char *)base + (((int64_t)pages[pos / B] * B + off) * row + col) * esize;
     for (int64_t i = pos; i < end; ++i, p += row * esize)
         for (int64_t c = 0; c < width * esize; c += 64) __builtin_prefetch(p + c, 0, 3);
 }
 
 /* Attention of one sequence's query heads of kv heads [h0, h1): scores, softmax, P V. The
  * steps for a query head are the same whichever range it is computed in. */
-static int attend(const float *q, kv_t k, kv_t v, float *out,
-                  const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G, int64_t D,
-                  int64_t B, int64_t row, float scale, int64_t window, float softcap,
-                  const float *sinks) {
+ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *out,
+                         const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
+                         int64_t D, int64_t B, int64_t row, float scale, int64_t window,
+                         float softcap, const float *sinks, const int bf16) {
     const int64_t j0 = (window > 0 && L > window) ? L - window : 0, n = L - j0;
     const int64_t H = (h1 - h0) * G; /* query heads in this task */
     const int64_t col = h0 * D, width = (h1 - h0) * D;
@@ -220,22 +207,24 @@ static int attend(const float *q, kv_t k, kv_t v, float *out,
     const float *qh = q + h0 * G * D;
     for (int64_t i = 0; i < H * D; ++i) qs[i] = qh[i] * scale;
     memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    prefetch_block(v, pages, j0, L, B, row, col, width); /* the V pass starts here */
+    prefetch_block(v, pages, j0, L, B, row, col, width, bf16); /* the V pass starts here */
     for (int64_t pos = j0, j = 0; pos < L;) { /* scores [H, n], block by block */
         const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
         int64_t kr = ((int64_t)pages[pos / B] * B + off) * row + col; /* element offset */
-        prefetch_block(k, pages, end, L, B, row, col, width);
-        for (; pos < end; ++pos, ++j, kr += row) {
-            int64_t i = 0;
-            for (; i + 4 <= H; i += 4) {
-                const int64_t k4[4] = {kr + (i / G) * D, kr + ((i + 1) / G) * D,
-                                       kr + ((i + 2) / G) * D, kr + ((i + 3) / G) * D};
+        prefetch_block(k, pages, end, L, B, row, col, width, bf16);
+        for (; pos < end; ++pos, ++j, kr += row)
+            for (int64_t i = 0; i < H; i += 4) { /* heads past H repeat the last one */
+                const float *q4[4];
+                int64_t k4[4];
+                for (int u = 0; u < 4; ++u) {
+                    const int64_t hi = i + u < H ? i + u : H - 1;
+                    q4[u] = qs + hi * D;
+                    k4[u] = kr + (hi / G) * D;
+                }
                 float r[4];
-                dot4(qs + i * D, k, k4, D, r);
-                for (int u = 0; u < 4; ++u) sc[(i + u) * n + j] = r[u];
+                dot4(q4, k, k4, D, r, bf16);
+                for (int u = 0; u < 4 && i + u < H; ++u) sc[(i + u) * n + j] = r[u];
             }
-            for (; i < H; ++i) sc[i * n + j] = dot(qs + i * D, k, kr + (i / G) * D, D);
-        }
     }
     for (int64_t i = 0; i < H; ++i) { /* softmax per query head, in place */
         float *x = sc + i * n;
@@ -250,14 +239,30 @@ static int attend(const float *q, kv_t k, kv_t v, float *out,
     for (int64_t pos = j0, j = 0; pos < L;) { /* out = P V, keys in order */
         const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
         int64_t vr = ((int64_t)pages[pos / B] * B + off) * row + col; /* element offset */
-        prefetch_block(v, pages, end, L, B, row, col, width);
+        prefetch_block(v, pages, end, L, B, row, col, width, bf16);
         for (; pos < end; ++pos, ++j, vr += row)
             for (int64_t hk = 0, i = 0; hk < h1 - h0; ++hk)
-                for (int64_t g = 0; g < G; ++g, ++i) axpy(acc + i * D, sc[i * n + j], v, vr + hk * D, D);
+                for (int64_t g = 0; g < G; ++g, ++i)
+                    axpy(acc + i * D, sc[i * n + j], v, vr + hk * D, D, bf16);
     }
     memcpy(out + h0 * G * D, acc, sizeof(float) * (size_t)(H * D));
     free(buf);
     return 0;
+}
+
+/* One copy of attend() per pool dtype. */
+static int attend_f32(const float *q, const void *k, const void *v, float *out,
+                      const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
+                      int64_t D, int64_t B, int64_t row, float scale, int64_t window,
+                      float softcap, const float *sinks) {
+    return attend(q, k, v, out, pages, L, h0, h1, G, D, B, row, scale, window, softcap, sinks, 0);
+}
+
+static int attend_bf16(const float *q, const void *k, const void *v, float *out,
+                       const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
+                       int64_t D, int64_t B, int64_t row, float scale, int64_t window,
+                       float softcap, const float *sinks) {
+    return attend(q, k, v, out, pages, L, h0, h1, G, D, B, row, scale, window, softcap, sinks, 1);
 }
 
 /* One task per sequence (its K/V rows are read whole, in order), or per (sequence, kv head)
@@ -267,7 +272,6 @@ int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_b
                           const int32_t *kv_len, int64_t num_seqs, int64_t num_q_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, int64_t window, float softcap, const float *sinks) {
-    const kv_t kt = {k, kv_bf16 != 0}, vt = {v, kv_bf16 != 0};
     if (num_kv_heads <= 0 || num_q_heads % num_kv_heads) return 1;
     const int64_t G = num_q_heads / num_kv_heads, D = head_dim;
     const int64_t row = num_kv_heads * D; /* elements between consecutive slots */
@@ -277,9 +281,9 @@ int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_b
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t t = 0; t < num_seqs * split; ++t) {
         const int64_t s = t / split, h0 = (t % split) * per;
-        failed |= attend(q + s * num_q_heads * D, kt, vt, out + s * num_q_heads * D,
-                         kv_indices + kv_indptr[s], kv_len[s], h0, h0 + per, G, D, block_size,
-                         row, scale, window, softcap, sinks);
+        failed |= (kv_bf16 ? attend_bf16 : attend_f32)(
+            q + s * num_q_heads * D, k, v, out + s * num_q_heads * D, kv_indices + kv_indptr[s],
+            kv_len[s], h0, h0 + per, G, D, block_size, row, scale, window, softcap, sinks);
     }
     return failed;
 }
