@@ -224,6 +224,36 @@ def timed_repeats(fn: Callable[[], Any], repeats: int = 1, device: str | torch.d
 
 
 @dataclass
+class Contender:
+    """One system, loaded and warmed up, ready to run the whole workload: `run()` returns its
+    tokens; `describe()` (config string, extra fields) is read after the timed runs."""
+
+    system: str
+    run: Callable[[], Any]
+    describe: Callable[[], tuple[str, dict[str, Any]]]
+    close: Callable[[], None] = lambda: None
+
+
+def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
+                        device: str | torch.device = "cpu",
+                        on_round: Callable[[int], None] | None = None
+                        ) -> list[tuple[Any, list[float]]]:
+    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...) rather than all of
+    A's runs first: on a shared machine whose load drifts over seconds, each system then
+    samples the same quiet and busy periods, and ``min`` compares like with like. Returns, per
+    contender, its first result and all its wall times."""
+    out: list[tuple[Any, list[float]]] = [(None, []) for _ in contenders]
+    for r in range(max(1, repeats)):
+        for i, c in enumerate(contenders):
+            res, wall = timed(c.run, device)
+            first, walls = out[i]
+            out[i] = (res if r == 0 else first, walls + [wall])
+        if on_round is not None:
+            on_round(r)
+    return out
+
+
+@dataclass
 class Result:
     """One timed run of one system over the whole workload."""
 

@@ -4,9 +4,10 @@ All three systems run in one process on the same random-weight Llama folder and 
 workload: ``--num-prompts`` token-id prompts with lengths uniform in
 [``--min-prompt-len``, ``--max-prompt-len``] and exactly ``--output-len`` greedy tokens each
 (EOS ignored), so every system must produce ``num_prompts * output_len`` tokens; the counts are
-asserted. Each system gets one untimed warm-up on two prompts, then the whole workload is timed
-with ``time.perf_counter`` under ``torch.inference_mode`` (torch's default thread count unless
-``--threads``), ``--repeats`` times, keeping the fastest run. Greedy outputs are compared with
+asserted. Each system is loaded and gets one untimed warm-up on two prompts; then the whole workload is
+timed with ``time.perf_counter`` under ``torch.inference_mode`` (torch's default thread count
+unless ``--threads``) in ``--repeats`` interleaved rounds (every system once per round, so all
+see the same load on a shared machine), keeping each system's fastest run. Greedy outputs are compared with
 batchgen's as a sanity check (identical sequences, mean common prefix).
 
 * batchgen: ``LLM.generate`` with ``SamplingParams(temperature=0, max_tokens=L, ignore_eos=True)``.
@@ -30,7 +31,6 @@ Usage (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import gc
 import math
 import sys
 from collections.abc import Sequence
@@ -45,6 +45,7 @@ import torch  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     DTYPES,
     PAD_ID,
+    Contender,
     Result,
     add_model_args,
     add_run_args,
@@ -54,6 +55,7 @@ from benchmarks.common import (  # noqa: E402
     count_params,
     fmt_ratio,
     hf_generate_all,
+    interleaved_repeats,
     load_hf_model,
     machine_info,
     machine_line,
@@ -61,7 +63,6 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
     prepare_model_dir,
     sync,
-    timed_repeats,
     write_json,
 )
 
@@ -104,8 +105,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 # ---- systems --------------------------------------------------------------------------------
-def run_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
-                 ) -> tuple[Result, list[list[int]]]:
+def setup_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                   ) -> Contender:
     from batchgen import LLM, SamplingParams
 
     llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -119,40 +120,37 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Names
         outs = llm.generate([{"prompt_token_ids": p} for p in ps], sp, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
+    def describe() -> tuple[str, dict[str, Any]]:
+        stats = llm.kv_stats()
+        extra = {"kv_num_blocks": stats.num_blocks, "kv_block_size": stats.block_size,
+                 "kv_peak_blocks": stats.peak_blocks_in_use, "preemptions": stats.preemptions,
+                 "cow_copies": stats.cow_copies,
+                 "max_num_batched_tokens": llm.max_num_batched_tokens,
+                 "attention_backend": llm.engine.runner.backend.name}
+        return (f"block {args.block_size}, peak {stats.peak_blocks_in_use}/{stats.num_blocks} "
+                f"blocks, {stats.preemptions} preempt"), extra
+
     with torch.inference_mode():
         go(prompts[:WARMUP_PROMPTS], min(L, WARMUP_TOKENS))
-    tokens, walls = timed_repeats(lambda: go(prompts, L), args.repeats, args.device)
-    stats = llm.kv_stats()
-    extra = {"wall_s_all": walls, "kv_num_blocks": stats.num_blocks, "kv_block_size": stats.block_size,
-             "kv_peak_blocks": stats.peak_blocks_in_use, "preemptions": stats.preemptions,
-             "cow_copies": stats.cow_copies, "max_num_batched_tokens": llm.max_num_batched_tokens}
-    config = (f"block {args.block_size}, peak {stats.peak_blocks_in_use}/{stats.num_blocks} blocks, "
-              f"{stats.preemptions} preempt")
-    res = Result("batchgen", config, min(walls), sum(map(len, tokens)), sum(map(len, prompts)), extra)
-    return res, tokens
+    return Contender("batchgen", lambda: go(prompts, L), describe)
 
 
-def run_hf_generate(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
-                    ) -> list[tuple[Result, list[list[int]]]]:
+def setup_hf_generate(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                      ) -> list[Contender]:
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
     L = args.output_len
     with torch.inference_mode():
         hf_generate_all(model, prompts[:WARMUP_PROMPTS], WARMUP_PROMPTS, min(L, WARMUP_TOKENS),
                         args.device, 1, do_sample=False)
-    runs = []
-    n_prompt = sum(map(len, prompts))
-    for bs in args.hf_batch_sizes:
-        tokens, walls = timed_repeats(
-            lambda bs=bs: hf_generate_all(model, prompts, bs, L, args.device, 1, do_sample=False),
-            args.repeats, args.device)
-        runs.append((Result("HF generate", f"sdpa, batch {bs}, left-padded", min(walls),
-                            sum(map(len, tokens)), n_prompt,
-                            {"batch_size": bs, "wall_s_all": walls}), tokens))
-    return runs
+    return [Contender(
+        "HF generate",
+        lambda bs=bs: hf_generate_all(model, prompts, bs, L, args.device, 1, do_sample=False),
+        lambda bs=bs: (f"sdpa, batch {bs}, left-padded", {"batch_size": bs}))
+        for bs in args.hf_batch_sizes]
 
 
-def run_generate_batch(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
-                       ) -> tuple[Result, list[list[int]]]:
+def setup_generate_batch(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace
+                         ) -> Contender:
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -178,24 +176,22 @@ def run_generate_batch(model_dir: Path, prompts: list[list[int]], args: argparse
         assert not bad, f"generate_batch failed requests {bad}"
         return [list(r.generated_tokens) for r in results.values()]
 
-    try:
-        with torch.inference_mode():
-            go(prompts[:WARMUP_PROMPTS], min(L, WARMUP_TOKENS))
-        tokens, walls = timed_repeats(lambda: go(prompts, L), args.repeats, args.device)
+    def describe() -> tuple[str, dict[str, Any]]:
         manager = getattr(model, "_cached_continuous_batching_manager", None)
         resolved = getattr(manager, "continuous_batching_config", cb_config)
-    finally:
-        model.destroy_cached_continuous_batching_manager()
-    extra = {"wall_s_all": walls, "page_size": page, "num_blocks": resolved.num_blocks,
-             "max_batch_tokens": resolved.max_batch_tokens,
-             "max_requests_per_batch": resolved.max_requests_per_batch,
-             "attn_implementation": model.config._attn_implementation,
-             "allow_block_sharing": resolved.allow_block_sharing}
-    config = (f"sdpa, page {page}, {resolved.num_blocks} blocks, "
-              f"{resolved.max_batch_tokens} batch tok")
-    res = Result("HF generate_batch", config, min(walls), sum(map(len, tokens)),
-                 sum(map(len, prompts)), extra)
-    return res, tokens
+        extra = {"page_size": page, "num_blocks": resolved.num_blocks,
+                 "max_batch_tokens": resolved.max_batch_tokens,
+                 "max_requests_per_batch": resolved.max_requests_per_batch,
+                 "attn_implementation": model.config._attn_implementation,
+                 "allow_block_sharing": resolved.allow_block_sharing}
+        return (f"sdpa, page {page}, {resolved.num_blocks} blocks, "
+                f"{resolved.max_batch_tokens} batch tok"), extra
+
+    with torch.inference_mode():
+        go(prompts[:WARMUP_PROMPTS], min(L, WARMUP_TOKENS))
+    # the manager is kept across the warm-up and the timed runs (cache allocation not timed)
+    return Contender("HF generate_batch", lambda: go(prompts, L), describe,
+                     close=model.destroy_cached_continuous_batching_manager)
 
 
 # ---- report ---------------------------------------------------------------------------------
@@ -234,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     info = machine_info(args.device)
 
     results: list[Result] = []
-    outputs: dict[str, list[list[int]]] = {}
+    outputs: dict[str, list[list[int]]] = {}  # label -> tokens; "batchgen" first
     with prepare_model_dir(args, args.max_prompt_len + L) as model_dir:
         probe = load_hf_model(model_dir, DTYPES[args.dtype], "cpu")
         n_params = count_params(probe)
@@ -247,23 +243,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
               f"tokens), {L} output tokens each = {expected} output tokens, greedy, EOS ignored",
               flush=True)
 
-        res, toks = run_batchgen(model_dir, prompts, args)
-        results.append(res)
-        outputs["batchgen"] = toks
-        gc.collect()  # the systems' models and KV pools are freed between runs
-        print(f"  batchgen: {res.wall_s:.2f} s", flush=True)
+        contenders = [setup_batchgen(model_dir, prompts, args)]
         if not args.skip_hf:
-            for res, toks in run_hf_generate(model_dir, prompts, args):
-                results.append(res)
-                outputs[f"HF generate bs={res.extra['batch_size']}"] = toks
-                print(f"  HF generate (batch {res.extra['batch_size']}): {res.wall_s:.2f} s",
-                      flush=True)
-            gc.collect()
+            contenders += setup_hf_generate(model_dir, prompts, args)
         if not args.skip_generate_batch:
-            res, toks = run_generate_batch(model_dir, prompts, args)
-            results.append(res)
-            outputs["HF generate_batch"] = toks
-            print(f"  HF generate_batch: {res.wall_s:.2f} s", flush=True)
+            contenders.append(setup_generate_batch(model_dir, prompts, args))
+        labels = [c.system + (f" bs={c.describe()[1]['batch_size']}"
+                              if c.system == "HF generate" else "") for c in contenders]
+        try:
+            timings = interleaved_repeats(
+                contenders, args.repeats, args.device,
+                on_round=lambda r: print(f"  round {r + 1}/{args.repeats} done", flush=True))
+        finally:
+            for c in contenders:
+                c.close()
+        for c, label, (toks, walls) in zip(contenders, labels, timings):
+            config, extra = c.describe()
+            results.append(Result(c.system, config, min(walls), sum(map(len, toks)), n_prompt,
+                                  {**extra, "wall_s_all": walls}))
+            outputs[label] = toks
+            print(f"  {label}: " + ", ".join(f"{w:.2f}" for w in walls) + " s", flush=True)
     sync(args.device)
 
     # Every system must have produced exactly N * L tokens, L per prompt.
