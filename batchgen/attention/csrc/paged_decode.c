@@ -165,17 +165,26 @@ ALWAYS_INLINE void dot4(const float *const *q, const void *k, const int64_t *b, 
     for (int i = 0; i < 4; ++i) res[i] = r[i] + tail[i];
 }
 
-/* a += p * V[x : x + n] (16-wide vectors, then the tail): the P V accumulation, key by key. */
-ALWAYS_INLINE void axpy(float *restrict a, float p, const void *v, int64_t x, int64_t n,
-                        const int bf16) {
+/* P V of four query heads over one block of keys: a_u[0:D] += sum over keys jj (in order) of
+ * p_u[jj] * V row (x_u + jj * row). The four heads' chunks accumulate in registers side by
+ * side (independent FMA chains; heads of one kv head share the V load). Each head's sum has
+ * the same order whichever heads share the call. */
+ALWAYS_INLINE void pv4(float *const *a, const float *const *p, const int64_t *x, int64_t nk,
+                       const void *v, int64_t row, int64_t D, const int bf16) {
     int64_t d = 0;
-    for (; d + VL <= n; d += VL) {
-        v16 av;
-        memcpy(&av, a + d, sizeof av);
-        av += p * load16(v, x + d, bf16);
-        memcpy(a + d, &av, sizeof av);
+    for (; d + VL <= D; d += VL) {
+        v16 acc[4];
+        for (int u = 0; u < 4; ++u) memcpy(&acc[u], a[u] + d, sizeof acc[u]);
+        for (int64_t jj = 0; jj < nk; ++jj)
+            for (int u = 0; u < 4; ++u) acc[u] += p[u][jj] * load16(v, x[u] + jj * row + d, bf16);
+        for (int u = 0; u < 4; ++u) memcpy(a[u] + d, &acc[u], sizeof acc[u]);
     }
-    for (; d < n; ++d) a[d] += p * load1(v, x + d, bf16);
+    for (; d < D; ++d)
+        for (int u = 0; u < 4; ++u) {
+            float ad = a[u][d];
+            for (int64_t jj = 0; jj < nk; ++jj) ad += p[u][jj] * load1(v, x[u] + jj * row + d, bf16);
+            a[u][d] = ad;
+        }
 }
 
 /* Ask for the rows of the block holding position `pos` (if < L), columns [col, col + width),
@@ -201,9 +210,9 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
     const int64_t j0 = (window > 0 && L > window) ? L - window : 0, n = L - j0;
     const int64_t H = (h1 - h0) * G; /* query heads in this task */
     const int64_t col = h0 * D, width = (h1 - h0) * D;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(H * (n + 2 * D) + 1));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(H * (n + 2 * D) + D + 1));
     if (!buf) return 1;
-    float *qs = buf, *acc = buf + H * D, *sc = acc + H * D;
+    float *qs = buf, *acc = buf + H * D, *spare = acc + H * D, *sc = spare + D;
     const float *qh = q + h0 * G * D;
     for (int64_t i = 0; i < H * D; ++i) qs[i] = qh[i] * scale;
     memset(acc, 0, sizeof(float) * (size_t)(H * D));
@@ -240,10 +249,20 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
         const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
         int64_t vr = ((int64_t)pages[pos / B] * B + off) * row + col; /* element offset */
         prefetch_block(v, pages, end, L, B, row, col, width, bf16);
-        for (; pos < end; ++pos, ++j, vr += row)
-            for (int64_t hk = 0, i = 0; hk < h1 - h0; ++hk)
-                for (int64_t g = 0; g < G; ++g, ++i)
-                    axpy(acc + i * D, sc[i * n + j], v, vr + hk * D, D, bf16);
+        for (int64_t i = 0; i < H; i += 4) { /* heads past H: a scratch row, dropped */
+            float *a4[4];
+            const float *p4[4];
+            int64_t x4[4];
+            for (int u = 0; u < 4; ++u) {
+                const int64_t hi = i + u < H ? i + u : H - 1;
+                a4[u] = i + u < H ? acc + hi * D : spare;
+                p4[u] = sc + hi * n + j;
+                x4[u] = vr + (hi / G) * D;
+            }
+            pv4(a4, p4, x4, end - pos, v, row, D, bf16);
+        }
+        j += end - pos;
+        pos = end;
     }
     memcpy(out + h0 * G * D, acc, sizeof(float) * (size_t)(H * D));
     free(buf);
