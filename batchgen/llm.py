@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from batchgen import cpu_allocator
 from batchgen.attention import cpu_kernel
 from batchgen.attention.torch_backend import TorchPagedAttention
 from batchgen.config import (
@@ -93,6 +94,8 @@ class LLM:
         path = loader.check_model_dir(model)
         config = loader.load_config(path)
         self.device = _resolve_device(device)
+        if self.device.type == "cpu":
+            cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
         self.dtype = loader.resolve_dtype(dtype, config)
         self.tokenizer = loader.load_tokenizer(path)
         self.model = loader.load_model(path, config, self.dtype, self.device)

@@ -134,3 +134,16 @@ def test_a_failed_call_leaves_a_clean_engine(llm):
     assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
     again = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+
+
+def test_host_allocator_tuning_is_applied_once_and_can_be_switched_off(monkeypatch):
+    import platform
+
+    from batchgen import cpu_allocator
+
+    monkeypatch.setenv(cpu_allocator.ENV_SWITCH, "0")
+    assert cpu_allocator.tune_host_allocator() is False
+    monkeypatch.delenv(cpu_allocator.ENV_SWITCH)
+    if platform.libc_ver()[0] == "glibc":  # glibc accepts all three thresholds
+        assert cpu_allocator.tune_host_allocator() is True
+        assert cpu_allocator.tune_host_allocator() is True  # idempotent
