@@ -71,7 +71,7 @@ static inline float exp_neg(float x) {
     return p * two_n;
 }
 
-/* exp_neg on 16 lanes at once (the same steps, so the same values as the scalar form). */
+/* exp_neg on 16 lanes at once (the same steps as the scalar form, which takes the tail). */
 static inline v16 exp_neg16(v16 x) {
     const v16i low = x < -87.0f; /* all ones where x < -87 */
     const v16 xc = (v16)((low & (v16i)((v16){0} - 87.0f)) | (~low & (v16i)x));
