@@ -37,6 +37,7 @@ from benchmarks.common import (  # noqa: E402
     machine_info,
     machine_line,
     markdown_table,
+    parse_int_list,
     prepare_model_dir,
     quiet_logging,
     timed_repeats,
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--num-prompts, --output-len and --system-len must be >= 1")
     if not 1 <= args.min_question_len <= args.max_question_len:
         p.error("need 1 <= --min-question-len <= --max-question-len")
-    args.hf_batch_sizes = [int(x) for x in args.hf_batch_sizes.split(",") if x]
+    args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
     return args
 
 

@@ -52,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     add_workload_args,
     args_dict,
     check_workload_args,
+    common_prefix_frac,
     count_params,
     fmt_ratio,
     hf_generate_all,
@@ -61,7 +62,9 @@ from benchmarks.common import (  # noqa: E402
     machine_line,
     make_prompts,
     markdown_table,
+    parse_int_list,
     prepare_model_dir,
+    quiet_logging,
     sync,
     write_json,
 )
@@ -95,12 +98,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--verbose", action="store_true", help="keep transformers/batchgen logging")
     args = p.parse_args(argv)
     check_workload_args(p, args)
-    try:
-        args.hf_batch_sizes = [int(b) for b in str(args.hf_batch_sizes).split(",") if b.strip()]
-    except ValueError:
-        p.error("--hf-batch-sizes must be comma-separated integers, e.g. 8,32")
-    if not args.hf_batch_sizes or min(args.hf_batch_sizes) < 1:
-        p.error("--hf-batch-sizes needs at least one batch size >= 1")
+    args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
     return args
 
 
@@ -197,28 +195,15 @@ def setup_generate_batch(model_dir: Path, prompts: list[list[int]], args: argpar
 # ---- report ---------------------------------------------------------------------------------
 def agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
     """Identical sequences and mean common-prefix fraction between two greedy outputs."""
-    same = sum(x == y for x, y in zip(a, b))
-    prefix = []
-    for x, y in zip(a, b):
-        k = 0
-        while k < min(len(x), len(y)) and x[k] == y[k]:
-            k += 1
-        prefix.append(k / max(len(x), 1))
-    return {"identical": same, "of": len(a), "mean_prefix_frac": sum(prefix) / max(len(prefix), 1)}
+    prefix = [common_prefix_frac(x, y) for x, y in zip(a, b)]
+    return {"identical": sum(x == y for x, y in zip(a, b)), "of": len(a),
+            "mean_prefix_frac": sum(prefix) / max(len(prefix), 1)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if not args.verbose:
-        import logging
-
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        # generate_batch's own logger warns about persistent managers and the disabled EOS.
-        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-        logging.getLogger("batchgen").setLevel(logging.WARNING)
+        quiet_logging()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -147,3 +147,12 @@ def test_host_allocator_tuning_is_applied_once_and_can_be_switched_off(monkeypat
     if platform.libc_ver()[0] == "glibc":  # glibc accepts all three thresholds
         assert cpu_allocator.tune_host_allocator() is True
         assert cpu_allocator.tune_host_allocator() is True  # idempotent
+
+
+def test_a_cpu_llm_tunes_the_host_allocator(tiny_model_factory, monkeypatch):
+    from batchgen import cpu_allocator
+
+    calls = []
+    monkeypatch.setattr(cpu_allocator, "tune_host_allocator", lambda: calls.append(1) or True)
+    LLM(tiny_model_factory("llama"), num_kv_blocks=16, device="cpu")
+    assert calls == [1]
