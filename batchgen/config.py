@@ -1,4 +1,5 @@
-"""Engine settings and the KV capacity maths (blocks from memory, max concurrency)."""
+"""Engine settings (validated in one place) and the KV capacity maths (blocks from memory,
+max concurrency, the start-up capacity line)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,49 @@ from dataclasses import dataclass
 
 import torch
 
+from batchgen.attention.registry import BACKENDS
+from batchgen.checks import check, check_choice, check_flag, check_int, check_seed, is_number
+from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import num_blocks_for_memory
 
 # CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
 DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 2048
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """The LLM's engine arguments; constructing one checks them all (ValueError naming the
+    argument) before anything is loaded or allocated."""
+
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = 0.90
+    kv_cache_memory: int | None = None
+    num_kv_blocks: int | None = None
+    attention_backend: str | None = None
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        check_int(self.block_size, "block_size")
+        check_int(self.max_num_seqs, "max_num_seqs")
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory",
+                     "num_kv_blocks"):
+            check_int(getattr(self, name), name, allow_none=True)
+        check(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
+              "gpu_memory_utilization", "a number in (0, 1]", self.gpu_memory_utilization)
+        check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
+        check_choice(self.attention_backend, "attention_backend", (None, *BACKENDS))
+        check_flag(self.enable_prefix_caching, "enable_prefix_caching")
+        self.seed = check_seed(self.seed)
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 @dataclass(frozen=True)
@@ -27,8 +65,7 @@ class CacheConfig:
 
     def max_concurrency(self, seq_len: int) -> float:
         """How many sequences of `seq_len` tokens fit at once."""
-        per_seq = math.ceil(seq_len / self.block_size)
-        return self.num_blocks / per_seq
+        return self.num_blocks / math.ceil(seq_len / self.block_size)
 
     def capacity_line(self, max_model_len: int) -> str:
         """The start-up log line that capacity planning needs."""
@@ -38,32 +75,46 @@ class CacheConfig:
                 f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x")
 
 
-def check_positive_int(value: object, name: str, allow_none: bool = False) -> None:
-    """ValueError naming `name` unless value is an int >= 1 (or None when allowed)."""
-    if value is None and allow_none:
-        return
-    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        raise ValueError(f"{name} must be an integer >= 1{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
-
-
-def pool_blocks(block_size: int, bytes_per_token: int, device: torch.device,
-                num_kv_blocks: int | None, kv_cache_memory: int | None,
-                gpu_free_bytes: int | None, max_blocks_useful: int) -> int:
+def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
+                gpu_free_bytes: int | None, model_max_len: int) -> int:
     """Blocks in the pool: given outright, from a byte budget, or from the device's free memory
     (GPU) / a 4 GiB default (CPU), never more than the engine could ever use."""
-    if num_kv_blocks is not None:
-        return num_kv_blocks
-    if kv_cache_memory is not None:
-        blocks = num_blocks_for_memory(kv_cache_memory, block_size, bytes_per_token)
+    bs = cfg.block_size
+    if cfg.num_kv_blocks is not None:
+        return cfg.num_kv_blocks
+    if cfg.kv_cache_memory is not None:
+        blocks = num_blocks_for_memory(cfg.kv_cache_memory, bs, bytes_per_token)
         if blocks < 1:
-            raise ValueError(f"kv_cache_memory must hold at least one block of {block_size} "
-                             f"tokens ({block_size * bytes_per_token} bytes), got {kv_cache_memory}")
+            raise ValueError(f"kv_cache_memory must hold at least one block of {bs} tokens "
+                             f"({bs * bytes_per_token} bytes), got {cfg.kv_cache_memory}")
         return blocks
     budget = gpu_free_bytes if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
-    if budget is None or budget < block_size * bytes_per_token:
+    if budget is None or budget < bs * bytes_per_token:
         raise ValueError(
             "gpu_memory_utilization leaves no memory for the KV cache after the weights and "
             f"activations ({budget} bytes); raise gpu_memory_utilization or pass kv_cache_memory")
-    return max(1, min(num_blocks_for_memory(budget, block_size, bytes_per_token),
-                      max_blocks_useful))
+    useful = cfg.max_num_seqs * blocks_for(model_max_len, bs) + 1
+    return max(1, min(num_blocks_for_memory(budget, bs, bytes_per_token), useful))
+
+
+def target_max_model_len(cfg: EngineConfig, model_max: int | None) -> int:
+    """The longest sequence wanted: max_model_len if given (within the model's positions), else
+    the model's max_position_embeddings (or a default when the config names none)."""
+    if cfg.max_model_len is None:
+        return model_max or DEFAULT_MAX_MODEL_LEN
+    if model_max and cfg.max_model_len > model_max:
+        raise ValueError(f"max_model_len must be <= the model's max_position_embeddings "
+                         f"({model_max}), got {cfg.max_model_len}")
+    return cfg.max_model_len
+
+
+def fit_max_model_len(cfg: EngineConfig, target: int, capacity: int) -> int:
+    """max_model_len within a pool of `capacity` tokens: a given one must fit it; the default
+    is capped by it."""
+    if cfg.max_model_len is not None and cfg.max_model_len > capacity:
+        raise ValueError(f"max_model_len ({cfg.max_model_len}) must fit the KV pool of "
+                         f"{capacity} tokens; raise num_kv_blocks / kv_cache_memory")
+    if capacity < 2:
+        raise ValueError(f"the KV pool holds {capacity} token: too few for a prompt and one "
+                         "generated token; raise num_kv_blocks / kv_cache_memory")
+    return min(target, capacity)

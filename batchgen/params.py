@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
-import math
+import logging
 from dataclasses import dataclass, field
 
+from batchgen.checks import check, check_flag, check_seed, is_int, is_number
 
-def _check(cond: bool, name: str, allowed: str, value: object) -> None:
-    """Raise a ValueError naming the argument, its allowed values and what was given."""
-    if not cond:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+logger = logging.getLogger("batchgen")
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_num(x: object) -> bool:
-    """A finite int or float (not bool, NaN or infinity)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check_flags(obj: object, *names: str) -> None:
-    """Every named attribute must be a real bool (a stray string would be truthy)."""
-    for name in names:
-        value = getattr(obj, name)
-        _check(isinstance(value, bool), name, "True or False", value)
+# vLLM raises temperatures in (0, 0.01) to 0.01: below it logits / temperature overflows float32
+# (1e-40 gives NaN probabilities) and the result is greedy anyway.
+MIN_TEMPERATURE = 0.01
 
 
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
@@ -33,20 +19,16 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
         return []
     if isinstance(value, str):
         value = [value]
-    _check(
-        isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value),
-        name, "a non-empty string or a list of non-empty strings", value,
-    )
+    check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value),
+          name, "a non-empty string or a list of non-empty strings", value)
     return list(value)
 
 
 def _as_id_list(value: list[int] | None, name: str) -> list[int]:
     if value is None:
         return []
-    _check(
-        isinstance(value, (list, tuple, set)) and all(_is_int(t) and t >= 0 for t in value),
-        name, "a list of non-negative token ids", value,
-    )
+    check(isinstance(value, (list, tuple, set)) and all(is_int(t) and t >= 0 for t in value),
+          name, "a list of non-negative token ids", value)
     return list(value)
 
 
@@ -90,28 +72,33 @@ class SamplingParams(_Stops):
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               "a number >= 0 (0 means greedy)", self.temperature)
-        _check(_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
-               "an integer >= 0 (0 or -1 disables it)", self.top_k)
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", "a number > 0 (1 disables it)", self.repetition_penalty)
+        check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
+        check(is_number(self.temperature) and self.temperature >= 0, "temperature",
+              "a number >= 0 (0 means greedy)", self.temperature)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s, which overflows the logits; using %s "
+                           "(as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
+        check(is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k",
+              "an integer >= 0 (0 or -1 disables it)", self.top_k)
+        check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "in (0, 1]", self.top_p)
+        check(is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "in [0, 1]", self.min_p)
+        check(is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "a number > 0 (1 disables it)", self.repetition_penalty)
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            _check(_is_num(v) and -2 <= v <= 2, name, "in [-2, 2]", v)
-        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-               "max_tokens", "an integer >= 1 or None (up to max_model_len)", self.max_tokens)
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
-               "an integer >= 0", self.min_tokens)
-        _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-               f"<= max_tokens ({self.max_tokens})", self.min_tokens)
-        _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
-        _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0),
-               "logprobs", "None or an integer >= 0", self.logprobs)
-        _check_flags(self, "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+            check(is_number(v) and -2 <= v <= 2, name, "in [-2, 2]", v)
+        check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
+              "max_tokens", "an integer >= 1 or None (up to max_model_len)", self.max_tokens)
+        check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+              "an integer >= 0", self.min_tokens)
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+              f"<= max_tokens ({self.max_tokens})", self.min_tokens)
+        self.seed = check_seed(self.seed)
+        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
+              "logprobs", "None or an integer >= 0", self.logprobs)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            check_flag(getattr(self, name), name)
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
 
@@ -119,6 +106,11 @@ class SamplingParams(_Stops):
     def greedy(self) -> bool:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
+
+    @property
+    def width(self) -> int:
+        """Sequences one request runs at once."""
+        return self.n
 
 
 @dataclass
@@ -137,20 +129,24 @@ class BeamSearchParams(_Stops):
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
-               "an integer >= 1", self.beam_width)
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
-               "an integer >= 1", self.max_tokens)
-        _check(_is_num(self.length_penalty), "length_penalty", "a number", self.length_penalty)
-        _check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
-               "early_stopping",
-               'True, False or "never"', self.early_stopping)
+        check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
+              "an integer >= 1", self.beam_width)
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+              "an integer >= 1", self.max_tokens)
+        check(is_number(self.length_penalty), "length_penalty", "a number", self.length_penalty)
+        check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+              "early_stopping", 'True, False or "never"', self.early_stopping)
         if self.num_return_sequences is None:
             self.num_return_sequences = self.beam_width
-        _check(_is_int(self.num_return_sequences)
-               and 1 <= self.num_return_sequences <= self.beam_width,
-               "num_return_sequences", f"an integer in [1, beam_width={self.beam_width}]",
-               self.num_return_sequences)
-        _check_flags(self, "ignore_eos")
+        check(is_int(self.num_return_sequences)
+              and 1 <= self.num_return_sequences <= self.beam_width,
+              "num_return_sequences", f"an integer in [1, beam_width={self.beam_width}]",
+              self.num_return_sequences)
+        check_flag(self.ignore_eos, "ignore_eos")
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
+
+    @property
+    def width(self) -> int:
+        """Sequences one request runs at once."""
+        return self.beam_width

@@ -124,7 +124,7 @@ def setup_batchgen(model_dir: Path, prompts: list[list[int]], args: argparse.Nam
                  "kv_peak_blocks": stats.peak_blocks_in_use, "preemptions": stats.preemptions,
                  "cow_copies": stats.cow_copies,
                  "max_num_batched_tokens": llm.max_num_batched_tokens,
-                 "attention_backend": llm.engine.runner.backend.name}
+                 "attention_backend": llm.attention_backend}
         return (f"block {args.block_size}, peak {stats.peak_blocks_in_use}/{stats.num_blocks} "
                 f"blocks, {stats.preemptions} preempt"), extra
 

@@ -92,3 +92,32 @@ def hf_greedy(
         )
         outputs.append(strip_after_eos(out[0, ids.shape[1] :].tolist()))
     return outputs
+
+
+def check_pool_invariants(bm: Any) -> None:
+    """A BlockManager's bookkeeping is consistent: reference counts equal table entries; free,
+    evictable (cached, unreferenced) and referenced blocks partition the pool; the prefix cache
+    maps each hash to a block that carries that hash, and only unreferenced hashed blocks are
+    evictable."""
+    from collections import Counter
+
+    refs = Counter(b for table in bm.block_tables.values() for b in table)
+    for blk in range(bm.num_blocks):
+        assert bm.ref_count[blk] == refs.get(blk, 0), f"ref_count of block {blk}"
+    free, evictable = set(bm.free), set(bm.evictable)
+    assert len(free) == len(bm.free), "a block is on the free list twice"
+    assert not free & set(refs) and not evictable & set(refs) and not free & evictable
+    assert len(free) + len(evictable) + len(refs) == bm.num_blocks
+    for h, blk in bm.cached.items():
+        assert bm.block_hash[blk] == h, f"cached hash of block {blk}"
+    hashed = {b for b, h in enumerate(bm.block_hash) if h is not None}
+    assert hashed == set(bm.cached.values())
+    assert evictable <= hashed and not free & hashed
+
+
+def assert_pool_whole(llm: Any) -> None:
+    """After a call (finished or aborted): no block tables, every block free or evictable."""
+    bm = llm.block_manager
+    check_pool_invariants(bm)
+    assert not bm.block_tables and bm.num_free_blocks() == bm.num_blocks
+    assert not llm.scheduler.has_unfinished()

@@ -7,10 +7,28 @@ import pytest
 import torch
 
 from batchgen.attention import cpu_kernel
-from batchgen.attention.metadata import SeqChunk, StepMetadata
-from batchgen.attention.torch_backend import TorchPagedAttention
-from batchgen.kv.block_manager import BlockManager
-from batchgen.kv.cache import KVCache, kv_cache_bytes
+from batchgen.attention.kernel_backend import CpuKernelBackend
+from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.spec import AttentionSpec
+from batchgen.attention.torch_backend import TorchBackend
+from batchgen.kv import BlockManager, KVCache, kv_cache_bytes
+from batchgen.model.inputs import StepInputs
+
+
+def prepare(chunks, block_size, cache=None, min_rows=0):
+    """The runner's step batch for these chunks (buffers sized for them)."""
+    pages = sum(len(c.block_table) for c in chunks)
+    scratch = cache.scratch_block if cache is not None else 10**6
+    return StepInputs(sum(c.num_new for c in chunks), len(chunks), pages, block_size, scratch,
+                      min_rows, torch.device("cpu")).prepare(chunks)
+
+
+def make_backend(kernel, cache, hq, hkv, d, scale, window, softcap, sinks):
+    """The torch backend, or the CPU kernel backend, for one layer with this spec."""
+    spec = AttentionSpec(hq, hkv, d, d, scale, window, softcap, torch.float32, sinks)
+    if kernel is None:
+        return TorchBackend([spec], cache)
+    return CpuKernelBackend([spec], cache, kernel)
 
 
 def _dense_reference(q, k, v, scale, window, softcap, sinks):
@@ -74,6 +92,7 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
     # long chunks (> 32 queries) are cut into query tiles, also mid-sequence
     shapes = [(0, 7), (9, 1), (3 * block_size, 1), (0, 2 * block_size), (5, 6), (12, 1),
               (block_size, block_size), (0, 1), (0, 70), (41, 50), (600, 1)]
+    shapes.sort(key=lambda cn: (cn[1], cn[0]))  # the runner's row order: packed rows = chunks
     full_k, full_v, chunks = [], [], []
     for sid, (cached, new) in enumerate(shapes):
         n = cached + new
@@ -84,46 +103,66 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
         if cached:  # the prefix was written in an earlier step
             slots = torch.tensor([bm.slot_index(sid, p) for p in range(cached)])
             cache.write(0, k[:cached], v[:cached], slots)
-        chunks.append(SeqChunk(bm.block_tables[sid], cached, new, 1))
-    meta = StepMetadata.build(chunks, block_size)
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+    batch = prepare(chunks, block_size)
+    meta = batch.meta
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
-    cache.write(0, new_k, new_v, meta.slot_mapping.long())
+    cache.write(0, new_k, new_v, batch.slot_mapping)
     q = torch.randn(meta.num_tokens, hq, d)
     sink_t = torch.randn(hq) if sinks else None
-    backend = TorchPagedAttention(decode_kernel=_kernel(kernel))
+    backend = make_backend(_kernel(kernel), cache, hq, hkv, d, 0.3, window, softcap, sink_t)
     backend.plan(meta)
-    assert (backend.kernel_rows is not None) == kernel  # decode rows go to the kernel
-    out = backend.run(0, q, cache, 0.3, window, softcap, sink_t)
+    assert (getattr(backend, "rows", None) is not None) == kernel  # decode rows to the kernel
+    out = backend.run(0, q)
     for i in range(len(shapes)):
         a, b = meta.qo_indptr[i].item(), meta.qo_indptr[i + 1].item()
         ref = _dense_reference(q[a:b], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
         torch.testing.assert_close(out[a:b], ref, atol=2e-5, rtol=1e-4)
 
 
-def test_step_metadata_matches_block_tables():
+def test_step_inputs_match_block_tables():
+    """The runner's packed batch: rows sorted by (query length, cached length), logits rows in
+    chunk order, FlashInfer's int32 metadata, the chapter's slot arithmetic."""
     bm = BlockManager(32, 4)
     bm.free.reverse()
     bm.allocate("a", 10)
     bm.allocate("b", 8)  # exact block multiple
     bm.allocate("c", 1)
-    chunks = [SeqChunk(bm.block_tables["a"], 7, 3, 1), SeqChunk(bm.block_tables["b"], 0, 8, 2),
-              SeqChunk(bm.block_tables["c"], 0, 1, 0)]
-    m = StepMetadata.build(chunks, 4)
-    for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len, m.slot_mapping,
-              m.positions, m.logits_indices):
+    chunks = [SeqChunk([5, 6, 7], bm.block_tables["a"], 7, True),
+              SeqChunk(list(range(10, 18)), bm.block_tables["b"], 0, True),
+              SeqChunk([9], bm.block_tables["c"], 0, False)]
+    batch = prepare(chunks, 4)
+    m = batch.meta
+    for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len):
         assert t.dtype == torch.int32
-    assert m.qo_indptr.tolist() == [0, 3, 11, 12]
-    assert m.kv_indptr.tolist() == [0, 3, 5, 6]
-    assert m.kv_indices.tolist() == bm.block_tables["a"] + bm.block_tables["b"] + bm.block_tables["c"]
-    assert m.kv_last_page_len.tolist() == [2, 4, 1]  # 1..block_size, never 0
-    assert m.kv_lens().tolist() == [10, 8, 1]
-    expect = ([bm.slot_index("a", p) for p in (7, 8, 9)] + [bm.slot_index("b", p) for p in range(8)]
-              + [bm.slot_index("c", 0)])
-    assert m.slot_mapping.tolist() == expect
-    assert m.positions.tolist() == [7, 8, 9, *range(8), 0]
-    assert m.logits_indices.tolist() == [2, 10, 10]  # last row of each, duplicated for n=2
-    assert (m.max_q_len, m.max_kv_len) == (8, 10)
+    for t in (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices):
+        assert t.dtype == torch.int64
+    # packed order: c (1 token), a (3), b (8)
+    assert batch.input_ids.tolist() == [9, 5, 6, 7, *range(10, 18)]
+    assert m.qo_indptr.tolist() == [0, 1, 4, 12]
+    assert m.kv_indptr.tolist() == [0, 1, 4, 6]
+    assert m.kv_indices.tolist() == bm.block_tables["c"] + bm.block_tables["a"] + bm.block_tables["b"]
+    assert m.kv_last_page_len.tolist() == [1, 2, 4]  # 1..block_size, never 0
+    assert m.kv_lens().tolist() == [1, 10, 8]
+    expect = ([bm.slot_index("c", 0)] + [bm.slot_index("a", p) for p in (7, 8, 9)]
+              + [bm.slot_index("b", p) for p in range(8)])
+    assert batch.slot_mapping.tolist() == expect
+    assert batch.positions.tolist() == [0, 7, 8, 9, *range(8)]
+    assert batch.logits_indices.tolist() == [3, 11] and batch.num_logits == 2  # a's, then b's
+
+
+def test_tiny_steps_are_padded_in_the_scratch_block():
+    bm = BlockManager(8, 4)
+    bm.allocate("a", 6)
+    cache = KVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
+    batch = prepare([SeqChunk([3, 4], bm.block_tables["a"], 4, True)], 4, cache, min_rows=16)
+    m = batch.meta
+    assert m.num_tokens == 16 and m.num_seqs == 15  # the chunk + 14 one-token dummies
+    assert batch.input_ids.tolist() == [3, 4] + [0] * 14  # dummies after the real rows
+    assert batch.slot_mapping.tolist()[2:] == [cache.scratch_block * 4] * 14
+    assert m.kv_indices.tolist()[-14:] == [cache.scratch_block] * 14
+    assert batch.num_logits == 1 and batch.logits_indices.tolist() == [1] * 16
 
 
 def test_kv_cache_bytes_and_pool_layout():
@@ -138,7 +177,7 @@ def test_kv_cache_bytes_and_pool_layout():
     cache.write(1, k, v, torch.tensor([5, 19]))  # block 1 offset 1, block 4 offset 3
     torch.testing.assert_close(cache.pool[1, 0, 1, 1], k[0].half())
     torch.testing.assert_close(cache.pool[1, 1, 4, 3], v[1].half())
-    cache.copy_blocks(torch.tensor([1, 4]), torch.tensor([0, 2]))
+    cache.copy_blocks([(1, 0), (4, 2)])
     assert torch.equal(cache.pool[:, :, 0], cache.pool[:, :, 1])
     assert torch.equal(cache.pool[:, :, 2], cache.pool[:, :, 4])
 
@@ -162,31 +201,29 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks,
         sid = f"c{c}"
         bm.fork("p", sid, num_tokens=prompt)
         n = prompt + extra
-        src, dst = bm.cow_append(sid, prompt // bs)
-        cache.copy_blocks(torch.tensor([src]), torch.tensor([dst]))
-        bm.ensure_capacity(sid, n)
+        copy = bm.append_slots(sid, prompt, extra)
+        cache.copy_blocks([copy])
         k_own, v_own = torch.randn(extra, hkv, d), torch.randn(extra, hkv, d)
         cache.write(0, k_own, v_own,
                     torch.tensor([bm.slot_index(sid, i) for i in range(prompt, n)]))
         full_k.append(torch.cat([k_prompt, k_own]))
         full_v.append(torch.cat([v_prompt, v_own]))
-        chunks.append(SeqChunk(bm.block_tables[sid], n - 1, 1, 1))
+        chunks.append(SeqChunk([0], bm.block_tables[sid], n - 1, True))
     bm.allocate("x", 20)  # an unrelated decode row in the same step
     kx, vx = torch.randn(20, hkv, d), torch.randn(20, hkv, d)
     cache.write(0, kx, vx, torch.tensor([bm.slot_index("x", i) for i in range(20)]))
-    other.append(SeqChunk(bm.block_tables["x"], 19, 1, 1))
+    other.append(SeqChunk([0], bm.block_tables["x"], 19, True))
     q = torch.randn(5, hq, d)
     sink_t = torch.randn(hq) if sinks else None
-    outs = {}
-    meta = StepMetadata.build(chunks + other, bs)
-    for share in (True, False):
-        backend = TorchPagedAttention(use_cascade=share, decode_kernel=_kernel(kernel))
-        backend.plan(meta)
-        assert (backend.cascade is not None) == (share and not kernel)  # the kernel needs none
-        outs[share] = backend.run(0, q, cache, 0.3, window, softcap, sink_t)
-    torch.testing.assert_close(outs[True], outs[False], atol=2e-5, rtol=1e-4)
-    for i in range(4):
-        ref = _dense_reference(q[i:i + 1], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
-        torch.testing.assert_close(outs[True][i:i + 1], ref, atol=2e-5, rtol=1e-4)
-    ref_x = _dense_reference(q[4:5], kx, vx, 0.3, window, softcap, sink_t)
-    torch.testing.assert_close(outs[True][4:5], ref_x, atol=2e-5, rtol=1e-4)
+    meta = prepare(chunks + other, bs).meta  # rows sorted by length: find each by its length
+    full_k, full_v = full_k + [kx], full_v + [vx]
+    backend = make_backend(_kernel(kernel), cache, hq, hkv, d, 0.3, window, softcap, sink_t)
+    backend.plan(meta)
+    if not kernel:
+        assert backend.cascade is not None  # the siblings share their prompt blocks
+    out = backend.run(0, q)
+    lens = [len(k) for k in full_k]
+    for row in range(5):
+        i = lens.index(meta.kv_lens()[row].item())
+        ref = _dense_reference(q[row:row + 1], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
+        torch.testing.assert_close(out[row:row + 1], ref, atol=2e-5, rtol=1e-4)

@@ -1,12 +1,12 @@
 """BlockManager: the chapter's boundary test unchanged, plus invariants over random operations."""
 
-from collections import Counter
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.kv.block_manager import BlockManager, PoolExhausted
+from batchgen.kv import BlockManager, PoolExhausted
+from batchgen.kv.block_manager import chain_hashes
+from tests.helpers import check_pool_invariants
 
 
 def test_block_boundary():
@@ -58,7 +58,9 @@ def test_exhaustion_raises_dedicated_error_and_takes_nothing():
         mgr.allocate("b", 8)
     assert "b" not in mgr.block_tables and mgr.num_free_blocks() == 1
     with pytest.raises(PoolExhausted):
-        mgr.ensure_capacity("a", 16)
+        mgr.append_token("a", 8, 8)
+    with pytest.raises(PoolExhausted):
+        mgr.append_slots("a", 8, 8)
     assert len(mgr.block_tables["a"]) == 2 and mgr.num_free_blocks() == 1
     assert issubclass(PoolExhausted, MemoryError)
 
@@ -74,17 +76,8 @@ def test_peak_blocks_tracks_the_high_water_mark():
     assert mgr.peak_blocks_in_use == 3
 
 
-def _check_invariants(mgr: BlockManager) -> None:
-    refs = Counter(b for table in mgr.block_tables.values() for b in table)
-    for blk in range(mgr.num_blocks):
-        assert mgr.ref_count[blk] == refs.get(blk, 0)
-    free = set(mgr.free)
-    assert len(free) == len(mgr.free), "a block is on the free list twice"
-    assert not free & set(refs), "a block is both free and referenced"
-    assert len(free) + len(refs) == mgr.num_blocks
-
-
-ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "cow", "free"]),
+ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "cow", "free", "append",
+                                         "register", "hit", "abort"]),
                          st.integers(0, 5), st.integers(0, 5), st.integers(1, 40)),
                max_size=60)
 
@@ -92,31 +85,68 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "grow", "fork", "cow", "free"
 @settings(max_examples=300, deadline=None)
 @given(ops=ops, block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(1, 24))
 def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
-    mgr = BlockManager(num_blocks, block_size)
+    """Random allocate / grow / fork / COW / free / prefix-cache publish and hit / abort: the
+    bookkeeping stays consistent and a failed operation takes nothing."""
+    mgr = BlockManager(num_blocks, block_size, enable_prefix_caching=True)
     lengths: dict[int, int] = {}
+    contents: dict[int, list[int]] = {}  # token ids per sequence, to hash its full blocks
     for op, a, b, n in ops:
+        before = (list(mgr.free), {k: list(v) for k, v in mgr.block_tables.items()},
+                  list(mgr.ref_count))
         try:
             if op == "alloc" and a not in lengths:
                 mgr.allocate(a, n)
-                lengths[a] = n
+                lengths[a], contents[a] = n, [a * 1000 + i for i in range(n)]
             elif op == "grow" and a in lengths:
-                mgr.ensure_capacity(a, lengths[a] + n)
+                mgr.append_token(a, lengths[a], n)
                 lengths[a] += n
+                contents[a] += [a * 1000 + 500 + i for i in range(n)]
+            elif op == "append" and a in lengths:
+                mgr.append_slots(a, lengths[a], n)
+                lengths[a] += n
+                contents[a] += [a * 1000 + 700 + i for i in range(n)]
             elif op == "fork" and a in lengths and b not in lengths:
                 mgr.fork(a, b)
-                lengths[b] = lengths[a]
+                lengths[b], contents[b] = lengths[a], list(contents[a])
             elif op == "cow" and a in lengths and mgr.block_tables[a]:
                 idx = n % len(mgr.block_tables[a])
                 src, dst = mgr.cow_append(a, idx)
                 assert mgr.block_tables[a][idx] == dst
             elif op == "free" and a in lengths:
                 mgr.free_seq(a)
-                del lengths[a]
-        except PoolExhausted:
-            pass
-        _check_invariants(mgr)
+                del lengths[a], contents[a]
+            elif op == "register" and a in lengths:
+                mgr.register(a, chain_hashes(contents[a], block_size, []))
+            elif op == "hit" and a in lengths and b not in lengths:
+                hashes = chain_hashes(contents[a], block_size, [])
+                hit = mgr.lookup(hashes[:(lengths[a] - 1) // block_size])
+                mgr.allocate(b, lengths[a], hit)
+                lengths[b], contents[b] = lengths[a], list(contents[a])
+            elif op == "abort":
+                mgr.free_all()
+                lengths.clear()
+                contents.clear()
+        except PoolExhausted:  # all or nothing
+            assert (mgr.free, mgr.block_tables, mgr.ref_count) == (before[0], before[1],
+                                                                   before[2])
+        check_pool_invariants(mgr)
         for sid, length in lengths.items():
             assert len(mgr.block_tables[sid]) * block_size >= length
     for sid in list(lengths):
         mgr.free_seq(sid)
     assert mgr.num_free_blocks() == num_blocks
+
+
+def test_free_all_repairs_a_half_done_registration():
+    """An interrupt between the two writes of `register` (or of an eviction) leaves the cache
+    and a block disagreeing; free_all rebuilds everything from the consistent part."""
+    mgr = BlockManager(8, 2, enable_prefix_caching=True)
+    mgr.allocate("a", 6)
+    hashes = chain_hashes([1, 2, 3, 4, 5, 6], 2, [])
+    mgr.register("a", hashes[:2])
+    blk = mgr.block_tables["a"][2]
+    mgr.cached[hashes[2]] = blk  # ...interrupted before block_hash[blk] was set
+    mgr.free_all()
+    check_pool_invariants(mgr)
+    assert mgr.num_free_blocks() == 8 and hashes[2] not in mgr.cached
+    assert mgr.lookup(hashes) == mgr.lookup(hashes[:2]) and len(mgr.lookup(hashes)) == 2

@@ -143,21 +143,44 @@ def test_switch_off_falls_back_to_pytorch(monkeypatch):
 
 
 def test_llm_attention_backend_choices(tiny_model_factory):
+    """The registry's choice, by name or by default, and why a named backend cannot run."""
     from batchgen import LLM
+    from batchgen.attention.kernel_backend import CpuKernelBackend
+    from batchgen.attention.torch_backend import TorchBackend
 
     path = tiny_model_factory("llama")
-    assert LLM(path, num_kv_blocks=64).engine.runner.backend.decode_kernel is not None
-    assert LLM(path, num_kv_blocks=64, attention_backend="cpu_kernel"
-               ).engine.runner.backend.name == "torch+cpu-kernel"
-    torch_only = LLM(path, num_kv_blocks=64, attention_backend="torch").engine.runner.backend
-    assert torch_only.decode_kernel is None and torch_only.name == "torch"
-    assert LLM(path, num_kv_blocks=64, kv_cache_dtype="bfloat16"
-               ).engine.runner.backend.decode_kernel is not None
+
+    def backend(**kw):
+        llm = LLM(path, num_kv_blocks=64, **kw)
+        return llm.attention_backend, type(llm.engine.runner.backend)
+
+    assert backend() == ("cpu_kernel", CpuKernelBackend)
+    assert backend(attention_backend="cpu_kernel") == ("cpu_kernel", CpuKernelBackend)
+    assert backend(attention_backend="torch") == ("torch", TorchBackend)
+    assert backend(kv_cache_dtype="bfloat16") == ("cpu_kernel", CpuKernelBackend)
     # a float16 pool: the default quietly uses PyTorch, insisting on the kernel is an error
-    assert LLM(path, num_kv_blocks=64, kv_cache_dtype="float16"
-               ).engine.runner.backend.decode_kernel is None
-    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' needs"):
+    assert backend(kv_cache_dtype="float16") == ("torch", TorchBackend)
+    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' cannot run here: "
+                                         "needs a KV cache of"):
         LLM(path, num_kv_blocks=64, kv_cache_dtype="float16", attention_backend="cpu_kernel")
+
+
+def test_an_unbuildable_kernel_is_a_clear_error_before_loading(tiny_model_factory, monkeypatch):
+    """attention_backend='cpu_kernel' where the kernel cannot be built: ValueError with the
+    reason, raised before the weights load; the default falls back to PyTorch."""
+    from batchgen import LLM
+    from batchgen.model import loader
+
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    loads = []
+    monkeypatch.setattr(loader, "load_model", lambda *a: loads.append(a))
+    with pytest.raises(ValueError, match="attention_backend='cpu_kernel' cannot run here: "
+                                         "disabled"):
+        LLM(tiny_model_factory("llama"), num_kv_blocks=64, attention_backend="cpu_kernel")
+    assert loads == []
+    monkeypatch.undo()
+    monkeypatch.setenv(cpu_kernel.ENV_SWITCH, "0")
+    assert LLM(tiny_model_factory("llama"), num_kv_blocks=64).attention_backend == "torch"
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32"])

@@ -6,7 +6,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from batchgen import LLM, SamplingParams
-from batchgen.attention.metadata import SeqChunk, StepMetadata
+from batchgen.attention.interface import StepContext
+from batchgen.attention.metadata import SeqChunk
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import hf_greedy, make_prompt_token_ids
 
@@ -61,16 +62,20 @@ def test_packed_prefill_logits_equal_hf(tiny_model_factory, prompts, family):
     path = tiny_model_factory(family)
     llm = LLM(path, block_size=4, num_kv_blocks=512)
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    batch = prompts[:8]
+    batch = sorted(prompts[:8], key=len)  # the runner packs rows by length: keep this order
     bm = llm.block_manager
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("packed", i), len(p))
-        chunks.append(SeqChunk(bm.block_tables[("packed", i)], 0, len(p), 1))
-    meta = StepMetadata.build(chunks, bm.block_size)
-    meta.logits_indices = torch.arange(meta.num_tokens, dtype=torch.int32)
-    meta.num_logits = meta.num_tokens
-    got = llm.engine.runner.execute([t for p in batch for t in p], meta)
+        chunks.append(SeqChunk(p, bm.block_tables[("packed", i)], 0, True))
+    runner = llm.engine.runner
+    step = runner.inputs.prepare(chunks)
+    meta = step.meta
+    runner.backend.plan(meta)
+    with torch.inference_mode():  # every position's logits, not only the sampled rows
+        got = runner.model(input_ids=step.input_ids[None], position_ids=step.positions[None],
+                           use_cache=False, batchgen_step=StepContext(
+                               runner.cache, runner.backend, step.slot_mapping)).logits[0]
     for i in range(len(batch)):
         bm.free_seq(("packed", i))
     with torch.no_grad():

@@ -118,11 +118,11 @@ def test_a_failed_call_leaves_a_clean_engine(llm):
     execute = llm.engine.runner.execute
     calls = []
 
-    def failing(input_ids, meta):
+    def failing(chunks):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return execute(input_ids, meta)
+        return execute(chunks)
 
     llm.engine.runner.execute = failing
     try:

@@ -68,7 +68,8 @@ def test_shared_system_prompt_in_one_call(model_dir, prefix_len):
     on, off = _pair(model_dir, num_kv_blocks=512)
     computed = []
     execute = on.engine.runner.execute
-    on.engine.runner.execute = lambda ids, m: (computed.append(len(ids)), execute(ids, m))[1]
+    on.engine.runner.execute = lambda chunks: (
+        computed.append(sum(c.num_new for c in chunks)), execute(chunks))[1]
     a = on.generate(_ids(prompts), SP, use_tqdm=False)
     b = off.generate(_ids(prompts), SP, use_tqdm=False)
     full = prefix_len // B * B  # the shared full blocks

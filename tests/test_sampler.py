@@ -16,10 +16,28 @@ from transformers.generation.logits_process import (
 )
 
 from batchgen.params import SamplingParams
-from batchgen.sampling.sampler import Sampler, SamplingRow, processed_logprobs
+from batchgen.sampling.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    apply_warpers,
+)
 
 V = 200
 EOS = 2
+
+
+def processed_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The [N, V] fp32 log-distribution each row is drawn from (greedy rows: a point mass),
+    from the sampler's own stages: what the tests compare with HF's processors."""
+    scores = apply_penalties(logits.float(), rows)
+    out = torch.full_like(scores, float("-inf"))
+    for i, row in enumerate(rows):
+        if row.params.greedy:
+            out[i, scores[i].argmax()] = 0.0
+        else:
+            out[i] = torch.log_softmax(apply_warpers(scores[i:i + 1], [row.params])[0], dim=-1)
+    return out
 
 
 def _row(history: list[int] | None = None, num_prompt: int | None = None, seed: int | None = None,

@@ -115,15 +115,14 @@ def test_stop_string_spanning_tokens_cuts_the_text(tok: Any) -> None:
     assert (finish, reason) == ("stop", "own fo")
     assert "own fo" in _decode(tok, ids[:n])
     assert "own fo" not in _decode(tok, ids[:n - 1])  # the completing token is the last one kept
-    assert checker.token_ids == ids[:n]
-    assert checker.final_text() == checker.text == "The quick br"
+    assert checker.final_text(ids[:n]) == "The quick br"
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_only(tok: Any) -> None:
     ids = _ids(tok, "The quick brown fox jumps")
     checker = _checker(tok, stop="own fo", include_stop_str_in_output=True)
-    _run(checker, ids)
-    assert checker.text == "The quick brown fo"
+    n = _run(checker, ids)[0]
+    assert checker.final_text(ids[:n]) == "The quick brown fo"
 
 
 def test_multibyte_stop_string_and_earliest_match_wins(tok: Any) -> None:
@@ -131,7 +130,7 @@ def test_multibyte_stop_string_and_earliest_match_wins(tok: Any) -> None:
     checker = _checker(tok, stop=["界", "世"])
     n, finish, reason = _run(checker, ids)
     assert (finish, reason) == ("stop", "世")
-    assert checker.text == "ab "
+    assert checker.final_text(ids[:n]) == "ab "
     assert _decode(tok, ids[:n]) == "ab 世"
 
 
@@ -141,11 +140,10 @@ def test_stop_token_id_is_kept_in_ids_not_in_text(tok: Any) -> None:
     checker = _checker(tok, stop_token_ids=[stop_id], stop=["zzz"])
     n, finish, reason = _run(checker, ids)
     assert (n, finish, reason) == (4, "stop", stop_id)
-    assert checker.token_ids == ids[:4]
-    assert checker.text == _decode(tok, ids[:3])
+    assert checker.final_text(ids[:4]) == _decode(tok, ids[:3])
     inc = _checker(tok, stop_token_ids=[stop_id], include_stop_str_in_output=True)
     _run(inc, ids)
-    assert inc.text == _decode(tok, ids[:4])
+    assert inc.final_text(ids[:4]) == _decode(tok, ids[:4])
 
 
 @pytest.mark.parametrize("stop", [None, ["zzz"]])
@@ -154,8 +152,8 @@ def test_eos_stops_with_no_stop_reason(tok: Any, stop: list[str] | None) -> None
     checker = _checker(tok, stop=stop, skip_special_tokens=False)
     n, finish, reason = _run(checker, ids)
     assert (finish, reason) == ("stop", None)
-    assert checker.token_ids[-1] == EOS
-    assert checker.text == "The quick"  # the EOS text is dropped even when specials are shown
+    assert ids[n - 1] == EOS
+    assert checker.final_text(ids[:n]) == "The quick"  # EOS text dropped even with specials
 
 
 def test_ignore_eos_runs_to_length(tok: Any) -> None:
@@ -163,7 +161,7 @@ def test_ignore_eos_runs_to_length(tok: Any) -> None:
     checker = _checker(tok, max_tokens=len(ids), ignore_eos=True, skip_special_tokens=False)
     n, finish, reason = _run(checker, ids)
     assert (n, finish, reason) == (len(ids), "length", None)
-    assert checker.text == "The quick</s>" * 3
+    assert checker.final_text(ids) == "The quick</s>" * 3
 
 
 def test_max_tokens_gives_length_and_exact_text(tok: Any) -> None:
@@ -172,7 +170,7 @@ def test_max_tokens_gives_length_and_exact_text(tok: Any) -> None:
     assert checker.detokenizer is None  # no stop strings: one decode at the end
     n, finish, reason = _run(checker, ids)
     assert (n, finish, reason) == (5, "length", None)
-    assert checker.text == _decode(tok, ids[:5])
+    assert checker.final_text(ids[:5]) == _decode(tok, ids[:5])
 
 
 def test_eos_on_the_last_allowed_token_is_stop(tok: Any) -> None:
@@ -188,7 +186,7 @@ def test_min_tokens_delays_eos_stop_ids_and_stop_strings(tok: Any) -> None:
     checker = _checker(tok, min_tokens=n_min, stop=["quick", "fox"], stop_token_ids=[head[0]])
     n, finish, reason = _run(checker, ids)
     assert (n, finish, reason) == (len(ids), "stop", "fox")
-    assert checker.text == "The quick brown "
+    assert checker.final_text(ids) == "The quick brown "
 
 
 def test_min_tokens_boundary_follows_vllm(tok: Any) -> None:
@@ -201,15 +199,17 @@ def test_several_eos_ids(tok: Any) -> None:
     params = SamplingParams(max_tokens=10)
     for eos in (7, 9):
         checker = StopChecker(params, [EOS, 7, 9], tok, [BOS], 10)
-        assert _run(checker, [*_ids(tok, "The"), eos])[1:] == ("stop", None)
-        assert checker.text == "The"
+        ids = [*_ids(tok, "The"), eos]
+        assert _run(checker, ids)[1:] == ("stop", None)
+        assert checker.final_text(ids) == "The"
 
 
 def test_length_flushes_pending_text(tok: Any) -> None:
     ids = _ids(tok, "ab 世")[:-1]  # ends inside a character
     checker = _checker(tok, max_tokens=len(ids), stop=["zzz"])
     assert _run(checker, ids)[1] == "length"
-    assert checker.text == _decode(tok, ids) and checker.text.endswith("\ufffd")
+    text = checker.final_text(ids)
+    assert text == _decode(tok, ids) and text.endswith("\ufffd")
 
 
 def test_without_tokenizer_only_token_conditions_apply() -> None:
@@ -217,7 +217,7 @@ def test_without_tokenizer_only_token_conditions_apply() -> None:
     checker = StopChecker(params, EOS, None, [BOS, 5], 3)
     assert checker.append(5, 1) == (None, None)
     assert checker.append(9, 2) == ("stop", 9)
-    assert checker.text == ""
+    assert checker.final_text([5, 9]) == ""
     with pytest.raises(RuntimeError):
         checker.append(5, 3)
 
@@ -225,5 +225,22 @@ def test_without_tokenizer_only_token_conditions_apply() -> None:
 def test_beam_search_params_are_accepted(tok: Any) -> None:
     params = BeamSearchParams(beam_width=2, max_tokens=20, stop="fox")
     checker = StopChecker(params, EOS, tok, [BOS], 20)
-    assert _run(checker, _ids(tok, "The quick brown fox jumps"))[1:] == ("stop", "fox")
-    assert checker.text == "The quick brown "
+    ids = _ids(tok, "The quick brown fox jumps")
+    n, finish, reason = _run(checker, ids)
+    assert (finish, reason) == ("stop", "fox")
+    assert checker.final_text(ids[:n]) == "The quick brown "
+
+
+def test_would_stop_peeks_and_forks_are_independent(tok: Any) -> None:
+    """Beams ask each candidate token without changing the checker; a fork continues alone."""
+    ids = _ids(tok, "The quick brown fox jumps")
+    checker = _checker(tok, stop=["own fo"])
+    n = _run(_checker(tok, stop=["own fo"]), ids)[0]  # the token completing the stop string
+    for i, t in enumerate(ids[:n - 1], 1):
+        assert not checker.would_stop(t, i)
+        checker.append(t, i)
+    twin = checker.fork()
+    assert checker.would_stop(ids[n - 1], n) and twin.would_stop(ids[n - 1], n)
+    assert twin.append(ids[n - 1], n) == ("stop", "own fo")
+    assert checker.finish_reason is None and not checker.would_stop(ids[0], n)
+    assert checker.append(ids[0], n) == (None, None)  # the original goes on unaffected

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.attention.spec import AttentionSpec
+
 _NEG_INF = float("-inf")
 
 
@@ -114,8 +116,7 @@ def plan_cascades(qo: list[int], kv_lens: list[int], pages: list[list[int]], bs:
     return cascade, {i for m, _ in plans for i in m}
 
 
-def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, scale: float,
-                window: int | None, softcap: float | None, sinks: torch.Tensor | None,
+def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
                 out: torch.Tensor) -> None:
     """Attention of the siblings' queries: shared prefix once per group, tails per row,
     merged by log-sum-exp; writes their rows of `out` [T, Hq, Dv]."""
@@ -123,7 +124,8 @@ def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, scale: flo
     hq = q.shape[1]
     g = hq // hkv
     gc, n = c.q_index.shape
-    mask_a, mask_t = c.mask(window, g)
+    scale, softcap, sinks = spec.scale, spec.softcap, spec.sinks
+    mask_a, mask_t = c.mask(spec.window, g)
     # level 0: [Gc, Hkv, N*G, D] queries against each group's prefix [Gc, Hkv, Pmax, D]
     qa = q[c.q_index].view(gc, n, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(gc, hkv, n * g, d)
     ka = kv_blocks[0].index_select(0, c.prefix_pages).view(gc, -1, hkv, d).transpose(1, 2)

@@ -39,8 +39,7 @@ class KernelUnavailable(RuntimeError):
 class PagedDecodeKernel:
     """Typed wrapper over `batchgen_paged_decode`; every tensor is checked before the call."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.batchgen_paged_decode
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_void_p] * 4
@@ -173,7 +172,7 @@ def _build_and_load() -> PagedDecodeKernel:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return PagedDecodeKernel(lib, path)
+    return PagedDecodeKernel(lib)
 
 
 def try_load() -> PagedDecodeKernel | None:

@@ -1,8 +1,8 @@
 """The attention function registered with transformers' AttentionInterface as "batchgen".
 
-HF computes q/k/v (RoPE, qk-norm applied) and calls this per layer; we write the new K/V into
-the paged pool by slot and run the planned backend. The step's state arrives as one keyword
-argument, `batchgen_step`, passed through `model(...)` — no global state.
+HF computes q/k/v (RoPE, qk-norm applied) and calls this per layer. The step's state arrives as
+one keyword argument, `batchgen_step`, passed through `model(...)`: a StepContext in a real
+step (write the new K/V by slot, then run the planned backend), a SpecProbe at load time.
 """
 
 from __future__ import annotations
@@ -20,32 +20,31 @@ ATTN_IMPLEMENTATION = "batchgen"
 
 @dataclass
 class StepContext:
-    """Who owns what in one forward: the pool (engine-owned), the planned backend, and the
-    step's int64 slot mapping on the model's device."""
+    """Who owns what in one forward: the pool (the LLM's), the planned backend, and the step's
+    int64 slot mapping on the model's device (the runner's buffer)."""
 
     cache: KVCache
     backend: AttentionBackend
     slot_mapping: torch.Tensor
+
+    def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float | None, kwargs: dict) -> torch.Tensor:
+        """query [1, Hq, T, D], key/value [1, Hkv, T, D] → [1, T, Hq, Dv]."""
+        layer = module.layer_idx
+        self.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1),
+                         self.slot_mapping)
+        return self.backend.run(layer, query[0].transpose(0, 1))[None]
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
                             **kwargs: object) -> tuple[torch.Tensor, None]:
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] → ([1, T, Hq, Dv], None)."""
+    """HF's attention signature; the work is the step context's."""
     ctx = kwargs.get("batchgen_step")
-    if not isinstance(ctx, StepContext):
+    if ctx is None:
         raise RuntimeError("batchgen attention called outside a batchgen engine step")
-    layer = module.layer_idx
-    q = query[0].transpose(0, 1)
-    ctx.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1), ctx.slot_mapping)
-    window = kwargs.get("sliding_window")
-    if window is None:
-        window = getattr(module, "sliding_window", None)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ctx.backend.run(layer, q, ctx.cache, float(scale), window or None,
-                          kwargs.get("softcap"), kwargs.get("s_aux"))
-    return out[None], None
+    return ctx.attend(module, query, key, value, scaling, kwargs), None
 
 
 def register() -> str:

@@ -101,6 +101,7 @@ class BeamSearchState:
     ``eos_token_ids=[]`` for ``ignore_eos``); their count sets ``K`` like HF's
     ``len(eos_token_id)``, so ``stop_token_ids=[s]`` behaves like HF with
     ``eos_token_id=[eos, s]``. ``vocab_size`` (optional) is checked against the log-probs width.
+    The arguments are those of a validated ``BeamSearchParams``.
     """
 
     def __init__(
@@ -114,30 +115,14 @@ class BeamSearchState:
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] = (),
     ) -> None:
-        if beam_width < 1:
-            raise ValueError(f"beam_width must be >= 1, got {beam_width}")
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        if not (isinstance(early_stopping, bool) or early_stopping == "never"):
-            raise ValueError(f'early_stopping must be True, False or "never", got {early_stopping!r}')
-        if num_return_sequences is None:
-            num_return_sequences = beam_width
-        if not 1 <= num_return_sequences <= beam_width:
-            raise ValueError(
-                f"num_return_sequences must be in [1, {beam_width}], got {num_return_sequences}"
-            )
         self.beam_width = beam_width
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
-        self.num_return_sequences = num_return_sequences
+        self.num_return_sequences = num_return_sequences or beam_width
         self.vocab_size = vocab_size
-        ids: list[int] = []
-        for t in (*eos_token_ids, *stop_token_ids):
-            if t not in ids:
-                ids.append(int(t))
-        self.stop_ids = ids
-        self.num_candidates = max(2, 1 + len(ids)) * beam_width  # HF beams_to_keep
+        self.stop_ids = list(dict.fromkeys(int(t) for t in (*eos_token_ids, *stop_token_ids)))
+        self.num_candidates = max(2, 1 + len(self.stop_ids)) * beam_width  # HF beams_to_keep
         self.gen_len = 0  # generated tokens so far (HF cur_len - decoder_prompt_len)
         self.done = False
         self._device: torch.device | None = None
@@ -152,7 +137,6 @@ class BeamSearchState:
         self._fin_done: torch.Tensor | None = None
         self._unsatisfied: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ helpers
     def _init_tensors(self, device: torch.device) -> None:
         w = self.beam_width
         self._device = device
@@ -174,27 +158,53 @@ class BeamSearchState:
         """Rows :meth:`step` expects (1 before the first step, then ``beam_width``; 0 once done)."""
         return len(self._running)
 
-    @property
-    def running_tokens(self) -> list[list[int]]:
-        """Generated tokens of each live beam (copies)."""
-        return [list(t) for t in self._running]
-
-    @property
-    def running_scores(self) -> list[float]:
-        """Accumulated log-probs of each live beam."""
-        if self._running_scores is None:
-            return [0.0]
-        return self._running_scores[0, : len(self._running)].tolist()
-
     # --------------------------------------------------------------------- step
     def step(self, logprobs: torch.Tensor, is_stop: StopFn | None = None) -> BeamStep:
         """Advance one token.
 
         ``logprobs``: ``[num_live_beams, V]`` float32 ``log_softmax`` of the live beams'
-        next-token logits (after any processors), rows in the order of :attr:`running_tokens`.
-        On the first step a single row (the prompt) is expected; ``W`` identical rows are also
-        accepted. ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
+        next-token logits (after any processors), rows in beam order. On the first step a
+        single row (the prompt) is expected; ``W`` identical rows are also accepted.
+        ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
         """
+        logprobs, first_single = self._check_rows(logprobs)
+        # b-c. accumulate, flatten to [1, W * V], top-K continuations
+        vocab = logprobs.shape[1]
+        flat = (logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]).reshape(1, -1)
+        topk_log_probs, topk_indices = torch.topk(flat, k=self.num_candidates)
+        topk_ids = topk_indices % vocab
+        ids_l = topk_ids[0].tolist()
+        parents_l = ([0] * len(ids_l) if first_single
+                     else (topk_indices // vocab)[0].tolist())
+        new_len = self.gen_len + 1  # generated length including the new token
+        # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
+        is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
+        if is_stop is not None:
+            extra = [bool(is_stop(p, t)) for p, t in zip(parents_l, ids_l)]
+            is_stop_tok = is_stop_tok | torch.tensor([extra], dtype=torch.bool, device=self._device)
+        hits = is_stop_tok | (new_len >= self.max_tokens)
+        # e. next running beams (_get_running_beams_for_next_iteration)
+        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * _NEG
+        next_idx = torch.topk(topk_running_log_probs, k=self.beam_width)[1]
+        self._running_scores = torch.take_along_dim(topk_running_log_probs, next_idx, dim=1)
+        # f. finished buffer (_update_finished_beams)
+        finished = self._update_finished(topk_log_probs, hits, is_stop_tok, new_len, parents_l,
+                                         ids_l)
+        # g. stopping condition of the group
+        self.gen_len = new_len
+        self.done = self._group_done(hits)
+        old_running = self._running
+        if self.done:
+            self._running = []
+            return BeamStep([], [], True, finished)
+        next_l = next_idx[0].tolist()
+        parents = [parents_l[c] for c in next_l]
+        tokens = [ids_l[c] for c in next_l]
+        self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
+        return BeamStep(parents, tokens, False, finished)
+
+    def _check_rows(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """The step's [W, V] rows (a single first-step row expanded) and whether it was one."""
         if self.done:
             raise RuntimeError("beam search group is already done")
         if logprobs.dim() != 2:
@@ -203,118 +213,66 @@ class BeamSearchState:
         n_live, vocab = logprobs.shape
         if self.vocab_size is not None and vocab != self.vocab_size:
             raise ValueError(f"logprobs has {vocab} columns, expected vocab_size={self.vocab_size}")
-        first = self._running_scores is None
-        if first:
+        if self._running_scores is None:
             self._init_tensors(logprobs.device)
             if n_live == 1:
-                logprobs = logprobs.expand(w, vocab)
-            elif n_live != w:
+                return logprobs.expand(w, vocab), True
+            if n_live != w:
                 raise ValueError(f"first step expects 1 or {w} rows, got {n_live}")
         elif n_live != w:
             raise ValueError(f"expected {w} live beams, got {n_live}")
-        assert self._running_scores is not None and self._fin_scores is not None
-        assert self._fin_sums is not None and self._fin_reason is not None
-        assert self._fin_done is not None and self._unsatisfied is not None
-        k = self.num_candidates
-        lp = self.length_penalty
-        new_len = self.gen_len + 1  # generated length including the new token
+        return logprobs, False
 
-        # b. accumulate and flatten to [1, W * V]
-        log_probs = logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]
-        log_probs = torch.reshape(log_probs, (1, -1))
-
-        # c. top-K continuations (_get_top_k_continuations)
-        topk_log_probs, topk_indices = torch.topk(log_probs, k=k)
-        topk_beams = topk_indices // vocab
-        topk_ids = topk_indices % vocab
-        beams_l = topk_beams[0].tolist()
-        ids_l = topk_ids[0].tolist()
-        parents_l = [0] * k if (first and n_live == 1) else beams_l
-
-        # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
-        is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
-        if is_stop is not None:
-            extra = [bool(is_stop(p, t)) for p, t in zip(parents_l, ids_l)]
-            is_stop_tok = is_stop_tok | torch.tensor([extra], dtype=torch.bool, device=self._device)
-        at_max = new_len >= self.max_tokens
-        hits = is_stop_tok | at_max
-
-        # e. next running beams (_get_running_beams_for_next_iteration)
-        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * _NEG
-        next_idx = torch.topk(topk_running_log_probs, k=w)[1]
-        self._running_scores = torch.take_along_dim(topk_running_log_probs, next_idx, dim=1)
-        next_l = next_idx[0].tolist()
-
-        # f. finished buffer update (_update_finished_beams)
+    def _update_finished(self, topk_log_probs: torch.Tensor, hits: torch.Tensor,
+                         is_stop_tok: torch.Tensor, new_len: int, parents_l: list[int],
+                         ids_l: list[int]) -> list[BeamHypothesis]:
+        """Merge this step's admitted hits into the W-slot finished buffer (HF
+        _update_finished_beams); returns the hypotheses admitted now."""
+        w = self.beam_width
         did_finish = hits & self._top_mask[None, :]
-        scores = topk_log_probs / (new_len**lp)
+        scores = topk_log_probs / (new_len**self.length_penalty)
         full = torch.all(self._fin_done, dim=-1, keepdim=True) & (self.early_stopping is True)
         scores += full.to(torch.float32) * _NEG
         scores += (~self._unsatisfied).to(torch.float32) * _NEG
         scores += (~did_finish) * _NEG
-        reason = torch.where(
-            is_stop_tok,
-            torch.tensor(_STOP, dtype=torch.int8, device=self._device),
-            torch.tensor(_LENGTH, dtype=torch.int8, device=self._device),
-        )
+        reason = torch.where(is_stop_tok, _STOP, _LENGTH).to(torch.int8)
         reason = torch.where(did_finish, reason, torch.zeros_like(reason))
-        merged_scores = torch.cat((self._fin_scores, scores), dim=1)
-        merged_sums = torch.cat((self._fin_sums, topk_log_probs), dim=1)
-        merged_reason = torch.cat((self._fin_reason, reason), dim=1)
-        merged_done = torch.cat((self._fin_done, did_finish), dim=1)
-        keep = torch.topk(merged_scores, k=w)[1]
-        self._fin_scores = torch.take_along_dim(merged_scores, keep, dim=1)
-        self._fin_sums = torch.take_along_dim(merged_sums, keep, dim=1)
-        self._fin_reason = torch.take_along_dim(merged_reason, keep, dim=1)
-        self._fin_done = torch.take_along_dim(merged_done, keep, dim=1)
-
-        old_running = self._running
-        old_fin = self._fin_tokens
+        merged = [torch.cat(pair, dim=1) for pair in (
+            (self._fin_scores, scores), (self._fin_sums, topk_log_probs),
+            (self._fin_reason, reason), (self._fin_done, did_finish))]
+        keep = torch.topk(merged[0], k=w)[1]
+        self._fin_scores, self._fin_sums, self._fin_reason, self._fin_done = (
+            torch.take_along_dim(m, keep, dim=1) for m in merged)
         new_fin: list[list[int]] = []
         finished: list[BeamHypothesis] = []
-        fin_scores_l = self._fin_scores[0].tolist()
-        fin_sums_l = self._fin_sums[0].tolist()
-        fin_reason_l = self._fin_reason[0].tolist()
+        scores_l, sums_l = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
+        reasons_l = self._fin_reason[0].tolist()
         for slot, i in enumerate(keep[0].tolist()):
             if i < w:
-                new_fin.append(old_fin[i])
+                new_fin.append(self._fin_tokens[i])
                 continue
-            c = i - w
-            toks = [*old_running[parents_l[c]], ids_l[c]]
+            toks = [*self._running[parents_l[i - w]], ids_l[i - w]]
             new_fin.append(toks)
-            if fin_reason_l[slot] != _UNSET:
-                finished.append(
-                    BeamHypothesis(
-                        list(toks), fin_sums_l[slot], fin_scores_l[slot], _REASONS[fin_reason_l[slot]]
-                    )
-                )
+            if reasons_l[slot] != _UNSET:
+                finished.append(BeamHypothesis(list(toks), sums_l[slot], scores_l[slot],
+                                               _REASONS[reasons_l[slot]]))
         self._fin_tokens = new_fin
+        return finished
 
-        # g. stopping condition of the group
-        self.gen_len = new_len
-        if self.early_stopping == "never" and lp > 0.0:
-            best_len = self.max_tokens
-        else:
-            best_len = self.gen_len
+    def _group_done(self, hits: torch.Tensor) -> bool:
+        """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences."""
+        lp = self.length_penalty
+        best_len = (self.max_tokens if self.early_stopping == "never" and lp > 0.0
+                    else self.gen_len)
         best_running = self._running_scores[:, :1] / (best_len**lp)
         worst_finished = torch.where(
-            self._fin_done, torch.min(self._fin_scores, dim=1, keepdim=True)[0], _NEG
-        )
+            self._fin_done, torch.min(self._fin_scores, dim=1, keepdim=True)[0], _NEG)
         self._unsatisfied = self._unsatisfied & torch.any(
-            best_running > worst_finished, dim=-1, keepdim=True
-        )
+            best_running > worst_finished, dim=-1, keepdim=True)
         improvement_possible = bool(torch.any(self._unsatisfied))
         exists_open_beam = not (bool(torch.all(self._fin_done)) and self.early_stopping is True)
         valid_continuations = not bool(torch.all(hits))
-        self.done = not (improvement_possible and exists_open_beam and valid_continuations)
-
-        if self.done:
-            self._running = []
-            return BeamStep([], [], True, finished)
-        parents = [parents_l[c] for c in next_l]
-        tokens = [ids_l[c] for c in next_l]
-        self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
-        return BeamStep(parents, tokens, False, finished)
+        return not (improvement_possible and exists_open_beam and valid_continuations)
 
     # ----------------------------------------------------------------- finalize
     def finalize(self) -> list[BeamHypothesis]:
@@ -327,7 +285,6 @@ class BeamSearchState:
         """
         if self._fin_scores is None:
             raise RuntimeError("finalize() before the first step")
-        assert self._fin_sums is not None and self._fin_reason is not None
         n = self.num_return_sequences
         scores = self._fin_scores[0, :n].tolist()
         sums = self._fin_sums[0, :n].tolist()

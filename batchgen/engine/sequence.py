@@ -1,25 +1,26 @@
-"""Sequence and SequenceGroup: the engine's per-request state (tokens, progress, stop state)."""
+"""Sequence and SequenceGroup: the engine's per-request state. The Scheduler is the only writer
+of this state once a group is added; policies read it and return operations."""
 
 from __future__ import annotations
 
 import enum
 import hashlib
-import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from batchgen.engine.beam import BeamSearchState
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.sampling.stop import StopChecker
 
-_seq_ids = itertools.count()
+if TYPE_CHECKING:
+    from batchgen.engine.policy import GroupPolicy
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING = "waiting"  # no block table (not admitted yet, preempted, or waiting for a fork)
+    RUNNING = "running"  # has a block table
+    FINISHED = "finished"  # its blocks are freed
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -33,14 +34,13 @@ def sample_seed(seed: int, index: int) -> int:
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream. Its KV lives in the blocks of `block_manager.block_tables[seq_id]`."""
+    """One token stream. The object itself is its key in `block_manager.block_tables`."""
 
     group: SequenceGroup
-    index: int
+    index: int  # sample index, or the beam's slot
     token_ids: list[int]
-    stop: StopChecker | None  # None for beams: their stops are decided by the beam search
-    generator: torch.Generator | None
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    stop: StopChecker | None  # beams without stop strings need none
+    generator: torch.Generator | None = None  # seeded samples only
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
@@ -51,6 +51,11 @@ class Sequence:
     # the KV; tokens only grow, so it stays valid), and how many blocks have been published
     block_hashes: list[bytes] = field(default_factory=list)
     cached_blocks: int = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence(request={self.group.index}, index={self.index}, "
+                f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
+                f"{self.status.value})")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -73,51 +78,46 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def clone(self, index: int) -> Sequence:
+        """A new sequence continuing this one (a beam's extra child): same tokens, score and
+        stop state, no KV yet (the scheduler forks this one's blocks to it)."""
+        return Sequence(self.group, index, list(self.token_ids),
+                        self.stop.fork() if self.stop is not None else None,
+                        cumulative_logprob=self.cumulative_logprob)
+
 
 @dataclass(eq=False)
 class SequenceGroup:
-    """One prompt and its n samples (or W beams). The prompt is computed once by a single
-    leader sequence; the siblings are then forked from it and share its blocks. After a
-    preemption the same happens again: the leader recomputes the prompt, the siblings are
-    re-forked from it (`share_pending`) and each recomputes only its own tokens."""
+    """One request: its prompt and params, its sequences (n samples, or the W live beams in beam
+    order) and the policy that turns its logits into operations.
+
+    The prompt is computed once, by a leader (the first unfinished sequence); while
+    `fork_pending` the other sequences wait without blocks until the leader has the prompt's
+    K/V, then they are forked from it and share its blocks. That holds at the start of an n > 1
+    request and again after a preemption, where each sibling then recomputes only its own tail.
+    """
 
     index: int  # position in the user's input list
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams | BeamSearchParams
     max_tokens: int  # params.max_tokens capped by max_model_len
-    beam: BeamSearchState | None = None  # beam search state (HF semantics), else sampling
+    policy: GroupPolicy
     seqs: list[Sequence] = field(default_factory=list)
-    forked: bool = False  # siblings exist (n > 1 samples, or beams after their first step)
-    share_pending: bool = False  # preempted with siblings: re-fork them from the leader
-    done: bool = False  # beam search finished (its live beams are freed)
+    fork_pending: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def width(self) -> int:
-        """Sequences this group runs at once: n samples or W beams."""
-        return self.beam.beam_width if self.beam is not None else self.params.n
-
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]
 
     @property
-    def finished(self) -> bool:
-        if self.beam is not None:
-            return self.done
-        return len(self.seqs) == self.params.n and all(s.finished for s in self.seqs)
+    def leader(self) -> Sequence:
+        """The sequence that computes the prompt for the group."""
+        return next(s for s in self.seqs if not s.finished)
 
-    def max_chunk(self, seq: Sequence) -> int:
-        """Tokens `seq` may compute now: a waiting sibling computes nothing until it is
-        forked from the leader; beams leave their last token to the group-wide decode step."""
-        n = seq.num_uncomputed
-        if self.share_pending:
-            if seq is not self.unfinished()[0]:
-                return 0
-            return max(0, min(n, self.num_prompt_tokens - seq.num_computed_tokens))
-        if self.beam is not None and self.forked:
-            return n - 1
-        return n
+    @property
+    def finished(self) -> bool:
+        return self.policy.finished(self)

@@ -17,7 +17,13 @@ class PoolExhausted(MemoryError):
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size): blocks that hold `num_tokens` tokens."""
-    return (num_tokens + block_size - 1) // block_size
+    return -(-num_tokens // block_size)
+
+
+def slot_of(block_table, token_pos, block_size: int):
+    """Flat pool slot of a logical position: table[pos // B] * B + pos % B. Works on ints and,
+    elementwise, on numpy arrays (the runner computes a whole step's slot mapping with it)."""
+    return block_table[token_pos // block_size] * block_size + token_pos % block_size
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent_hashes: list[bytes],
@@ -40,6 +46,7 @@ class BlockManager:
     Block ids are global to the pool and shared by every layer. `block_tables[seq_id]` maps a
     sequence's logical blocks to physical ones; `ref_count[blk]` counts the table entries that
     point at `blk`, so forked sequences share blocks until one of them writes (copy-on-write).
+    Every change that can fail checks first and then changes nothing (all or nothing).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -63,50 +70,48 @@ class BlockManager:
         self.prefix_hit_tokens = 0
 
     # ---- the chapter's API ------------------------------------------------------------------
-    def _alloc_block(self) -> int:
-        if self.free:
-            blk = self.free.pop()
-        elif self.evictable:  # the least recently used cached block gives up its content
-            blk, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash[blk]]
-            self.block_hash[blk] = None
-        else:
-            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
-        self.ref_count[blk] = 1
-        self._track_peak()
-        return blk
-
-    def _track_peak(self) -> None:
-        in_use = self.num_blocks_in_use()
-        if in_use > self.peak_blocks_in_use:
-            self.peak_blocks_in_use = in_use
-
-    def allocate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Give a new sequence the blocks for `num_tokens` tokens (all or nothing)."""
+    def allocate(self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int] = ()
+                 ) -> None:
+        """Give a new sequence the blocks for `num_tokens` tokens. With prefix caching its table
+        starts with `cached_blocks` (a cache hit: shared, reference counted, never rewritten)."""
         if seq_id in self.block_tables:
             raise KeyError(f"sequence {seq_id!r} already has a block table")
-        self.block_tables[seq_id] = []
-        try:
-            self.ensure_capacity(seq_id, num_tokens)
-        except PoolExhausted:
-            del self.block_tables[seq_id]
-            raise
+        if not self.can_allocate(num_tokens, cached_blocks):
+            raise PoolExhausted(f"KV pool exhausted: {num_tokens} tokens do not fit "
+                                f"{self.num_free_blocks()} free blocks")
+        for blk in cached_blocks:  # take the hits first: allocating could evict them
+            if self.ref_count[blk] == 0:
+                del self.evictable[blk]
+            self.ref_count[blk] += 1
+        self.block_tables[seq_id] = list(cached_blocks)
+        self.prefix_hit_tokens += len(cached_blocks) * self.block_size
+        self.append_token(seq_id, 0, num_tokens)
 
-    def append_token(self, seq_id: Hashable, cur_len: int) -> None:
-        """Before writing position `cur_len`: grow the table when that position opens a block."""
+    def append_token(self, seq_id: Hashable, cur_len: int, num_new: int = 1) -> None:
+        """Before writing positions [cur_len, cur_len + num_new): grow the table so they have
+        blocks (for one token: a new block exactly when cur_len opens one)."""
         table = self.block_tables[seq_id]
-        if cur_len % self.block_size == 0 and len(table) == cur_len // self.block_size:
+        need = blocks_for(cur_len + num_new, self.block_size) - len(table)
+        if need > self.num_free_blocks():
+            raise PoolExhausted(f"KV pool exhausted: need {need} blocks, "
+                                f"{self.num_free_blocks()} free")
+        for _ in range(need):
             table.append(self._alloc_block())
+        self._track_peak()
 
     def slot_index(self, seq_id: Hashable, token_pos: int) -> int:
         """Flat pool slot (phys_block * block_size + offset) of a logical token position."""
-        table = self.block_tables[seq_id]
-        return table[token_pos // self.block_size] * self.block_size + token_pos % self.block_size
+        return slot_of(self.block_tables[seq_id], token_pos, self.block_size)
 
     def free_seq(self, seq_id: Hashable) -> None:
         """Drop a sequence's table; blocks whose last reference this was go back to the pool."""
         for blk in self.block_tables.pop(seq_id):
-            self._release(blk)
+            self.ref_count[blk] -= 1
+            if self.ref_count[blk] == 0:
+                if self.block_hash[blk] is not None:
+                    self.evictable[blk] = None  # most recently used last
+                else:
+                    self.free.append(blk)
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None
              ) -> None:
@@ -131,37 +136,65 @@ class BlockManager:
         self.ref_count[phys] -= 1
         table[logical_block_idx] = new_phys
         self.cow_copies += 1
+        self._track_peak()
         return phys, new_phys
 
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones and cached ones nobody references."""
         return len(self.free) + len(self.evictable)
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        """True iff a new sequence of `num_tokens` tokens fits in the free blocks now."""
-        return blocks_for(num_tokens, self.block_size) <= self.num_free_blocks()
+    def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = (),
+                     headroom: int = 0) -> bool:
+        """True iff a new sequence of `num_tokens` tokens (starting with these cached blocks)
+        fits in the free blocks now, with `headroom` blocks to spare. Taking an unreferenced
+        cached block uses free room too."""
+        new = max(0, blocks_for(num_tokens, self.block_size) - len(cached_blocks))
+        return new + self.num_evictable(cached_blocks) + headroom <= self.num_free_blocks()
 
     # ---- what the scheduler needs beyond the chapter ----------------------------------------
+    def blocks_needed(self, appends: Sequence[tuple[Hashable, int, int]]) -> int:
+        """New blocks that `append_slots(seq_id, cur_len, num_new)` takes for each of these
+        appends, made in order: the growth, plus a copy for each writer of a shared block,
+        except that the last writer of a block whose references are all among them writes
+        in place (two beams sharing a partial block need one copy, not two)."""
+        grow = 0
+        writers: dict[int, int] = {}
+        for seq_id, cur_len, num_new in appends:
+            table = self.block_tables.get(seq_id, ())
+            grow += max(0, blocks_for(cur_len + num_new, self.block_size) - len(table))
+            if self._shared_at(table, cur_len):
+                blk = table[cur_len // self.block_size]
+                writers[blk] = writers.get(blk, 0) + 1
+        return grow + sum(k - (k == self.ref_count[b]) for b, k in writers.items())
+
+    def append_slots(self, seq_id: Hashable, cur_len: int, num_new: int
+                     ) -> tuple[int, int] | None:
+        """Make positions [cur_len, cur_len + num_new) writable: copy-on-write the block that
+        holds cur_len if it is shared (returns (src, dst) for the KV copy), then grow."""
+        if self.blocks_needed([(seq_id, cur_len, num_new)]) > self.num_free_blocks():
+            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
+        copy = None
+        if self._shared_at(self.block_tables[seq_id], cur_len):
+            copy = self.cow_append(seq_id, cur_len // self.block_size)
+        self.append_token(seq_id, cur_len, num_new)
+        return copy
+
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks()
 
-    def blocks_for_tokens(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
-
-    def blocks_needed(self, seq_id: Hashable, num_tokens: int) -> int:
-        """New blocks the sequence needs so that its table covers `num_tokens` tokens."""
-        have = len(self.block_tables.get(seq_id, ()))
-        return max(0, blocks_for(num_tokens, self.block_size) - have)
-
-    def ensure_capacity(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Grow the table to cover `num_tokens` tokens; on exhaustion nothing is taken."""
-        need = self.blocks_needed(seq_id, num_tokens)
-        if need > self.num_free_blocks():
-            raise PoolExhausted(
-                f"KV pool exhausted: need {need} blocks, {self.num_free_blocks()} free")
-        table = self.block_tables.setdefault(seq_id, [])
-        for _ in range(need):
-            table.append(self._alloc_block())
+    def free_all(self) -> None:
+        """Drop every block table (an aborted call) and rebuild the free list, the LRU and the
+        reference counts from the prefix cache alone: whatever step an interrupt cut short,
+        the pool comes back whole and the cache consistent."""
+        self.block_tables.clear()
+        self.cached = {h: b for h, b in self.cached.items() if self.block_hash[b] == h}
+        hashed = set(self.cached.values())
+        self.block_hash = [h if b in hashed else None for b, h in enumerate(self.block_hash)]
+        lru = [b for b in self.evictable if b in hashed]
+        lru += sorted(hashed.difference(lru))  # referenced until now: the most recently used
+        self.evictable = OrderedDict.fromkeys(lru)
+        self.ref_count = [0] * self.num_blocks
+        self.free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in hashed]
 
     def reset_stats(self) -> None:
         """Start a new measurement window for peak usage, COW copies and prefix hits."""
@@ -169,13 +202,27 @@ class BlockManager:
         self.cow_copies = 0
         self.prefix_hit_tokens = 0
 
-    def _release(self, blk: int) -> None:
-        self.ref_count[blk] -= 1
-        if self.ref_count[blk] == 0:
-            if self.block_hash[blk] is not None:
-                self.evictable[blk] = None  # most recently used last
-            else:
-                self.free.append(blk)
+    def _alloc_block(self) -> int:
+        if self.free:
+            blk = self.free.pop()
+        elif self.evictable:  # the least recently used cached block gives up its content
+            blk, _ = self.evictable.popitem(last=False)
+            del self.cached[self.block_hash[blk]]
+            self.block_hash[blk] = None
+        else:
+            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
+        self.ref_count[blk] = 1
+        return blk
+
+    def _shared_at(self, table: Sequence[int], pos: int) -> bool:
+        """Would writing position `pos` hit an existing block that others reference too?"""
+        i = pos // self.block_size
+        return pos % self.block_size != 0 and i < len(table) and self.ref_count[table[i]] > 1
+
+    def _track_peak(self) -> None:
+        in_use = self.num_blocks_in_use()
+        if in_use > self.peak_blocks_in_use:
+            self.peak_blocks_in_use = in_use
 
     # ---- prefix caching -----------------------------------------------------------------------
     def lookup(self, hashes: list[bytes]) -> list[int]:
@@ -190,21 +237,9 @@ class BlockManager:
             hit.append(blk)
         return hit
 
-    def num_evictable(self, blocks: list[int]) -> int:
+    def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of these cached blocks sit unreferenced (taking them uses free room)."""
         return sum(self.ref_count[b] == 0 for b in blocks)
-
-    def allocate_cached(self, seq_id: Hashable, blocks: list[int]) -> None:
-        """Start a sequence's table with cached prefix blocks (shared, reference counted)."""
-        if seq_id in self.block_tables:
-            raise KeyError(f"sequence {seq_id!r} already has a block table")
-        for blk in blocks:
-            if self.ref_count[blk] == 0:
-                del self.evictable[blk]
-            self.ref_count[blk] += 1
-        self.block_tables[seq_id] = list(blocks)
-        self.prefix_hit_tokens += len(blocks) * self.block_size
-        self._track_peak()
 
     def register(self, seq_id: Hashable, hashes: list[bytes]) -> None:
         """Publish the hashes of a sequence's computed full blocks (hashes[i] ↔ table[i])."""

@@ -1,4 +1,4 @@
-"""The KV pool: one preallocated tensor [layers, 2, blocks, block_size, kv_heads, head_dim].
+"""The KV pool: one preallocated tensor [layers, 2, blocks + 1, block_size, kv_heads, head_dim].
 
 KVCache owns the bytes; the BlockManager decides which block holds which tokens. Layer `l` is
 handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout.
@@ -23,23 +23,22 @@ def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: i
 
 class KVCache:
     """The paged K/V pool shared by all sequences; written by flat slot, read via block ids.
-    One extra block past `num_blocks`, `scratch_block`, takes the K/V of padding tokens; the
-    BlockManager never hands it out."""
+    Blocks 0..num_blocks-1 belong to the BlockManager; one more, `scratch_block`, takes the K/V
+    of the runner's padding tokens and is never handed out."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
-        num_blocks += 1
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.pool = torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim,
-                                dtype=dtype, device=device)
-        slots = num_blocks * block_size
-        # Flat per-layer views [slots, kv_heads, head_dim]: writes and gathers index these.
+        self.pool = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads,
+                                head_dim, dtype=dtype, device=device)
+        slots = (num_blocks + 1) * block_size
+        # Flat per-layer views [slots, kv_heads, head_dim]: writes index these.
         self.k_flat = [self.pool[i, 0].view(slots, num_kv_heads, head_dim)
                        for i in range(num_layers)]
         self.v_flat = [self.pool[i, 1].view(slots, num_kv_heads, head_dim)
@@ -51,17 +50,15 @@ class KVCache:
         return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
                               self.pool.element_size())
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v) of one layer, each [blocks, block_size, kv_heads, head_dim]."""
-        return self.pool[layer, 0], self.pool[layer, 1]
-
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Scatter this step's new K/V [T, kv_heads, head_dim] into their slots (int64 [T])."""
         self.k_flat[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
         self.v_flat[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy-on-write: block src[i] → dst[i] in every layer, K and V, in one indexed copy."""
-        if src.numel():
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one
+        indexed copy."""
+        if copies:
+            src, dst = torch.tensor(copies, device=self.pool.device).unbind(1)
             self.pool[:, :, dst] = self.pool[:, :, src]

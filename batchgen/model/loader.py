@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -38,13 +39,30 @@ class KVGeometry:
     max_position_embeddings: int | None
 
 
-def check_model_dir(path: str | os.PathLike) -> Path:
+def check_model_dir(path: object) -> Path:
     """A local folder with a config.json, or a ValueError naming `model`."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError("model must be the path of a local HuggingFace model folder, got "
+                         f"{type(path).__name__}")
     p = Path(path)
     if not (p.is_dir() and (p / "config.json").is_file()):
         raise ValueError(
             f"model must be a local HuggingFace model folder containing config.json, got {str(path)!r}")
     return p
+
+
+def check_weights(path: Path) -> None:
+    """Every safetensors file's header reads (cheap: no tensor is loaded); a ValueError naming
+    the file otherwise. Runs before the weights load."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {str(path)!r} has no *.safetensors weights")
+    for f in files:
+        try:
+            with safe_open(f, framework="pt") as st:
+                st.keys()
+        except Exception as e:  # safetensors raises its own error types
+            raise ValueError(f"model weights {str(f)!r} cannot be read: {e}") from e
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -1,5 +1,6 @@
-"""One packed forward of the HF model over a ragged batch: [1, T] tokens, explicit positions,
-no HF cache, logits only at the rows the sampler needs."""
+"""The model runner: owns the step's inputs (persistent buffers) and runs one packed forward of
+the HF model over a ragged batch: [1, T] tokens, explicit positions, no HF cache, logits only at
+the rows the sampler needs."""
 
 from __future__ import annotations
 
@@ -7,33 +8,37 @@ import torch
 
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.interface import StepContext
-from batchgen.attention.metadata import StepMetadata
+from batchgen.attention.metadata import SeqChunk
 from batchgen.kv.cache import KVCache
+from batchgen.model.inputs import StepInputs
 
 
 class ModelRunner:
-    """Owns nothing but references: the model (loader's), the pool and backend (engine's)."""
+    """The model is the loader's, the pool and the backend are the LLM's; the step buffers
+    (`inputs`) are the runner's own."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 device: torch.device) -> None:
+                 inputs: StepInputs) -> None:
         self.model = model
         self.cache = cache
         self.backend = backend
-        self.device = device
+        self.inputs = inputs
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The step's copy-on-write block copies, before its forward writes anything."""
+        self.cache.copy_blocks(copies)
 
     @torch.inference_mode()
-    def execute(self, input_ids: list[int], meta: StepMetadata) -> torch.Tensor:
-        """Run one step; returns float32 logits [meta.num_logits, vocab]."""
-        dev = self.device
-        if len(input_ids) < meta.num_tokens:  # padding rows (token 0) that the metadata added
-            input_ids = input_ids + [0] * (meta.num_tokens - len(input_ids))
-        self.backend.plan(meta)
-        ctx = StepContext(self.cache, self.backend, meta.slot_mapping.to(dev, torch.long))
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """Run one step; returns float32 logits [R, vocab], row i for the i-th chunk that wants
+        logits."""
+        batch = self.inputs.prepare(chunks)
+        self.backend.plan(batch.meta)
         out = self.model(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev)[None],
-            position_ids=meta.positions.to(dev, torch.long)[None],
+            input_ids=batch.input_ids[None],
+            position_ids=batch.positions[None],
             use_cache=False,
-            logits_to_keep=meta.logits_indices.to(dev, torch.long),
-            batchgen_step=ctx,
+            logits_to_keep=batch.logits_indices,
+            batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
         )
-        return out.logits[0, :meta.num_logits].float()
+        return out.logits[0, :batch.num_logits].float()

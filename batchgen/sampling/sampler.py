@@ -1,7 +1,7 @@
 """Vectorised token sampling with HF-exact logits processing and vLLM-style logprobs.
 
 One call handles a whole step: ``logits [N, V]`` plus one :class:`SamplingRow` per row.
-Processing follows HF ``generate`` order exactly (see ``shared/notes``):
+Processing follows HF ``generate`` order exactly:
 
     repetition penalty -> presence/frequency penalties -> min_tokens ban
     -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
@@ -186,30 +186,13 @@ def _needs_penalties(rows: list[SamplingRow]) -> bool:
     )
 
 
-def processed_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The [N, V] fp32 log-distribution each row is drawn from (greedy rows: a point mass)."""
-    scores = logits.float()
-    if _needs_penalties(rows):
-        scores = apply_penalties(scores, rows)
-    greedy, sampled = _split(rows)
-    out = torch.full_like(scores, _NEG_INF)
-    if greedy:
-        g = torch.tensor(greedy, dtype=torch.long, device=scores.device)
-        out[g, scores[g].argmax(dim=-1)] = 0.0
-    if sampled:
-        s = torch.tensor(sampled, dtype=torch.long, device=scores.device)
-        warped = apply_warpers(scores[s], [rows[i].params for i in sampled])
-        out[s] = torch.log_softmax(warped, dim=-1)
-    return out
-
-
 # ----------------------------------------------------------------------------- sampler
 
 
 class Sampler:
     """Samples one token per row; owns the generator shared by all unseeded rows."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int | None = 0) -> None:
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -219,7 +202,10 @@ class Sampler:
         g = self._generators.get(device)
         if g is None:
             g = torch.Generator(device=device)
-            g.manual_seed(self.seed)
+            if self.seed is None:
+                g.seed()  # nondeterministic, as vLLM with seed=None
+            else:
+                g.manual_seed(self.seed)
             self._generators[device] = g
         return g
 

@@ -24,7 +24,7 @@ Semantics (vLLM v1):
 
 from __future__ import annotations
 
-import weakref
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -43,25 +43,13 @@ def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
                             clean_up_tokenization_spaces=False)
 
 
-_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
-
-
-def _special_ids(tokenizer: Any) -> frozenset[int]:
-    """Ids that ``decode(..., skip_special_tokens=True)`` drops (cached per tokenizer)."""
-    try:
-        return _SPECIAL_IDS[tokenizer]
-    except (KeyError, TypeError):
-        pass
+def special_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops."""
     ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:  # fast tokenizers skip every added token marked special
         ids.update(i for i, tok in backend.get_added_tokens_decoder().items() if tok.special)
-    result = frozenset(ids)
-    try:
-        _SPECIAL_IDS[tokenizer] = result
-    except TypeError:  # not weak-referenceable: recompute next time
-        pass
-    return result
+    return frozenset(ids)
 
 
 def _id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
@@ -82,10 +70,13 @@ class IncrementalDetokenizer:
     incomplete UTF-8 character (U+FFFD). Skipped special tokens never enter the window.
     """
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 special: frozenset[int] | None = None):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._skip = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        if special is None:
+            special = special_ids(tokenizer)
+        self._skip = special if skip_special_tokens else frozenset()
         context = [t for t in prompt_token_ids if t not in self._skip][-PROMPT_CONTEXT_TOKENS:]
         self._ids: list[int] = list(context)
         self._prefix = 0
@@ -129,9 +120,17 @@ class IncrementalDetokenizer:
         prefix_text, full_text = self._window_texts()
         return self._advance(full_text[len(prefix_text):])
 
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy (its id window is a short list)."""
+        twin = copy.copy(self)
+        twin._ids = list(self._ids)
+        return twin
+
 
 class StopChecker:
-    """Decides when one sequence stops, and its final text; see the module docstring."""
+    """Decides when one sequence stops, and its final text; see the module docstring. Samples
+    feed it every token; beams ask `would_stop` of each candidate and replay a finished
+    hypothesis through a fresh checker for its text, so the same tokens give the same text."""
 
     def __init__(
         self,
@@ -140,10 +139,8 @@ class StopChecker:
         tokenizer: Any | None,
         prompt_token_ids: list[int],
         max_tokens: int,
-        stream: bool = False,
+        special: frozenset[int] | None = None,
     ):
-        self.params = params
-        self.eos_token_id = eos_token_id
         self.eos_ids = _id_set(eos_token_id)
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
@@ -154,20 +151,35 @@ class StopChecker:
         self.min_tokens: int = getattr(params, "min_tokens", 0)
         self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
         self.skip_special_tokens = bool(getattr(params, "skip_special_tokens", True))
-        self.token_ids: list[int] = []  # generated ids, the stop token included
+        if tokenizer is not None and special is None:
+            special = special_ids(tokenizer)
+        self.special = special or frozenset()
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._stop_token_text_dropped = False  # the last token's text is not in the output
         self._truncate_at: int | None = None  # text index where a stop string cut the text
         self.detokenizer: IncrementalDetokenizer | None = None
-        if tokenizer is not None and (self.stop_strings or stream):
-            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, self.skip_special_tokens)
+        if tokenizer is not None and self.stop_strings:
+            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                      self.skip_special_tokens, self.special)
         self._search_from = 0  # stop strings must end after this text index (min_tokens)
 
     @property
     def finished(self) -> bool:
         """Whether a stop condition has been met."""
         return self.finish_reason is not None
+
+    def fork(self) -> StopChecker:
+        """An independent copy of this checker's state (a beam's child continues from it)."""
+        twin = copy.copy(self)
+        if self.detokenizer is not None:
+            twin.detokenizer = self.detokenizer.fork()
+        return twin
+
+    def would_stop(self, token_id: int, num_generated: int) -> bool:
+        """Would appending `token_id` (as generated token `num_generated`) end the sequence
+        with "stop"? Leaves this checker unchanged."""
+        return self.fork().append(token_id, num_generated)[0] == "stop"
 
     def _stop_token(self, token_id: int, num_generated: int) -> bool:
         """Check EOS / stop ids; record the reason. Never before min_tokens."""
@@ -207,12 +219,12 @@ class StopChecker:
         if new and search and self.stop_strings and self._truncate_at is None:
             self._find_stop_string(len(new))
 
-    def append(self, token_id: int, num_generated: int | None = None) -> tuple[str | None, int | str | None]:
-        """Add one generated token; return (finish_reason, stop_reason), (None, None) to go on."""
+    def append(self, token_id: int, num_generated: int) -> tuple[str | None, int | str | None]:
+        """Add generated token number `num_generated` (1-based); return (finish_reason,
+        stop_reason), (None, None) to go on."""
         if self.finished:
             raise RuntimeError("append() after the sequence finished")
-        self.token_ids.append(token_id)
-        n = len(self.token_ids) if num_generated is None else num_generated
+        n = num_generated
         if self._stop_token(token_id, n):
             # The stop token stays in token_ids; its text only with include_stop_str_in_output.
             self._stop_token_text_dropped = not self.include_stop
@@ -229,26 +241,50 @@ class StopChecker:
             self._detok(None, search=n > self.min_tokens)  # settle pending text; may hold a stop
         return self.finish_reason, self.stop_reason
 
-    @property
-    def text(self) -> str:
-        """The output text so far (final once finished); see :meth:`final_text`."""
-        return self.final_text()
-
-    def final_text(self) -> str:
-        """Output text: the detokenizer's (cut at a stop string) or one exact windowed decode."""
+    def final_text(self, token_ids: list[int]) -> str:
+        """Output text of the generated `token_ids` fed so far: the detokenizer's (cut at a stop
+        string) or one exact windowed decode."""
         if self.detokenizer is not None:
             text = self.detokenizer.text
             return text if self._truncate_at is None else text[:self._truncate_at]
         if self.tokenizer is None:
             return ""
-        ids = self.token_ids[:-1] if self._stop_token_text_dropped else self.token_ids
-        return decode_with_context(self.tokenizer, self.prompt_token_ids, ids, self.skip_special_tokens)
+        ids = token_ids[:-1] if self._stop_token_text_dropped else token_ids
+        return decode_with_context(self.tokenizer, self.prompt_token_ids, ids,
+                                   self.skip_special_tokens, self.special)
+
+
+class StopFactory:
+    """Makes StopCheckers for one tokenizer and one EOS set (the tokenizer's special ids are
+    computed once, here)."""
+
+    def __init__(self, tokenizer: Any | None, eos_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.special = special_ids(tokenizer) if tokenizer is not None else frozenset()
+
+    def __call__(self, params: SamplingParams | BeamSearchParams, prompt_token_ids: list[int],
+                 max_tokens: int) -> StopChecker:
+        return StopChecker(params, self.eos_token_ids, self.tokenizer, prompt_token_ids,
+                           max_tokens, self.special)
+
+    def text(self, params: SamplingParams | BeamSearchParams, prompt_token_ids: list[int],
+             token_ids: list[int]) -> str:
+        """The text a sequence generating `token_ids` ends with (replayed through a checker)."""
+        checker = self(params, prompt_token_ids, max(len(token_ids), 1))
+        for n, t in enumerate(token_ids, 1):
+            if checker.append(t, n)[0] is not None:
+                break
+        return checker.final_text(token_ids)
 
 
 def decode_with_context(tokenizer: Any, prompt_token_ids: list[int], ids: list[int],
-                        skip_special_tokens: bool = True) -> str:
+                        skip_special_tokens: bool = True,
+                        special: frozenset[int] | None = None) -> str:
     """Decode generated ids in one call, with the same prompt context as the detokenizer."""
-    skip = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+    if special is None:
+        special = special_ids(tokenizer)
+    skip = special if skip_special_tokens else frozenset()
     context = [t for t in prompt_token_ids if t not in skip][-PROMPT_CONTEXT_TOKENS:]
     full = _decode(tokenizer, context + list(ids), skip_special_tokens)
     prefix = _decode(tokenizer, context, skip_special_tokens)

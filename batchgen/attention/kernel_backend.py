@@ -1,0 +1,85 @@
+"""The CPU kernel backend ("cpu_kernel"): decode rows through the compiled C kernel, which
+reads each sequence's blocks in place over its exact length; prefill rows through SDPA.
+
+Rows sharing blocks need no cascade here: re-reading a shared block from cache is cheaper than
+the cascade's gathers, and every row keeps the bits it would have alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.attention.cpu_kernel import PagedDecodeKernel
+from batchgen.attention.metadata import StepMetadata
+from batchgen.attention.sdpa import SdpaTiles
+from batchgen.attention.spec import AttentionSpec
+from batchgen.kv.cache import KVCache
+
+
+@dataclass
+class _KernelRows:
+    """Decode rows handed to the kernel: their packed rows and page tables (int32)."""
+
+    rows: slice | torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    kv_len: torch.Tensor
+
+
+class CpuKernelBackend:
+    """Kernel for decode rows, SDPA tiles for the rest. The pool is the LLM's; the kernel is
+    loaded once per process (cpu_kernel.load)."""
+
+    name = "cpu_kernel"
+
+    def __init__(self, specs: list[AttentionSpec], cache: KVCache,
+                 kernel: PagedDecodeKernel) -> None:
+        self.specs = specs
+        self.cache = cache
+        self.kernel = kernel
+        self.tiles = SdpaTiles(cache.pool.device)
+        self.rows: _KernelRows | None = None
+
+    def plan(self, meta: StepMetadata) -> None:
+        qo, kv_lens, pages = meta.as_lists()
+        seqs = range(len(kv_lens))
+        decode = [i for i in seqs if qo[i + 1] - qo[i] == 1]
+        self.rows = _kernel_rows(decode, qo, kv_lens, pages) if decode else None
+        self.tiles.plan(qo, kv_lens, pages, (i for i in seqs if qo[i + 1] - qo[i] > 1),
+                        meta.block_size)
+
+    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        spec = self.specs[layer]
+        kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
+        out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
+        self.tiles.run(q, kv_blocks, spec, out)
+        kr = self.rows
+        if kr is not None:  # page tables are checked against the pool on the first layer
+            qk = q[kr.rows].float().contiguous()
+            direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
+            res = out[kr.rows] if direct else torch.empty_like(qk)
+            self.kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
+                        kr.kv_len, spec.scale, spec.window, spec.softcap, spec.sinks,
+                        check_tables=layer == 0)
+            if not direct:
+                out[kr.rows] = res.to(out.dtype)
+        return out
+
+
+def _kernel_rows(seqs: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]]
+                 ) -> _KernelRows:
+    """Page tables of the decode rows the kernel takes (their query rows, in order)."""
+    rows = [qo[i] for i in seqs]
+    indptr = [0]
+    indices: list[int] = []
+    for i in seqs:
+        indices.extend(pages[i])
+        indptr.append(len(indices))
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    i32 = torch.int32
+    return _KernelRows(
+        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows),
+        kv_indptr=torch.tensor(indptr, dtype=i32), kv_indices=torch.tensor(indices, dtype=i32),
+        kv_len=torch.tensor([kv_lens[i] for i in seqs], dtype=i32))

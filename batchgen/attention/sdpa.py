@@ -1,0 +1,164 @@
+"""Paged attention through PyTorch SDPA over gathered blocks: any device, GQA/MQA,
+bottom-right causal chunks, sliding windows, logit softcap and attention sinks.
+
+Prefill chunks are cut into query tiles that see only the keys up to their own window (the
+causal upper triangle is mostly skipped). Tiles of one shape share an SDPA call; a tile's shape
+depends on its absolute positions alone (see `_tiles`), so a sequence's result depends neither
+on its batch neighbours nor on how its prompt was chunked or cached (batch invariance). There
+is no Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from batchgen.attention.spec import AttentionSpec
+
+# Prefill chunks are cut into tiles at multiples of this many positions; each attends only to
+# the keys up to its window's end (bottom-right causal), skipping the upper triangle.
+QUERY_TILE = 32
+# CPU SDPA reduces over keys in blocks of min(512, keys): a decode row padded to a multiple of
+# 512 keys gets the same bits whatever else shares its call.
+KV_SPLIT = 512
+
+
+@dataclass
+class _Group:
+    """Query tiles of one shape: S tiles of `q_len` queries, each over `width` keys."""
+
+    rows: slice | torch.Tensor  # packed rows of the tiles' queries: a slice when contiguous
+    num_seqs: int
+    q_len: int
+    width: int  # keys per tile (gathered whole blocks are cut to this)
+    pages: torch.Tensor  # [S * ceil(width / B)] physical blocks of each tile; pads → 0
+    q_pos: torch.Tensor  # [S, q_len, 1] position of each query (bottom-right aligned)
+    base_mask: torch.Tensor  # [S, q_len, width] causal & in-range
+    masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """[S, 1, groups*q_len, width] additive mask (0 / -inf), built once per step for each
+        window size and shared by the layers (SDPA would otherwise convert a bool mask per call)."""
+        key = (window, groups, dtype)
+        if key not in self.masks:
+            m = self.base_mask
+            if window is not None:
+                kv_pos = torch.arange(m.shape[-1], device=m.device)
+                m = m & (kv_pos > self.q_pos - window)
+            s, q, k = m.shape
+            add = torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill_(
+                ~m, float("-inf"))
+            self.masks[key] = add[:, None, None].expand(s, 1, groups, q, k).reshape(
+                s, 1, groups * q, k)
+        return self.masks[key]
+
+
+def _tiles(q_start: int, q_len: int, kv_len: int) -> list[tuple[int, int, int, int]]:
+    """(q_start, q_len, kv_len, width) of the SDPA tiles of one sequence's queries.
+
+    A decode row (one query) is one tile, its keys rounded up to KV_SPLIT. A prefill chunk is
+    cut at absolute multiples of QUERY_TILE positions, and each tile is as wide as its whole
+    QUERY_TILE window (keys past its last query are masked). So a prompt position lands in an
+    SDPA call of the same width however the prompt is chunked or prefix-cached: its bits do
+    not depend on the batch, the token budget or the cache."""
+    if q_len == 1:
+        return [(q_start, 1, kv_len, KV_SPLIT * math.ceil(kv_len / KV_SPLIT))]
+    first = kv_len - q_len  # position of the first query
+    cuts = [first, *range((first // QUERY_TILE + 1) * QUERY_TILE, kv_len, QUERY_TILE), kv_len]
+    return [(q_start + a - first, b - a, b, QUERY_TILE * math.ceil(b / QUERY_TILE))
+            for a, b in zip(cuts, cuts[1:])]
+
+
+class SdpaTiles:
+    """The SDPA strategy for a subset of a step's sequences: `plan` groups their query tiles
+    by shape once per step, `run` attends one layer and writes their rows of `out`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.groups: list[_Group] = []
+
+    def plan(self, qo: list[int], kv_lens: list[int], pages: list[list[int]],
+             seqs: Iterable[int], block_size: int) -> None:
+        buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
+        for i in seqs:  # tiles of one (queries, width) shape share an SDPA call
+            for q0, qn, kvn, width in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):
+                buckets.setdefault((qn, width), []).append((q0, qn, kvn, pages[i]))
+        self.groups = [self._group(tiles, width, block_size)
+                       for (_, width), tiles in sorted(buckets.items())]
+
+    def _group(self, tiles: list[tuple[int, int, int, list[int]]], width: int, bs: int
+               ) -> _Group:
+        """Index tensors and the causal mask of one group of same-shape query tiles."""
+        dev = self.device
+        q_len = tiles[0][1]
+        kv_len = torch.tensor([t[2] for t in tiles])
+        n_pages = (width + bs - 1) // bs
+        pages: list[int] = []
+        for _, _, kvn, own in tiles:  # page table rows, right-padded with block 0 (masked)
+            n = (kvn + bs - 1) // bs
+            pages.extend(own[:n])
+            pages.extend([0] * (n_pages - n))
+        ar_kv = torch.arange(width)
+        q_pos = (kv_len - q_len)[:, None] + torch.arange(q_len)[None]  # bottom-right causal
+        base = (ar_kv[None, None, :] < kv_len[:, None, None]) & (
+            ar_kv[None, None, :] <= q_pos[:, :, None])
+        if all(a[0] + a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
+            rows: slice | torch.Tensor = slice(tiles[0][0], tiles[-1][0] + q_len)
+        else:
+            starts = torch.tensor([t[0] for t in tiles])
+            rows = (starts[:, None] + torch.arange(q_len)[None]).reshape(-1).to(dev)
+        return _Group(rows=rows, num_seqs=len(tiles), q_len=q_len, width=width,
+                      pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
+                      base_mask=base.to(dev))
+
+    def run(self, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
+            out: torch.Tensor) -> None:
+        """Attention of the planned rows of q [T, Hq, D] over kv_blocks [2, P, B, Hkv, D]."""
+        hq = q.shape[1]
+        hkv = kv_blocks.shape[3]
+        g = hq // hkv
+        for grp in self.groups:
+            s, mq = grp.num_seqs, grp.q_len
+            qg = q[grp.rows].view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
+            qg = qg.permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
+            kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype)  # [S, Hkv, W, D]
+            mask = grp.mask(spec.window, g, q.dtype)
+            if spec.softcap is None and spec.sinks is None:
+                og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=spec.scale)
+            else:
+                og = _explicit_attention(qg, kg, vg, mask, spec, hkv, g, mq)
+            og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4)  # [S, mq, Hkv, G, Dv]
+            out[grp.rows] = og.reshape(s * mq, hq, -1)
+
+
+def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,
+            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks of each sequence (contiguous block_size x Hkv x D rows, cheaper than
+    per-slot gathers), cut to `width` keys: K and V as [S, Hkv, width, D] in the compute dtype."""
+    _, _, bs, hkv, d = kv_blocks.shape
+    k = kv_blocks[0].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
+    v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
+    return k.to(dtype), v.to(dtype)
+
+
+def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                        spec: AttentionSpec, hkv: int, g: int, mq: int) -> torch.Tensor:
+    """Softmax attention with Gemma-2 logit softcap and GPT-OSS sinks, as HF's eager path;
+    `mask` is additive (0 / -inf)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
+    scores = scores + mask
+    if spec.sinks is not None:
+        s = scores.shape[0]
+        sink = spec.sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(s, hkv, g, mq, 1)
+        scores = torch.cat([scores, sink.reshape(s, hkv, g * mq, 1)], dim=-1)
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return torch.matmul(probs.to(v.dtype), v)

@@ -1,0 +1,53 @@
+"""Argument checks shared by every public entry point: a bad value raises a ValueError that
+names the argument, the allowed values and what was given, before any work starts."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+# torch.Generator.manual_seed takes [-2**63, 2**64); -1 means "no seed", as in vLLM.
+SEED_RANGE = (-(2**63), 2**64)
+
+
+def check(cond: bool, name: str, allowed: str, value: object) -> None:
+    """Raise `ValueError("<name> must be <allowed>, got <value>")` unless `cond`."""
+    if not cond:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def is_int(x: object) -> bool:
+    """An int that is not a bool."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def is_number(x: object) -> bool:
+    """A finite int or float (not bool, NaN or infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_int(value: object, name: str, minimum: int = 1, allow_none: bool = False) -> None:
+    """An integer >= `minimum` (or None when allowed)."""
+    if value is None and allow_none:
+        return
+    check(is_int(value) and value >= minimum, name,
+          f"an integer >= {minimum}{' or None' if allow_none else ''}", value)
+
+
+def check_flag(value: object, name: str) -> None:
+    """A real bool (a stray string or 1 would be truthy)."""
+    check(isinstance(value, bool), name, "True or False", value)
+
+
+def check_choice(value: object, name: str, choices: Collection[object]) -> None:
+    """One of `choices`."""
+    check(value in choices, name, f"one of {tuple(choices)}", value)
+
+
+def check_seed(value: object, name: str = "seed") -> int | None:
+    """A seed: None or an integer in [-2**63, 2**64) (what torch generators take); returns it,
+    with -1 as None (vLLM's "no seed")."""
+    lo, hi = SEED_RANGE
+    check(value is None or (is_int(value) and lo <= value < hi), name,
+          "None or an integer in [-2**63, 2**64)", value)
+    return None if value == -1 else value  # type: ignore[return-value]

@@ -1,0 +1,167 @@
+"""Group policies: how one request turns its logits into plain operations on its sequences.
+
+The Scheduler owns every sequence and applies the operations; a policy only decides. Two
+policies: n samples (each sample draws its own tokens and finishes on its own) and beams (the
+group's W beams advance together through HF's beam selection).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from batchgen.engine.beam import BeamSearchState, StopFn
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    CompletionOutput,
+    RequestOutput,
+)
+
+
+@dataclass
+class Fork:
+    """`child` (new, no blocks) shares the blocks holding `parent`'s first `num_tokens`."""
+
+    parent: Sequence
+    child: Sequence
+    num_tokens: int
+
+
+@dataclass
+class Append:
+    """`token` is `seq`'s next token; its stop conditions may finish it."""
+
+    seq: Sequence
+    token: int
+    logprob: float
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass
+class Free:
+    """`seq` ends without a token of its own (a beam without children, a finished group)."""
+
+    seq: Sequence
+
+
+@dataclass
+class SetSeqs:
+    """The group's live sequences are now `seqs`, in this order (the next beams)."""
+
+    group: SequenceGroup
+    seqs: list[Sequence]
+
+
+Op = Fork | Append | Free | SetSeqs
+Sample = tuple[int, float, dict[int, float] | None]  # token, raw logprob, top logprobs
+
+
+def ready(seqs: list[Sequence]) -> list[Sequence]:
+    """The sequences that hold blocks and have exactly one token left to compute."""
+    return [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_uncomputed == 1]
+
+
+class SamplePolicy:
+    """n independent samples. They share the prompt: the leader's last prompt row is sampled
+    once per sample that has not drawn a token yet; afterwards each decodes on its own."""
+
+    def held_tokens(self, group: SequenceGroup) -> int:
+        """Uncomputed tokens each sequence leaves to the decode step (none for samples)."""
+        return 0
+
+    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]:
+        return [[s] for s in ready(group.seqs)]
+
+    def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        """The sequences whose next token is drawn from `seq`'s logits row."""
+        if not group.fork_pending:
+            return [seq]
+        p = group.num_prompt_tokens
+        return [seq, *(s for s in group.seqs
+                       if s is not seq and not s.finished and len(s.token_ids) == p)]
+
+    def update(self, group: SequenceGroup, samples: list[tuple[Sequence, Sample]]) -> list[Op]:
+        return [Append(seq, *sample) for seq, sample in samples]
+
+    def finished(self, group: SequenceGroup) -> bool:
+        return all(s.finished for s in group.seqs)
+
+    def output(self, group: SequenceGroup) -> RequestOutput:
+        outs = [CompletionOutput(index=s.index, text=s.stop.final_text(s.output_token_ids),
+                                 token_ids=s.output_token_ids,
+                                 cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
+                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                for s in group.seqs]
+        return RequestOutput(request_id=str(group.index), prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outs)
+
+
+class BeamPolicy:
+    """HF beam search over the group's W live beams. After the first step the beams decode
+    together (one step needs all their logits), so each leaves its last token to that step.
+    The first child of a parent takes over its sequence, other children fork it, parents
+    without children end."""
+
+    def __init__(self, state: BeamSearchState, text: Callable[[list[int]], str]) -> None:
+        self.state = state
+        self.text = text  # a hypothesis's output text (the sample rules, replayed)
+
+    def held_tokens(self, group: SequenceGroup) -> int:
+        return 1 if self.state.gen_len > 0 else 0
+
+    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]:
+        beams = ready(group.seqs)
+        return [beams] if beams and len(beams) == len(group.seqs) else []
+
+    def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        return []  # beams read their logits rows directly
+
+    def update(self, group: SequenceGroup, logits: torch.Tensor) -> list[Op]:
+        """One beam step over the live beams' logits rows (in beam order)."""
+        beams = group.seqs
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        step = self.state.step(logprobs, self._stop_fn(beams))
+        if step.done:
+            return [Free(b) for b in beams]
+        token_lp = logprobs[step.parents, step.tokens].tolist()
+        ops: list[Op] = []
+        nxt: list[Sequence] = []
+        taken: set[int] = set()
+        for j, p in enumerate(step.parents):
+            parent = beams[p]
+            if p in taken:
+                child = parent.clone(j)
+                ops.append(Fork(parent, child, parent.num_computed_tokens))
+                nxt.append(child)
+            else:
+                taken.add(p)
+                nxt.append(parent)
+        ops += [Free(b) for p, b in enumerate(beams) if p not in taken]
+        ops.append(SetSeqs(group, nxt))
+        ops += [Append(c, t, lp) for c, t, lp in zip(nxt, step.tokens, token_lp)]
+        return ops
+
+    def _stop_fn(self, beams: list[Sequence]) -> StopFn | None:
+        """is_stop(parent, token): does the token complete a stop string on that beam?"""
+        if beams[0].stop is None:
+            return None
+        n = self.state.gen_len + 1
+        return lambda parent, token: beams[parent].stop.would_stop(token, n)
+
+    def finished(self, group: SequenceGroup) -> bool:
+        return self.state.done
+
+    def output(self, group: SequenceGroup) -> BeamSearchOutput:
+        seqs = [BeamSequence(token_ids=h.token_ids, text=self.text(h.token_ids),
+                             cumulative_logprob=h.sum_logprobs, score=h.score,
+                             finish_reason=h.finish_reason)
+                for h in self.state.finalize()]
+        return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                                sequences=seqs)
+
+
+GroupPolicy = SamplePolicy | BeamPolicy

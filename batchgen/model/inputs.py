@@ -1,0 +1,124 @@
+"""StepInputs: the model runner's persistent step buffers, sized once at start-up and refilled in
+place every step (pinned host memory plus device copies on CUDA, one set on the CPU).
+
+`prepare` packs the scheduled chunks into one ragged batch: token ids, positions, the slot
+mapping for the KV writes, the logits rows to keep and the attention metadata. Row order and
+padding are decided here, not by the engine: rows are sorted by (query length, cached length)
+so that a backend's same-shape rows are contiguous, and on the CPU a step of fewer than
+`min_rows` tokens (or logits rows) is padded with one-token dummies in the scratch block, since
+small-M CPU GEMMs round differently and padding keeps every row's result independent of its
+batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.attention.metadata import SeqChunk, StepMetadata
+from batchgen.kv.block_manager import blocks_for, slot_of
+
+_LONG = ("input_ids", "positions", "slot_mapping", "logits_indices")  # model inputs, int64
+_INT = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # metadata, int32
+
+
+@dataclass
+class StepBatch:
+    """One step's inputs: views into the persistent buffers, valid until the next prepare()."""
+
+    input_ids: torch.Tensor  # [T] int64, model device
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64: where each token's K/V is written
+    logits_indices: torch.Tensor  # [R'] int64: packed rows whose logits are kept (padded)
+    num_logits: int  # R: the real logits rows, one per chunk that wants logits, chunk order
+    meta: StepMetadata  # host int32, FlashInfer's format
+
+
+class StepInputs:
+    """Owns the step buffers; nothing else writes them."""
+
+    def __init__(self, max_tokens: int, max_seqs: int, max_pages: int, block_size: int,
+                 scratch_block: int, min_rows: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.min_rows = min_rows
+        self.device = device
+        sizes = {"input_ids": max(max_tokens, min_rows), "logits_indices": max(max_seqs, min_rows),
+                 "qo_indptr": max_seqs + min_rows + 1, "kv_indptr": max_seqs + min_rows + 1,
+                 "kv_indices": max_pages + min_rows, "kv_last_page_len": max_seqs + min_rows}
+        sizes["positions"] = sizes["slot_mapping"] = sizes["input_ids"]
+        pin = device.type == "cuda"
+        self.host = {k: torch.zeros(n, dtype=torch.long if k in _LONG else torch.int32,
+                                    pin_memory=pin) for k, n in sizes.items()}
+        self.np = {k: t.numpy() for k, t in self.host.items()}
+        self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _LONG}
+                    if pin else self.host)
+
+    def prepare(self, chunks: list[SeqChunk]) -> StepBatch:
+        """Pack the chunks; logits row i belongs to the i-th chunk (in the given order) that
+        wants logits."""
+        bs = self.block_size
+        order = sorted(range(len(chunks)),
+                       key=lambda i: (len(chunks[i].token_ids), chunks[i].num_computed))
+        ids: list[int] = []
+        pages: list[int] = []
+        qo, kv, starts, lens = [0], [0], [], []
+        last_row = [0] * len(chunks)
+        for i in order:
+            c = chunks[i]
+            n, start = len(c.token_ids), c.num_computed
+            num_pages = blocks_for(start + n, bs)
+            ids += c.token_ids
+            table = c.block_table
+            pages += table if len(table) == num_pages else table[:num_pages]
+            qo.append(qo[-1] + n)
+            kv.append(kv[-1] + num_pages)
+            starts.append(start)
+            lens.append(n)
+            last_row[i] = qo[-1] - 1
+        logits = [last_row[i] for i, c in enumerate(chunks) if c.want_logits]
+        num_logits = len(logits)
+        pad = self.min_rows - qo[-1]
+        if pad > 0:  # one-token dummy sequences writing into the scratch block
+            ids += [0] * pad
+            pages += [self.scratch_block] * pad
+            qo += range(qo[-1] + 1, qo[-1] + pad + 1)
+            kv += range(kv[-1] + 1, kv[-1] + pad + 1)
+            starts += [0] * pad
+            lens += [1] * pad
+        if 0 < num_logits < self.min_rows:
+            logits += [logits[-1]] * (self.min_rows - num_logits)
+        return self._fill(ids, pages, qo, kv, starts, lens, logits, num_logits)
+
+    def _fill(self, ids: list[int], pages: list[int], qo: list[int], kv: list[int],
+              starts: list[int], lens: list[int], logits: list[int], num_logits: int
+              ) -> StepBatch:
+        """Write the packed lists into the buffers; positions, slots and last-page lengths are
+        computed vectorised."""
+        bs, a = self.block_size, self.np
+        t, s, p, r = len(ids), len(starts), len(pages), len(logits)
+        a["input_ids"][:t] = ids
+        a["qo_indptr"][:s + 1] = qo
+        a["kv_indptr"][:s + 1] = kv
+        a["kv_indices"][:p] = pages
+        a["logits_indices"][:r] = logits
+        lens_a = np.asarray(lens)
+        starts_a = np.asarray(starts)
+        qo_a, kv_a = a["qo_indptr"][:s + 1], a["kv_indptr"][:s + 1]
+        pos = a["positions"][:t]
+        np.subtract(np.arange(t), np.repeat(qo_a[:-1] - starts_a, lens_a), out=pos)
+        # a virtual position kv_indptr[i] * B + pos indexes the step's flat page list
+        a["slot_mapping"][:t] = slot_of(a["kv_indices"], np.repeat(kv_a[:-1], lens_a) * bs + pos,
+                                        bs)
+        a["kv_last_page_len"][:s] = starts_a + lens_a - (np.diff(kv_a) - 1) * bs
+        h, d = self.host, self.dev
+        if d is not h:
+            for k, n in (("input_ids", t), ("positions", t), ("slot_mapping", t),
+                         ("logits_indices", r)):
+                d[k][:n].copy_(h[k][:n], non_blocking=True)
+        meta = StepMetadata(h["qo_indptr"][:s + 1], h["kv_indptr"][:s + 1],
+                            h["kv_indices"][:p], h["kv_last_page_len"][:s], bs)
+        return StepBatch(d["input_ids"][:t], d["positions"][:t], d["slot_mapping"][:t],
+                         d["logits_indices"][:r], num_logits, meta)

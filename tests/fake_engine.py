@@ -1,0 +1,137 @@
+"""An engine without model weights, for scheduler and block-manager tests.
+
+`FakeRunner` stands in for the model runner: it packs the step with the real StepInputs, then
+"writes the KV" of every token (its id) into a pool of slots through the slot mapping, copies
+blocks for copy-on-write, and computes each logits row from the context it reads back through
+the sequence's block table. So any bookkeeping error (a wrong slot, a stale or shared block
+written, a missed copy, a wrong position) changes the context and hence the tokens, which the
+tests compare with an unpaged reference that computes the same logits from the token lists.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+
+import torch
+
+from batchgen.attention.metadata import SeqChunk
+from batchgen.engine.beam import BeamSearchState
+from batchgen.engine.engine import Engine
+from batchgen.engine.scheduler import Scheduler
+from batchgen.engine.sequence import sample_seed
+from batchgen.kv import BlockManager, blocks_for
+from batchgen.model.inputs import StepInputs
+from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.requests import Limits, RequestBuilder
+from batchgen.sampling.sampler import Sampler, SamplingRow
+from batchgen.sampling.stop import StopFactory
+
+VOCAB = 48
+EOS = 2
+
+
+def fake_logits(context: list[int]) -> torch.Tensor:
+    """Deterministic logits of a whole context: any change in it changes them. EOS is likely
+    after some contexts, so sequences end at different lengths."""
+    rng = random.Random(hash(tuple(context)))
+    logits = torch.tensor([rng.gauss(0.0, 2.0) for _ in range(VOCAB)])
+    if rng.random() < 0.15:
+        logits[EOS] += 6.0
+    return logits
+
+
+class FakeRunner:
+    """Implements the engine's Runner protocol over a pool of token ids (one per slot)."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_tokens: int, max_seqs: int,
+                 max_model_len: int, min_rows: int = 0) -> None:
+        self.block_size = block_size
+        self.pool = torch.full(((num_blocks + 1) * block_size,), -1, dtype=torch.long)
+        self.inputs = StepInputs(max_tokens, max_seqs,
+                                 max_seqs * blocks_for(max_model_len, block_size), block_size,
+                                 num_blocks, min_rows, torch.device("cpu"))
+        self.steps = 0
+        self.copies = 0
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        b = self.block_size
+        for src, dst in copies:
+            self.pool[dst * b:(dst + 1) * b] = self.pool[src * b:(src + 1) * b]
+        self.copies += len(copies)
+
+    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        self.steps += 1
+        batch = self.inputs.prepare(chunks)
+        self.pool[batch.slot_mapping] = batch.input_ids
+        qo, kv_lens, pages = batch.meta.as_lists()
+        b = self.block_size
+        rows = []
+        for row in batch.logits_indices[:batch.num_logits].tolist():
+            i = bisect.bisect_right(qo, row) - 1
+            n = kv_lens[i] - (qo[i + 1] - 1 - row)  # context of this query row
+            slots = [pages[i][p // b] * b + p % b for p in range(n)]
+            rows.append(fake_logits(self.pool[slots].tolist()))
+        return torch.stack(rows) if rows else torch.empty(0, VOCAB)
+
+
+class FakeLLM:
+    """The engine's real parts (scheduler, block manager, request builder, sampler) around a
+    FakeRunner: what `LLM` assembles, minus the model."""
+
+    def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
+                 max_model_len: int = 256, min_rows: int = 0) -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.runner = FakeRunner(num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
+                                 max_model_len, min_rows)
+        self.engine = Engine(self.scheduler, self.runner, Sampler(0), [EOS])
+        self.requests = RequestBuilder(
+            None, Limits(max_model_len, VOCAB, block_size, num_blocks, max_num_seqs,
+                         max_num_batched_tokens), StopFactory(None, [EOS]), [EOS])
+
+    def generate(self, prompts: list[list[int]], params):
+        return self._run(prompts, params, SamplingParams)
+
+    def beam_search(self, prompts: list[list[int]], params):
+        return self._run(prompts, params, BeamSearchParams)
+
+    def _run(self, prompts, params, kind):
+        groups = self.requests.build([{"prompt_token_ids": p} for p in prompts], params, kind)
+        self.block_manager.reset_stats()
+        self.engine.run(groups)
+        return [g.policy.output(g) for g in groups]
+
+
+def reference_samples(prompt: list[int], p: SamplingParams, max_tokens: int
+                      ) -> list[list[int]]:
+    """Each sample generated alone over its plain token list (seeded or greedy params)."""
+    stops = StopFactory(None, [EOS])
+    outs = []
+    for k in range(p.n):
+        gen = torch.Generator().manual_seed(sample_seed(p.seed, k)) if p.seed is not None else None
+        tokens, checker = list(prompt), stops(p, prompt, max_tokens)
+        while True:
+            row = SamplingRow(p, tokens, len(prompt), gen, [EOS])
+            tok = Sampler(0)(fake_logits(tokens)[None], [row]).token_ids[0]
+            tokens.append(tok)
+            if checker.append(tok, len(tokens) - len(prompt))[0] is not None:
+                break
+        outs.append(tokens[len(prompt):])
+    return outs
+
+
+def reference_beams(prompt: list[int], p: BeamSearchParams, max_tokens: int
+                    ) -> list[list[int]]:
+    """HF beam selection over full recomputes of every live beam."""
+    state = BeamSearchState(p.beam_width, max_tokens, p.length_penalty,
+                            True if p.beam_width == 1 else p.early_stopping,
+                            [] if p.ignore_eos else [EOS], p.num_return_sequences, VOCAB,
+                            p.stop_ids)
+    live: list[list[int]] = [[]]
+    while not state.done:
+        logits = torch.stack([fake_logits(prompt + b) for b in live])
+        step = state.step(torch.log_softmax(logits, dim=-1))
+        live = [live[q] + [t] for q, t in zip(step.parents, step.tokens)]
+    return [h.token_ids for h in state.finalize()]
