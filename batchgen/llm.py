@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from batchgen import cpu_allocator
+from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.registry import select_backend
 from batchgen.attention.spec import probe_specs
 from batchgen.config import (
@@ -84,33 +85,38 @@ class LLM:
         self.tokenizer = loader.load_tokenizer(path)
         self.model = loader.load_model(path, config, self.dtype, self.device)
         self.config = config
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.eos_token_ids = _eos_ids(config, loader.load_generation_config(path),
+                                      self.tokenizer)
         specs = probe_specs(self.model, geo.num_layers, self.device)
         if sized_later:
             num_blocks = self._size_pool(cfg, beta, target_len,
                                          _gpu_kv_budget(self.device, cfg.gpu_memory_utilization))
         self.cache_config = CacheConfig(cfg.block_size, num_blocks, beta)
-
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
                              geo.head_dim, kv_dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self._assemble(cfg, make_backend(specs, self.cache))
+        logger.info(self.cache_config.capacity_line(self.max_model_len))
+        logger.info("attention backend: %s", self.attention_backend)
+
+    def _assemble(self, cfg: EngineConfig, backend: AttentionBackend) -> None:
+        """The engine around the loaded model and the allocated pool: block manager,
+        scheduler, runner with its step buffers, sampler, request builder."""
+        num_blocks, bs = self.cache.num_blocks, cfg.block_size
+        self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
         inputs = StepInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                            cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size),
-                            cfg.block_size, self.cache.scratch_block,
+                            cfg.max_num_seqs * blocks_for(self.max_model_len, bs), bs,
+                            self.cache.scratch_block,
                             CPU_MIN_BATCH_ROWS if self.device.type == "cpu" else 0, self.device)
-        runner = ModelRunner(self.model, self.cache, make_backend(specs, self.cache), inputs)
-        self.eos_token_ids = _eos_ids(config, loader.load_generation_config(path),
-                                      self.tokenizer)
+        runner = ModelRunner(self.model, self.cache, backend, inputs)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.eos_token_ids)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.requests = RequestBuilder(
-            self.tokenizer, Limits(self.max_model_len, self.vocab_size, cfg.block_size,
-                                   num_blocks, cfg.max_num_seqs, cfg.max_num_batched_tokens),
+            self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
+                                   cfg.max_num_seqs, cfg.max_num_batched_tokens),
             StopFactory(self.tokenizer, self.eos_token_ids), self.eos_token_ids)
-        self._last_stats = KVStats(num_blocks, cfg.block_size, 0, 0, 0, 0, 0)
-        logger.info(self.cache_config.capacity_line(self.max_model_len))
-        logger.info("attention backend: %s", self.attention_backend)
+        self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
 
     def _size_pool(self, cfg: EngineConfig, beta: int, target_len: int, gpu_free: int | None
                    ) -> int:

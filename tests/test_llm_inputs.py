@@ -53,6 +53,12 @@ def test_a_bad_request_loses_nothing_and_the_engine_still_works(llm):
 
 BAD_ENGINE_ARGS = [
     ("block_size", {"block_size": 0}),
+    ("block_size", {"block_size": 2.0}),
+    ("seed", {"seed": 2**64}),
+    ("seed", {"seed": 1.5}),
+    ("gpu_memory_utilization", {"gpu_memory_utilization": True}),
+    ("enable_prefix_caching", {"enable_prefix_caching": 1}),
+    ("KV pool holds 1 token", {"block_size": 1, "num_kv_blocks": 1}),
     ("max_num_seqs", {"max_num_seqs": -1}),
     ("max_num_batched_tokens", {"max_num_batched_tokens": 0}),
     ("num_kv_blocks", {"num_kv_blocks": 0}),
@@ -68,9 +74,43 @@ BAD_ENGINE_ARGS = [
 
 
 @pytest.mark.parametrize("match,kwargs", BAD_ENGINE_ARGS)
-def test_bad_engine_arguments(tiny_model_factory, match, kwargs):
+def test_bad_engine_arguments_fail_before_the_weights_load(tiny_model_factory, monkeypatch,
+                                                           match, kwargs):
+    from batchgen.model import loader
+
+    loads = []
+    monkeypatch.setattr(loader, "load_model", lambda *a: loads.append(a))
     with pytest.raises(ValueError, match=match):
         LLM(tiny_model_factory("llama"), **kwargs)
+    assert loads == []  # nothing loaded, nothing allocated
+
+
+@pytest.mark.parametrize("model", [None, 3, b"path"])
+def test_model_must_be_a_path(model):
+    with pytest.raises(ValueError, match="model must be the path"):
+        LLM(model)
+
+
+def test_corrupt_weights_name_the_file_before_loading(tiny_model_factory, tmp_path):
+    import shutil
+
+    shutil.copytree(tiny_model_factory("llama"), tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    weights.write_bytes(b"\xff" * 64)  # a header length no file could have
+    with pytest.raises(ValueError, match="model.safetensors.* cannot be read"):
+        LLM(tmp_path / "m", num_kv_blocks=8)
+
+
+def test_a_one_block_pool_serves_what_fits_it(tiny_model_factory):
+    """max_model_len follows the pool (4 tokens): small requests run, bigger ones are refused
+    up front with the numbers."""
+    llm = LLM(tiny_model_factory("llama"), block_size=4, num_kv_blocks=1)
+    assert llm.max_model_len == 4
+    out = llm.generate(ids(2), SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    with pytest.raises(ValueError, match="needs 2 KV blocks"):
+        llm.generate(ids(2), SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    assert llm.block_manager.num_free_blocks() == 1
 
 
 def test_unknown_folder(tmp_path):

@@ -33,6 +33,9 @@ BAD_SAMPLING = [
     ("min_tokens", {"min_tokens": -1}),
     ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
     ("seed", {"seed": 1.5}),
+    ("seed", {"seed": 2**64}),
+    ("seed", {"seed": -(2**63) - 1}),
+    ("seed", {"seed": True}),
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": 2.0}),
     ("stop", {"stop": ""}),
@@ -125,3 +128,18 @@ def test_beam_defaults() -> None:
 def test_error_message_shows_the_value() -> None:
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1\.5"):
         SamplingParams(top_p=1.5)
+
+
+def test_seed_range_is_what_torch_generators_take():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
+
+
+@pytest.mark.parametrize("t", [1e-40, 1e-30, 0.005])
+def test_near_zero_temperatures_are_raised_to_vllms_floor(t, caplog):
+    with caplog.at_level("WARNING", logger="batchgen"):
+        p = SamplingParams(temperature=t)
+    assert p.temperature == 0.01 and not p.greedy
+    assert "temperature" in caplog.text
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01

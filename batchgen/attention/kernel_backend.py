@@ -13,7 +13,7 @@ import torch
 
 from batchgen.attention.cpu_kernel import PagedDecodeKernel
 from batchgen.attention.metadata import StepMetadata
-from batchgen.attention.sdpa import SdpaTiles
+from batchgen.attention.sdpa import TiledBackend
 from batchgen.attention.spec import AttentionSpec
 from batchgen.kv.cache import KVCache
 
@@ -28,18 +28,16 @@ class _KernelRows:
     kv_len: torch.Tensor
 
 
-class CpuKernelBackend:
-    """Kernel for decode rows, SDPA tiles for the rest. The pool is the LLM's; the kernel is
-    loaded once per process (cpu_kernel.load)."""
+class CpuKernelBackend(TiledBackend):
+    """Kernel for decode rows, SDPA tiles for the rest. The kernel is loaded once per process
+    (cpu_kernel.load)."""
 
     name = "cpu_kernel"
 
     def __init__(self, specs: list[AttentionSpec], cache: KVCache,
                  kernel: PagedDecodeKernel) -> None:
-        self.specs = specs
-        self.cache = cache
+        super().__init__(specs, cache)
         self.kernel = kernel
-        self.tiles = SdpaTiles(cache.pool.device)
         self.rows: _KernelRows | None = None
 
     def plan(self, meta: StepMetadata) -> None:
@@ -50,22 +48,21 @@ class CpuKernelBackend:
         self.tiles.plan(qo, kv_lens, pages, (i for i in seqs if qo[i + 1] - qo[i] > 1),
                         meta.block_size)
 
-    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        spec = self.specs[layer]
-        kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
-        out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
-        self.tiles.run(q, kv_blocks, spec, out)
+    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+                 spec: AttentionSpec, out: torch.Tensor) -> None:
+        """Decode rows straight from the pool's blocks; the page tables are checked against
+        the pool on the step's first layer (the C code trusts them)."""
         kr = self.rows
-        if kr is not None:  # page tables are checked against the pool on the first layer
-            qk = q[kr.rows].float().contiguous()
-            direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
-            res = out[kr.rows] if direct else torch.empty_like(qk)
-            self.kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
-                        kr.kv_len, spec.scale, spec.window, spec.softcap, spec.sinks,
-                        check_tables=layer == 0)
-            if not direct:
-                out[kr.rows] = res.to(out.dtype)
-        return out
+        if kr is None:
+            return
+        qk = q[kr.rows].float().contiguous()
+        direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
+        res = out[kr.rows] if direct else torch.empty_like(qk)
+        self.kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
+                    kr.kv_len, spec.scale, spec.window, spec.softcap, spec.sinks,
+                    check_tables=layer == 0)
+        if not direct:
+            out[kr.rows] = res.to(out.dtype)
 
 
 def _kernel_rows(seqs: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]]

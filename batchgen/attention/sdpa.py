@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.attention.spec import AttentionSpec
+from batchgen.kv.cache import KVCache
 
 # Prefill chunks are cut into tiles at multiples of this many positions; each attends only to
 # the keys up to its window's end (bottom-right causal), skipping the upper triangle.
@@ -133,6 +134,31 @@ class SdpaTiles:
                 og = _explicit_attention(qg, kg, vg, mask, spec, hkv, g, mq)
             og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4)  # [S, mq, Hkv, G, Dv]
             out[grp.rows] = og.reshape(s * mq, hq, -1)
+
+
+class TiledBackend:
+    """Base of the backends that run some of a step's rows as SDPA tiles: `run` attends the
+    tiles' rows, then `run_rest` the rows the subclass planned otherwise. The pool is the
+    LLM's; the plans are the backend's and live for one step."""
+
+    name: str
+
+    def __init__(self, specs: list[AttentionSpec], cache: KVCache) -> None:
+        self.specs = specs
+        self.cache = cache
+        self.tiles = SdpaTiles(cache.pool.device)
+
+    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        spec = self.specs[layer]
+        kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
+        out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
+        self.tiles.run(q, kv_blocks, spec, out)
+        self.run_rest(layer, q, kv_blocks, spec, out)
+        return out
+
+    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+                 spec: AttentionSpec, out: torch.Tensor) -> None:
+        """Attend the rows the tiles do not cover, into `out`."""
 
 
 def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,

@@ -11,21 +11,18 @@ import torch
 
 from batchgen.attention.cascade import Cascade, plan_cascades, run_cascade
 from batchgen.attention.metadata import StepMetadata
-from batchgen.attention.sdpa import SdpaTiles
+from batchgen.attention.sdpa import TiledBackend
 from batchgen.attention.spec import AttentionSpec
 from batchgen.kv.cache import KVCache
 
 
-class TorchBackend:
-    """SDPA tiles plus the decode cascade. The pool is the LLM's; the plan is this object's and
-    lives for one step."""
+class TorchBackend(TiledBackend):
+    """SDPA tiles plus the decode cascade."""
 
     name = "torch"
 
     def __init__(self, specs: list[AttentionSpec], cache: KVCache) -> None:
-        self.specs = specs
-        self.cache = cache
-        self.tiles = SdpaTiles(cache.pool.device)
+        super().__init__(specs, cache)
         self.cascade: Cascade | None = None
 
     def plan(self, meta: StepMetadata) -> None:
@@ -35,11 +32,7 @@ class TorchBackend:
         rest = (i for i in range(len(kv_lens)) if i not in covered)
         self.tiles.plan(qo, kv_lens, pages, rest, meta.block_size)
 
-    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        spec = self.specs[layer]
-        kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
-        out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
-        self.tiles.run(q, kv_blocks, spec, out)
+    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+                 spec: AttentionSpec, out: torch.Tensor) -> None:
         if self.cascade is not None:
             run_cascade(self.cascade, q, kv_blocks, spec, out)
-        return out

@@ -153,19 +153,15 @@ def _base(overrides: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     return kw
 
 
+# The size every family shares (small enough for tests, big enough for GQA).
+_TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "max_position_embeddings": 1024}
+
+
 def _gqa(vocab_size: int, overrides: dict[str, Any], **defaults: Any) -> dict[str, Any]:
     """Common kwargs for Llama-style (RoPE, GQA, explicit head_dim) families."""
-    kw = _base(
-        overrides,
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=1024,
-        **defaults,
-    )
+    kw = _base(overrides, vocab_size=vocab_size, **_TINY, num_key_value_heads=2,
+               intermediate_size=128, **defaults)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     return kw
 
@@ -177,16 +173,7 @@ def _mha(
     overrides = dict(overrides)
     if "intermediate_size" in overrides and ffn_name != "intermediate_size":
         overrides[ffn_name] = overrides.pop("intermediate_size")
-    kw = _base(
-        overrides,
-        vocab_size=vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=1024,
-        **{ffn_name: 128},
-        **defaults,
-    )
+    kw = _base(overrides, vocab_size=vocab_size, **_TINY, **{ffn_name: 128}, **defaults)
     kv = kw.pop("num_key_value_heads", None)
     if kv is not None and kv != kw["num_attention_heads"]:
         raise ValueError("this family is multi-head only: num_key_value_heads must equal heads")
