@@ -103,6 +103,7 @@ class LLM:
         """The engine around the loaded model and the allocated pool: block manager,
         scheduler, runner with its step buffers, sampler, request builder."""
         num_blocks, bs = self.cache.num_blocks, cfg.block_size
+        self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)

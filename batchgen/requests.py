@@ -124,23 +124,20 @@ class RequestBuilder:
                ) -> SequenceGroup:
         """The group with its policy and its sequences: n samples (each with its own stop
         state and, when seeded, generator), or one beam leader."""
-        if isinstance(p, BeamSearchParams):
-            state = BeamSearchState(
-                p.beam_width, max_tokens, p.length_penalty,
-                True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-                eos_token_ids=[] if p.ignore_eos else self.eos_token_ids,
-                num_return_sequences=p.num_return_sequences, vocab_size=self.limits.vocab_size,
-                stop_token_ids=p.stop_ids)
-            policy: SamplePolicy | BeamPolicy = BeamPolicy(
-                state, lambda tokens: self.stops.text(p, ids, tokens))
-        else:
-            policy = SamplePolicy()
-        group = SequenceGroup(i, text, ids, p, max_tokens, policy)
-        if isinstance(p, BeamSearchParams):
-            stop = self.stops(p, ids, max_tokens) if p.stop_strings else None
-            group.seqs = [Sequence(group, 0, list(ids), stop)]
-        else:
+        if isinstance(p, SamplingParams):
+            group = SequenceGroup(i, text, ids, p, max_tokens, SamplePolicy())
             group.seqs = [self._sample(group, k) for k in range(p.n)]
+            return group
+        state = BeamSearchState(
+            p.beam_width, max_tokens, p.length_penalty,
+            True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
+            eos_token_ids=[] if p.ignore_eos else self.eos_token_ids,
+            num_return_sequences=p.num_return_sequences, vocab_size=self.limits.vocab_size,
+            stop_token_ids=p.stop_ids)
+        policy = BeamPolicy(state, lambda tokens: self.stops.text(p, ids, tokens))
+        group = SequenceGroup(i, text, ids, p, max_tokens, policy)
+        stop = self.stops(p, ids, max_tokens) if p.stop_strings else None
+        group.seqs = [Sequence(group, 0, list(ids), stop)]
         return group
 
     def _sample(self, group: SequenceGroup, k: int) -> Sequence:

@@ -203,3 +203,16 @@ def test_every_eos_id_of_the_generation_config_stops(tiny_model_factory, tmp_pat
         _ids(prompts[:1]), SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     c = out[0].outputs[0]
     assert c.token_ids == probe[:probe.index(probe[4]) + 1] and c.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("configure", ["", "import logging; logging.basicConfig(level='INFO'); "])
+def test_the_capacity_line_prints_once(model_dir, configure):
+    """No handler at import: without logging configured the first LLM shows batchgen's lines;
+    under logging.basicConfig they go through the root handler, once."""
+    import subprocess
+    import sys
+
+    code = (f"{configure}from batchgen import LLM; LLM({str(model_dir)!r}, num_kv_blocks=16)")
+    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stderr
+    assert err.count("KV cache: 16 blocks") == 1, err

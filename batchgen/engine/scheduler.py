@@ -77,6 +77,12 @@ class _Budget:
     def fits(self, tokens: int, seqs: int) -> bool:
         return tokens <= self.tokens and seqs <= self.seqs
 
+    def take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        """Schedule `n` query tokens of `seq` in this step."""
+        out.scheduled.append(ScheduledSeq(seq, n))
+        self.tokens -= n
+        self.seqs -= 1
+
 
 class Scheduler:
     """Owns the waiting queue, the running list (admission order) and their sequences."""
@@ -182,6 +188,9 @@ class Scheduler:
         """Reserve blocks for the sequences' next tokens (all or none) and schedule them,
         preempting the newest groups while the blocks are not there. Returns (scheduled,
         preempted anything)."""
+        if len(seqs) == 1 and self.bm.writable(seqs[0], seqs[0].num_computed_tokens, counts[0]):
+            budget.take(out, seqs[0], counts[0])  # the decode fast path: nothing to reserve
+            return True, False
         preempted = False
         appends = [(s, s.num_computed_tokens, n) for s, n in zip(seqs, counts)]
         while (need := self.bm.blocks_needed(appends)) > self.bm.num_free_blocks():
@@ -200,9 +209,7 @@ class Scheduler:
                 copy = self.bm.append_slots(seq, seq.num_computed_tokens, n)
                 if copy is not None:
                     out.copies.append(copy)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget.tokens -= n
-            budget.seqs -= 1
+            budget.take(out, seq, n)
         return True, preempted
 
     def _admit(self, out: SchedulerOutput, budget: _Budget) -> None:
@@ -231,25 +238,24 @@ class Scheduler:
             leader.num_computed_tokens = start
             leader.cached_blocks = len(hit)
             inflight.update(hashes[len(hit):])
-            out.scheduled.append(ScheduledSeq(leader, n))
-            budget.tokens -= n
-            budget.seqs -= 1
+            budget.take(out, leader, n)
 
     def _describe(self, out: SchedulerOutput) -> None:
         """The runner's chunks and who reads each logits row: samplers draw from it (an n > 1
         leader's last prompt row serves every sample), beams hand theirs to their policy."""
         row = 0
+        tables = self.bm.block_tables
         for item in out.scheduled:
             seq, n = item.seq, item.num_new
+            group, tokens = seq.group, seq.token_ids
             start = seq.num_computed_tokens
             end = start + n
-            want = end == len(seq.token_ids)
-            out.chunks.append(SeqChunk(seq.token_ids[start:end], self.bm.block_tables[seq],
-                                       start, want))
-            out.num_prompt_tokens += max(0, min(end, seq.group.num_prompt_tokens) - start)
+            want = end == len(tokens)
+            out.chunks.append(SeqChunk(tokens[start:end], tables[seq], start, want))
+            if start < group.num_prompt_tokens:
+                out.num_prompt_tokens += min(end, group.num_prompt_tokens) - start
             if not want:
                 continue
-            group = seq.group
             samplers = group.policy.samples_from(group, seq)
             if samplers:
                 out.samplers += samplers

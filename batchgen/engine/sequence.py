@@ -105,10 +105,10 @@ class SequenceGroup:
     policy: GroupPolicy
     seqs: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
+    num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

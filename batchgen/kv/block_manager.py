@@ -167,6 +167,13 @@ class BlockManager:
                 writers[blk] = writers.get(blk, 0) + 1
         return grow + sum(k - (k == self.ref_count[b]) for b, k in writers.items())
 
+    def writable(self, seq_id: Hashable, cur_len: int, num_new: int) -> bool:
+        """Do positions [cur_len, cur_len + num_new) already have blocks this sequence owns
+        alone (no append or copy needed)? O(1): the decode fast path."""
+        table = self.block_tables[seq_id]
+        return (blocks_for(cur_len + num_new, self.block_size) <= len(table)
+                and self.ref_count[table[cur_len // self.block_size]] == 1)
+
     def append_slots(self, seq_id: Hashable, cur_len: int, num_new: int
                      ) -> tuple[int, int] | None:
         """Make positions [cur_len, cur_len + num_new) writable: copy-on-write the block that
