@@ -51,7 +51,7 @@ class FakeRunner:
         self.inputs = StepInputs(max_tokens, max_seqs,
                                  max_seqs * blocks_for(max_model_len, block_size), block_size,
                                  num_blocks, min_rows, torch.device("cpu"))
-        self.steps = 0
+        self.step_tokens: list[int] = []  # query tokens of each step
         self.copies = 0
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -61,7 +61,7 @@ class FakeRunner:
         self.copies += len(copies)
 
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        self.steps += 1
+        self.step_tokens.append(sum(c.num_new for c in chunks))
         batch = self.inputs.prepare(chunks)
         self.pool[batch.slot_mapping] = batch.input_ids
         qo, kv_lens, pages = batch.meta.as_lists()

@@ -121,3 +121,23 @@ def assert_pool_whole(llm: Any) -> None:
     check_pool_invariants(bm)
     assert not bm.block_tables and bm.num_free_blocks() == bm.num_blocks
     assert not llm.scheduler.has_unfinished()
+
+
+def cpu_kernel_or_skip() -> Any:
+    """The compiled CPU decode kernel, built on first use (never while tests are collected);
+    skips the calling test where it cannot be built."""
+    import pytest
+
+    from batchgen.attention import cpu_kernel
+
+    kernel = cpu_kernel.try_load()
+    if kernel is None:
+        pytest.skip("CPU decode kernel unavailable here (no C compiler, or BATCHGEN_CPU_KERNEL=0)")
+    return kernel
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the default CPU backend is the compiled kernel here (built on first call)."""
+    from batchgen.attention import cpu_kernel
+
+    return cpu_kernel.try_load() is not None

@@ -6,13 +6,13 @@ import random
 import pytest
 import torch
 
-from batchgen.attention import cpu_kernel
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.metadata import SeqChunk
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
 from batchgen.kv import BlockManager, KVCache, kv_cache_bytes
 from batchgen.model.inputs import StepInputs
+from tests.helpers import cpu_kernel_or_skip
 
 
 def prepare(chunks, block_size, cache=None, min_rows=0):
@@ -57,12 +57,7 @@ def _dense_reference(q, k, v, scale, window, softcap, sinks):
 
 def _kernel(use: bool):
     """The compiled decode kernel for use=True (skipping where it cannot be built)."""
-    if not use:
-        return None
-    kernel = cpu_kernel.try_load()
-    if kernel is None:
-        pytest.skip("CPU decode kernel unavailable here")
-    return kernel
+    return cpu_kernel_or_skip() if use else None
 
 
 BACKENDS = pytest.mark.parametrize("kernel", [False, True], ids=["torch", "cpu-kernel"])

@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from batchgen.attention import cpu_kernel
+from tests.helpers import cpu_kernel_or_skip
 from tests.test_attention_backend import _dense_reference
-
-try:
-    KERNEL = cpu_kernel.load()
-except cpu_kernel.KernelUnavailable as e:  # no C compiler here: the PyTorch path is used
-    KERNEL, WHY = None, str(e)
-else:
-    WHY = ""
-pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"CPU kernel unavailable: {WHY}")
 
 
 def _pool(num_blocks, block_size, hkv, d, seed=0, dtype=torch.float32):
@@ -44,7 +37,7 @@ def _tables(lens, block_size, num_blocks, rng):
 
 def _run(q, k, v, indptr, indices, lens, scale, window=None, softcap=None, sinks=None):
     out = torch.empty_like(q)
-    KERNEL(q, k, v, out, indptr, indices, lens, scale, window, softcap, sinks)
+    cpu_kernel_or_skip()(q, k, v, out, indptr, indices, lens, scale, window, softcap, sinks)
     return out
 
 

@@ -155,21 +155,19 @@ def test_a_failed_call_leaves_a_clean_engine(llm):
     """An error (or Ctrl-C) mid-run frees every block; the next call works normally."""
     good = [ids(9), ids(20)]
     want = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    execute = llm.engine.runner.execute
     calls = []
 
-    def failing(chunks):
+    def failing(module, args, kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 3:  # the model itself raises in the third step
             raise KeyboardInterrupt
-        return execute(chunks)
 
-    llm.engine.runner.execute = failing
+    hook = llm.model.register_forward_pre_hook(failing, with_kwargs=True)
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     finally:
-        llm.engine.runner.execute = execute
+        hook.remove()
     assert not llm.scheduler.has_unfinished()
     assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
     again = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

@@ -45,14 +45,11 @@ def test_n_samples_stay_within_the_sharing_bound(model_dir, s, n, t, bs):
 
 def test_prompt_is_computed_once(model_dir):
     llm = LLM(model_dir, block_size=16, num_kv_blocks=512)
-    seen = []
-    execute = llm.engine.runner.execute
-    llm.engine.runner.execute = lambda chunks: (
-        seen.append(sum(c.num_new for c in chunks)), execute(chunks))[1]
     prompt = make_prompt_token_ids(1, 50, 50, vocab_size=512, seed=2)[0]
-    llm.generate(_ids([prompt]), SamplingParams(n=6, max_tokens=3, ignore_eos=True),
-                 use_tqdm=False)
-    assert seen == [50, 6, 6]  # one prefill of the prompt, then 6 rows per decode step
+    out = llm.generate(_ids([prompt]), SamplingParams(n=6, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert llm.kv_stats().prompt_tokens_computed == 50  # one prefill shared by the 6 samples
+    assert [len(c.token_ids) for c in out[0].outputs] == [3] * 6
 
 
 def test_samples_are_seeded_per_index_and_batch_invariant(model_dir):

@@ -121,6 +121,14 @@ def test_a_request_admitted_alone_always_finishes_within_its_exact_bound(
             not beams) else (_ for _ in ()).throw(ValueError("can never fit"))
 
 
+def test_n_samples_compute_the_prompt_once_then_one_row_each():
+    llm = FakeLLM(num_blocks=64, block_size=16)
+    prompt = [1] + [3 + i % 40 for i in range(49)]
+    _check_samples(llm, [prompt], [SamplingParams(n=6, seed=1, max_tokens=3, ignore_eos=True)])
+    assert llm.runner.step_tokens == [50, 6, 6]  # no sample recomputes the prompt
+    assert llm.runner.copies == 5  # 50 % 16 != 0: all but the last writer copy the last block
+
+
 def test_the_reported_hang_is_refused_and_its_exact_pool_finishes():
     """Issue 8, defect 1: 11 prompt tokens, n=2, 7 new tokens, block 4 peak at 8 blocks (each
     sample keeps its own copy of the partial prompt block); 7 blocks used to loop forever."""
