@@ -17,7 +17,9 @@ from batchgen.kv.cache import num_blocks_for_memory
 DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 2048
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass
@@ -118,3 +120,8 @@ def fit_max_model_len(cfg: EngineConfig, target: int, capacity: int) -> int:
         raise ValueError(f"the KV pool holds {capacity} token: too few for a prompt and one "
                          "generated token; raise num_kv_blocks / kv_cache_memory")
     return min(target, capacity)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's dtype: the model's for "auto", fp8 is float8 e4m3fn (β halves vs 16 bits)."""
+    return model_dtype if kv_cache_dtype == "auto" else _KV_DTYPES[kv_cache_dtype]

@@ -12,12 +12,13 @@ from tqdm.auto import tqdm
 
 from batchgen import cpu_allocator
 from batchgen.attention.backend import AttentionBackend
-from batchgen.attention.registry import select_backend
+from batchgen.attention.registry import BackendQuery, backend_candidates, build_backend
 from batchgen.attention.spec import probe_specs
 from batchgen.config import (
     CacheConfig,
     EngineConfig,
     fit_max_model_len,
+    kv_cache_torch_dtype,
     pool_blocks,
     target_max_model_len,
 )
@@ -67,11 +68,10 @@ class LLM:
         loader.check_weights(path)
         self.device = _resolve_device(device)
         self.dtype = loader.resolve_dtype(dtype, config)
-        kv_dtype = (self.dtype if cfg.kv_cache_dtype == "auto"
-                    else loader.resolve_dtype(cfg.kv_cache_dtype, config))
-        self.attention_backend, make_backend = select_backend(cfg.attention_backend,
-                                                              self.device, kv_dtype)
+        kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
         geo = loader.kv_geometry(config)
+        backends = backend_candidates(cfg.attention_backend, BackendQuery(
+            self.device, self.dtype, kv_dtype, geo.head_dim))
         target_len = target_max_model_len(cfg, geo.max_position_embeddings)
         beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
                               torch.empty((), dtype=kv_dtype).element_size())
@@ -95,7 +95,10 @@ class LLM:
         self.cache_config = CacheConfig(cfg.block_size, num_blocks, beta)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
                              geo.head_dim, kv_dtype, self.device)
-        self._assemble(cfg, make_backend(specs, self.cache))
+        self.attention_backend, backend = build_backend(
+            backends, specs, self.cache, self._max_step_tokens(cfg),
+            insisted=cfg.attention_backend is not None)
+        self._assemble(cfg, backend)
         logger.info(self.cache_config.capacity_line(self.max_model_len))
         logger.info("attention backend: %s", self.attention_backend)
 
@@ -109,8 +112,7 @@ class LLM:
                                    cfg.max_num_batched_tokens)
         inputs = StepInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                             cfg.max_num_seqs * blocks_for(self.max_model_len, bs), bs,
-                            self.cache.scratch_block,
-                            CPU_MIN_BATCH_ROWS if self.device.type == "cpu" else 0, self.device)
+                            self.cache.scratch_block, self._min_rows(), self.device)
         runner = ModelRunner(self.model, self.cache, backend, inputs)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.eos_token_ids)
         self.requests = RequestBuilder(
@@ -118,6 +120,14 @@ class LLM:
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
             StopFactory(self.tokenizer, self.eos_token_ids), self.eos_token_ids)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
+
+    def _min_rows(self) -> int:
+        """Rows a CPU step is padded to (small-M GEMMs round differently); none on a GPU."""
+        return CPU_MIN_BATCH_ROWS if self.device.type == "cpu" else 0
+
+    def _max_step_tokens(self, cfg: EngineConfig) -> int:
+        """The most query tokens one step can have (the backends size their buffers by it)."""
+        return max(cfg.max_num_batched_tokens, self._min_rows())
 
     def _size_pool(self, cfg: EngineConfig, beta: int, target_len: int, gpu_free: int | None
                    ) -> int:

@@ -222,3 +222,46 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks,
         i = lens.index(meta.kv_lens()[row].item())
         ref = _dense_reference(q[row:row + 1], full_k[i], full_v[i], 0.3, window, softcap, sink_t)
         torch.testing.assert_close(out[row:row + 1], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_an_fp8_pool_saturates_scales_and_copies_bytes():
+    cache = KVCache(2, 4, 4, 1, 8, torch.float8_e4m3fn, "cpu")
+    assert cache.bytes_per_token == kv_cache_bytes(2, 1, 8, 1, 1)  # half a 16-bit pool's
+    cache.k_scales[1], cache.v_scales[1] = 2.0, 0.5
+    k = torch.full((1, 1, 8), 1000.0)
+    v = torch.full((1, 1, 8), 0.75)
+    cache.write(1, k, v, torch.tensor([5]))
+    assert torch.equal(cache.pool[1, 0, 1, 1].float(), torch.full((1, 8), 448.0))  # 500 saturates
+    assert torch.equal(cache.pool[1, 1, 1, 1].float(), torch.full((1, 8), 1.5))  # 0.75 / 0.5
+    cache.copy_blocks([(1, 3)])
+    assert torch.equal(cache.pool[:, :, 3].view(torch.uint8), cache.pool[:, :, 1].view(torch.uint8))
+
+
+@BACKENDS
+def test_fp8_pools_are_read_back_with_their_scales(kernel):
+    """Both CPU backends attend over stored fp8 values times the layer's scales."""
+    torch.manual_seed(2)
+    bs, hq, hkv, d = 4, 4, 2, 8
+    cache = KVCache(1, 64, bs, hkv, d, torch.float8_e4m3fn, "cpu")
+    cache.k_scales[0], cache.v_scales[0] = 0.5, 2.0
+    bm = BlockManager(64, bs)
+    shapes = [(9, 1), (0, 11), (4, 1)]
+    chunks, keys = [], []
+    for sid, (cached, new) in enumerate(shapes):
+        bm.allocate(sid, cached + new)
+        k, v = torch.randn(cached + new, hkv, d), torch.randn(cached + new, hkv, d)
+        cache.write(0, k, v, torch.tensor([bm.slot_index(sid, p) for p in range(cached + new)]))
+        stored = [cache.pool[0, j][bm.block_tables[sid]].reshape(-1, hkv, d)[:cached + new]
+                  .float() * s for j, s in ((0, 0.5), (1, 2.0))]
+        keys.append(stored)
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+    shapes_order = sorted(range(3), key=lambda i: (shapes[i][1], shapes[i][0]))
+    batch = prepare([chunks[i] for i in shapes_order], bs)
+    q = torch.randn(batch.meta.num_tokens, hq, d)
+    backend = make_backend(_kernel(kernel), cache, hq, hkv, d, 0.3, None, None, None)
+    backend.plan(batch.meta)
+    out = backend.run(0, q)
+    qo = batch.meta.qo_indptr.tolist()
+    for row, i in enumerate(shapes_order):
+        ref = _dense_reference(q[qo[row]:qo[row + 1]], *keys[i], 0.3, None, None, None)
+        torch.testing.assert_close(out[qo[row]:qo[row + 1]], ref, atol=2e-5, rtol=1e-4)

@@ -46,9 +46,10 @@ def _run(q, k, v, indptr, indices, lens, scale, window=None, softcap=None, sinks
 @pytest.mark.parametrize("window,softcap,sinks", [
     (None, None, False), (7, None, False), (None, 12.0, False), (None, None, True),
     (20, 8.0, True)])
-@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_kernel_matches_dense(hq, hkv, d, block_size, window, softcap, sinks, kv_dtype):
-    """float32 math either way; a bfloat16 pool is compared on its (widened) stored values."""
+    """float32 math either way; bfloat16 and fp8 pools are compared on their (widened) stored
+    values."""
     rng = random.Random(hq * 100 + d)
     lens = [1, 2, block_size, block_size + 1, 3 * block_size, 17, 40, 129, 300]
     num_blocks = sum(-(-n // block_size) for n in lens) + 7
@@ -66,7 +67,8 @@ def test_kernel_matches_dense(hq, hkv, d, block_size, window, softcap, sinks, kv
 
 @pytest.mark.parametrize("hq,hkv,d,bs,kv_dtype", [(8, 2, 32, 16, torch.float32),
                                                  (6, 2, 24, 5, torch.float32),
-                                                 (8, 2, 32, 16, torch.bfloat16)])
+                                                 (8, 2, 32, 16, torch.bfloat16),
+                                                 (8, 2, 32, 16, torch.float8_e4m3fn)])
 def test_kernel_is_batch_invariant(hq, hkv, d, bs, kv_dtype):
     """Same sequence, same bits: alone, among others, relocated to other blocks, 1 or 2 threads
     (which also changes how heads are split into tasks and grouped for the 4-way dot)."""

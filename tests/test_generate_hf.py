@@ -11,7 +11,7 @@ from batchgen.attention.metadata import SeqChunk
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import hf_greedy, make_prompt_token_ids
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt2", "gpt_neox", "opt"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_oss", "gpt2", "gpt_neox", "opt"]
 MAX_NEW = 24
 
 # (block_size, num_kv_blocks, max_num_batched_tokens, max_num_seqs, attention_backend);

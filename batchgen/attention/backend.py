@@ -10,10 +10,16 @@ import torch
 from batchgen.attention.metadata import StepMetadata
 
 
+class BackendUnavailable(RuntimeError):
+    """A backend's library or kernel cannot be loaded here, or it cannot serve the model's
+    layers (the message says why)."""
+
+
 class AttentionBackend(Protocol):
-    """Paged attention over one KVCache, driven by one StepMetadata per step. Constructed as
-    `Backend(specs, cache)`; `specs[layer]` gives each layer's heads, scale, window, softcap
-    and sinks."""
+    """Paged attention over one KVCache, driven by one StepMetadata per step. Built from the
+    layers' specs (`specs[layer]`: heads, head dims, scale, window, softcap, sinks, dtype),
+    the pool and the most tokens a step has; raises BackendUnavailable for specs it cannot
+    serve."""
 
     name: str
 

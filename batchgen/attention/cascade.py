@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.attention.sdpa import dequantize
 from batchgen.attention.spec import AttentionSpec
 
 _NEG_INF = float("-inf")
@@ -117,7 +118,7 @@ def plan_cascades(qo: list[int], kv_lens: list[int], pages: list[list[int]], bs:
 
 
 def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
-                out: torch.Tensor) -> None:
+                out: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)) -> None:
     """Attention of the siblings' queries: shared prefix once per group, tails per row,
     merged by log-sum-exp; writes their rows of `out` [T, Hq, Dv]."""
     _, _, bs, hkv, d = kv_blocks.shape
@@ -130,7 +131,9 @@ def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: Atte
     qa = q[c.q_index].view(gc, n, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(gc, hkv, n * g, d)
     ka = kv_blocks[0].index_select(0, c.prefix_pages).view(gc, -1, hkv, d).transpose(1, 2)
     va = kv_blocks[1].index_select(0, c.prefix_pages).view(gc, -1, hkv, d).transpose(1, 2)
-    oa, la = _partial(qa, ka.to(q.dtype), va.to(q.dtype), mask_a, scale, softcap)
+    ks, vs = scales
+    oa, la = _partial(qa, dequantize(ka, q.dtype, ks), dequantize(va, q.dtype, vs), mask_a,
+                      scale, softcap)
     oa = oa.view(gc, hkv, n, g, -1).permute(0, 2, 1, 3, 4).reshape(gc * n, hkv, g, -1)[c.member]
     la = la.view(gc, hkv, n, g).permute(0, 2, 1, 3).reshape(gc * n, hkv, g)[c.member]
     # level 1: each row's own tail [R, Hkv, Tmax, D]
@@ -138,7 +141,8 @@ def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: Atte
     qb = q[c.rows].view(r, hkv, g, d)
     kb = kv_blocks[0].index_select(0, c.tail_pages).view(r, -1, hkv, d).transpose(1, 2)
     vb = kv_blocks[1].index_select(0, c.tail_pages).view(r, -1, hkv, d).transpose(1, 2)
-    ob, lb = _partial(qb, kb.to(q.dtype), vb.to(q.dtype), mask_t, scale, softcap)
+    ob, lb = _partial(qb, dequantize(kb, q.dtype, ks), dequantize(vb, q.dtype, vs), mask_t,
+                      scale, softcap)
     lse = torch.logaddexp(la, lb)
     o = oa * torch.exp(la - lse)[..., None] + ob * torch.exp(lb - lse)[..., None]
     if sinks is not None:  # one more logit in the denominator, no value

@@ -29,7 +29,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
          "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
 ENV_SWITCH = "BATCHGEN_CPU_KERNEL"  # "0" disables the kernel
-KV_DTYPES = (torch.float32, torch.bfloat16)  # pool dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # pool dtypes the kernel reads
 
 
 class KernelUnavailable(RuntimeError):
@@ -51,7 +51,7 @@ class PagedDecodeKernel:
                  scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None, check_tables: bool = True) -> None:
         """out [S, Hq, D] = attention of q [S, Hq, D] over k/v [P, B, Hkv, D] (q and out
-        float32, k and v float32 or bfloat16; contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
+        float32, k and v float32, bfloat16 or float8 e4m3fn, unscaled; contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
         kv_indices[kv_indptr[i]:kv_indptr[i+1]] (int32). `check_tables` verifies the page
         tables stay inside the pool (the C code trusts them); once per step is enough."""
         s, hq, d = q.shape
@@ -77,7 +77,7 @@ class PagedDecodeKernel:
             if sinks.numel() != hq:
                 raise ValueError(f"sinks must have one value per query head ({hq})")
             sinks = sinks.detach().to(torch.float32).contiguous()
-        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+        rc = self._fn(q.data_ptr(), k.data_ptr(), v.data_ptr(), KV_DTYPES.index(k.dtype),
                       out.data_ptr(),
                       kv_indptr.data_ptr(), kv_indices.data_ptr(), kv_len.data_ptr(),
                       s, hq, hkv, d, bs, scale, window or 0, softcap or 0.0,

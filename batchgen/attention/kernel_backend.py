@@ -49,20 +49,22 @@ class CpuKernelBackend(TiledBackend):
                         meta.block_size)
 
     def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
-                 spec: AttentionSpec, out: torch.Tensor) -> None:
+                 spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         """Decode rows straight from the pool's blocks; the page tables are checked against
-        the pool on the step's first layer (the C code trusts them)."""
+        the pool on the step's first layer (the C code trusts them). An fp8 pool's k_scale
+        folds into the softmax scale, its v_scale multiplies the output."""
         kr = self.rows
         if kr is None:
             return
         qk = q[kr.rows].float().contiguous()
-        direct = isinstance(kr.rows, slice) and out.dtype == torch.float32
+        direct = (isinstance(kr.rows, slice) and out.dtype == torch.float32
+                  and scales[1] == 1.0)
         res = out[kr.rows] if direct else torch.empty_like(qk)
         self.kernel(qk, kv_blocks[0], kv_blocks[1], res, kr.kv_indptr, kr.kv_indices,
-                    kr.kv_len, spec.scale, spec.window, spec.softcap, spec.sinks,
+                    kr.kv_len, spec.scale * scales[0], spec.window, spec.softcap, spec.sinks,
                     check_tables=layer == 0)
         if not direct:
-            out[kr.rows] = res.to(out.dtype)
+            out[kr.rows] = (res * scales[1] if scales[1] != 1.0 else res).to(out.dtype)
 
 
 def _kernel_rows(seqs: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]]

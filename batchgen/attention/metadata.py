@@ -33,6 +33,7 @@ class StepMetadata:
     kv_indptr [S+1]        its pages are kv_indices[kv_indptr[i]:kv_indptr[i+1]]
     kv_indices [pages]     physical block ids, global to the pool
     kv_last_page_len [S]   tokens in the last page (1..block_size), after this step's write
+    kv_indices_device      the same page ids on the model's device (what FlashInfer plans on)
     """
 
     qo_indptr: torch.Tensor
@@ -40,6 +41,11 @@ class StepMetadata:
     kv_indices: torch.Tensor
     kv_last_page_len: torch.Tensor
     block_size: int
+    kv_indices_device: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_indices_device is None:
+            self.kv_indices_device = self.kv_indices
 
     @property
     def num_seqs(self) -> int:

@@ -117,8 +117,9 @@ class SdpaTiles:
                       base_mask=base.to(dev))
 
     def run(self, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
-            out: torch.Tensor) -> None:
-        """Attention of the planned rows of q [T, Hq, D] over kv_blocks [2, P, B, Hkv, D]."""
+            out: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        """Attention of the planned rows of q [T, Hq, D] over kv_blocks [2, P, B, Hkv, D]
+        (stored K and V times `scales`: an fp8 pool's dequantisation)."""
         hq = q.shape[1]
         hkv = kv_blocks.shape[3]
         g = hq // hkv
@@ -126,7 +127,7 @@ class SdpaTiles:
             s, mq = grp.num_seqs, grp.q_len
             qg = q[grp.rows].view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
             qg = qg.permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
-            kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype)  # [S, Hkv, W, D]
+            kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype, scales)
             mask = grp.mask(spec.window, g, q.dtype)
             if spec.softcap is None and spec.sinks is None:
                 og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask, scale=spec.scale)
@@ -152,23 +153,32 @@ class TiledBackend:
         spec = self.specs[layer]
         kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
         out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
-        self.tiles.run(q, kv_blocks, spec, out)
-        self.run_rest(layer, q, kv_blocks, spec, out)
+        scales = (self.cache.k_scales[layer], self.cache.v_scales[layer])
+        self.tiles.run(q, kv_blocks, spec, out, scales)
+        self.run_rest(layer, q, kv_blocks, spec, out, scales)
         return out
 
     def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
-                 spec: AttentionSpec, out: torch.Tensor) -> None:
-        """Attend the rows the tiles do not cover, into `out`."""
+                 spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
+        """Attend the rows the tiles do not cover, into `out` (K, V stored / `scales`)."""
 
 
 def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,
-            dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            dtype: torch.dtype, scales: tuple[float, float] = (1.0, 1.0)
+            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of each sequence (contiguous block_size x Hkv x D rows, cheaper than
-    per-slot gathers), cut to `width` keys: K and V as [S, Hkv, width, D] in the compute dtype."""
+    per-slot gathers), cut to `width` keys: K and V as [S, Hkv, width, D] in the compute dtype,
+    dequantised by `scales`."""
     _, _, bs, hkv, d = kv_blocks.shape
     k = kv_blocks[0].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
     v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
-    return k.to(dtype), v.to(dtype)
+    return dequantize(k, dtype, scales[0]), dequantize(v, dtype, scales[1])
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Stored K or V in the compute dtype: cast, then times the layer's scale (fp8 pools)."""
+    x = x.to(dtype)
+    return x * scale if scale != 1.0 else x
 
 
 def _explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -33,6 +33,6 @@ class TorchBackend(TiledBackend):
         self.tiles.plan(qo, kv_lens, pages, rest, meta.block_size)
 
     def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
-                 spec: AttentionSpec, out: torch.Tensor) -> None:
+                 spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         if self.cascade is not None:
-            run_cascade(self.cascade, q, kv_blocks, spec, out)
+            run_cascade(self.cascade, q, kv_blocks, spec, out, scales)

@@ -21,13 +21,21 @@ def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: i
     return int(memory_bytes) // (block_size * bytes_per_token)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn,)
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn: larger values saturate, never NaN
+
+
 class KVCache:
     """The paged K/V pool shared by all sequences; written by flat slot, read via block ids.
     Blocks 0..num_blocks-1 belong to the BlockManager; one more, `scratch_block`, takes the K/V
-    of the runner's padding tokens and is never handed out."""
+    of the runner's padding tokens and is never handed out. An fp8 pool stores K / k_scale and
+    V / v_scale per layer (scales 1.0 without calibration, as vLLM); readers multiply back."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.k_scales = [1.0] * num_layers
+        self.v_scales = [1.0] * num_layers
+        self.quantized = dtype in FP8_DTYPES
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
@@ -53,8 +61,24 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Scatter this step's new K/V [T, kv_heads, head_dim] into their slots (int64 [T])."""
-        self.k_flat[layer].index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v_flat[layer].index_copy_(0, slot_mapping, v.to(self.dtype))
+        if self.quantized:
+            k = self._quantize(k, self.k_scales[layer])
+            v = self._quantize(v, self.v_scales[layer])
+        self._write(self.k_flat[layer], k, slot_mapping)
+        self._write(self.v_flat[layer], v, slot_mapping)
+
+    def _write(self, flat: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        x = x.to(self.dtype)
+        if self.quantized:  # index_copy_ has no float8 kernel on every device: copy the bytes
+            flat, x = flat.view(torch.uint8), x.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, x)
+
+    @staticmethod
+    def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x / scale, saturated to fp8's range (a plain cast would turn outliers into NaN)."""
+        if scale != 1.0:
+            x = x / scale
+        return x.clamp(-FP8_MAX, FP8_MAX)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one

@@ -21,6 +21,7 @@ from batchgen.attention.metadata import SeqChunk, StepMetadata
 from batchgen.kv.block_manager import blocks_for, slot_of
 
 _LONG = ("input_ids", "positions", "slot_mapping", "logits_indices")  # model inputs, int64
+_DEVICE = (*_LONG, "kv_indices")  # copied to the device each step (on CUDA)
 _INT = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")  # metadata, int32
 
 
@@ -53,7 +54,7 @@ class StepInputs:
         self.host = {k: torch.zeros(n, dtype=torch.long if k in _LONG else torch.int32,
                                     pin_memory=pin) for k, n in sizes.items()}
         self.np = {k: t.numpy() for k, t in self.host.items()}
-        self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _LONG}
+        self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
                     if pin else self.host)
 
     def prepare(self, chunks: list[SeqChunk]) -> StepBatch:
@@ -116,9 +117,10 @@ class StepInputs:
         h, d = self.host, self.dev
         if d is not h:
             for k, n in (("input_ids", t), ("positions", t), ("slot_mapping", t),
-                         ("logits_indices", r)):
+                         ("logits_indices", r), ("kv_indices", p)):
                 d[k][:n].copy_(h[k][:n], non_blocking=True)
         meta = StepMetadata(h["qo_indptr"][:s + 1], h["kv_indptr"][:s + 1],
-                            h["kv_indices"][:p], h["kv_last_page_len"][:s], bs)
+                            h["kv_indices"][:p], h["kv_last_page_len"][:s], bs,
+                            d["kv_indices"][:p])
         return StepBatch(d["input_ids"][:t], d["positions"][:t], d["slot_mapping"][:t],
                          d["logits_indices"][:r], num_logits, meta)

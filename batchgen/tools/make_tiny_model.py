@@ -234,6 +234,19 @@ def gemma2_config(vocab_size: int = 512, **overrides: Any) -> PreTrainedConfig:
     )
 
 
+def gpt_oss_config(vocab_size: int = 512, **overrides: Any) -> PreTrainedConfig:
+    """Tiny GPT-OSS: attention sinks, alternating sliding(24)/full layers, a 2-expert MoE."""
+    from transformers import GptOssConfig
+
+    kw = _gqa(vocab_size, overrides, sliding_window=24, num_local_experts=2,
+              num_experts_per_tok=1, layer_types=["sliding_attention", "full_attention"])
+    # YaRN as the real model, its original context scaled like max_position_embeddings
+    rope = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "rope_theta": 150000.0,
+            "original_max_position_embeddings": kw["max_position_embeddings"] // 32}
+    return GptOssConfig(**kw, rope_parameters=rope)
+
+
 def phi3_config(vocab_size: int = 512, **overrides: Any) -> PreTrainedConfig:
     """Tiny Phi3: fused qkv and gate_up projections, no sliding window."""
     from transformers import Phi3Config
@@ -272,6 +285,7 @@ FAMILIES: dict[str, Callable[..., PreTrainedConfig]] = {
     "mistral": mistral_config,
     "gemma": gemma_config,
     "gemma2": gemma2_config,
+    "gpt_oss": gpt_oss_config,
     "phi3": phi3_config,
     "gpt2": gpt2_config,
     "gpt_neox": gpt_neox_config,

@@ -2,8 +2,9 @@
  * paged pool (no gather), GQA/MQA, sliding window, logit softcap and attention sinks.
  *
  * Layouts (contiguous): q and out [S, Hq, D] float32; k and v one layer of the pool
- * [P, B, Hkv, D] (FlashInfer NHD), float32 or bfloat16 (widened to float32 on load, all math in
- * float32); kv_indptr [S+1], kv_indices [pages], kv_len [S] (int32).
+ * [P, B, Hkv, D] (FlashInfer NHD), float32, bfloat16 or float8 e4m3fn (widened to float32 on
+ * load, all math in float32; fp8 scales are applied by the caller); kv_indptr [S+1], kv_indices
+ * [pages], kv_len [S] (int32).
  * Every sum has a fixed order (over d for a score, over keys in explicit 16-wide lanes for the
  * softmax denominator, key by key for P V), so a sequence's
  * result depends only on its own keys: not on the batch, the thread count, the physical blocks
@@ -25,27 +26,50 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* 16 elements of K or V from element index i, as float32 (a bfloat16 is the top half of a
- * float32). `bf16` is a constant wherever these are inlined, so each pool dtype gets its own
- * branch-free copy of the loops. */
-ALWAYS_INLINE v16 load16(const void *base, int64_t i, const int bf16) {
-    if (bf16) {
+/* Pool element kinds: float32, bfloat16 (the top half of a float32), float8 e4m3fn (through a
+ * 256-entry table). `kind` is a constant wherever these are inlined, so each pool dtype gets
+ * its own branch-free copy of the loops. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+
+static float fp8_table[256];
+
+/* float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinities; 0x7f and
+ * 0xff are NaN) to float32, exactly. */
+static void fill_fp8_table(void) {
+    for (int b = 0; b < 256; ++b) {
+        const int e = (b >> 3) & 15, m = b & 7;
+        float x = e == 0 ? ldexpf((float)m / 8.0f, -6) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        if (e == 15 && m == 7) x = NAN;
+        fp8_table[b] = (b & 128) ? -x : x;
+    }
+}
+
+/* 16 elements of K or V from element index i, as float32. */
+ALWAYS_INLINE v16 load16(const void *base, int64_t i, const int kind) {
+    if (kind == KV_BF16) {
         v16h h;
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
         return (v16)(__builtin_convertvector(h, v16i) << 16);
+    }
+    if (kind == KV_FP8) {
+        const uint8_t *b = (const uint8_t *)base + i;
+        v16 x;
+        for (int u = 0; u < VL; ++u) x[u] = fp8_table[b[u]];
+        return x;
     }
     v16 x;
     memcpy(&x, (const float *)base + i, sizeof x);
     return x;
 }
 
-ALWAYS_INLINE float load1(const void *base, int64_t i, const int bf16) {
-    if (bf16) {
+ALWAYS_INLINE float load1(const void *base, int64_t i, const int kind) {
+    if (kind == KV_BF16) {
         const uint32_t w = (uint32_t)((const uint16_t *)base)[i] << 16;
         float f;
         memcpy(&f, &w, sizeof f);
         return f;
     }
+    if (kind == KV_FP8) return fp8_table[((const uint8_t *)base)[i]];
     return ((const float *)base)[i];
 }
 
@@ -135,18 +159,18 @@ static float ordered_max(const float *x, int64_t n, float init) {
  * four lanes treated alike, so a score's bits do not depend on which heads share the call.
  * GCC >= 12 / Clang vector extensions: no intrinsics, any ISA. */
 ALWAYS_INLINE void dot4(const float *const *q, const void *k, const int64_t *b, int64_t D,
-                        float *res, const int bf16) {
+                        float *res, const int kind) {
     v16 a[4] = {{0}, {0}, {0}, {0}};
     int64_t d = 0;
     for (; d + VL <= D; d += VL)
         for (int i = 0; i < 4; ++i) {
             v16 x;
             memcpy(&x, q[i] + d, sizeof x);
-            a[i] += x * load16(k, b[i] + d, bf16);
+            a[i] += x * load16(k, b[i] + d, kind);
         }
     float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; d < D; ++d)
-        for (int i = 0; i < 4; ++i) tail[i] += q[i][d] * load1(k, b[i] + d, bf16);
+        for (int i = 0; i < 4; ++i) tail[i] += q[i][d] * load1(k, b[i] + d, kind);
     const v16 x = __builtin_shufflevector(a[0], a[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20,
                                           21, 22, 23) +
                   __builtin_shufflevector(a[0], a[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
@@ -170,19 +194,19 @@ ALWAYS_INLINE void dot4(const float *const *q, const void *k, const int64_t *b, 
  * side (independent FMA chains; heads of one kv head share the V load). Each head's sum has
  * the same order whichever heads share the call. */
 ALWAYS_INLINE void pv4(float *const *a, const float *const *p, const int64_t *x, int64_t nk,
-                       const void *v, int64_t row, int64_t D, const int bf16) {
+                       const void *v, int64_t row, int64_t D, const int kind) {
     int64_t d = 0;
     for (; d + VL <= D; d += VL) {
         v16 acc[4];
         for (int u = 0; u < 4; ++u) memcpy(&acc[u], a[u] + d, sizeof acc[u]);
         for (int64_t jj = 0; jj < nk; ++jj)
-            for (int u = 0; u < 4; ++u) acc[u] += p[u][jj] * load16(v, x[u] + jj * row + d, bf16);
+            for (int u = 0; u < 4; ++u) acc[u] += p[u][jj] * load16(v, x[u] + jj * row + d, kind);
         for (int u = 0; u < 4; ++u) memcpy(a[u] + d, &acc[u], sizeof acc[u]);
     }
     for (; d < D; ++d)
         for (int u = 0; u < 4; ++u) {
             float ad = a[u][d];
-            for (int64_t jj = 0; jj < nk; ++jj) ad += p[u][jj] * load1(v, x[u] + jj * row + d, bf16);
+            for (int64_t jj = 0; jj < nk; ++jj) ad += p[u][jj] * load1(v, x[u] + jj * row + d, kind);
             a[u][d] = ad;
         }
 }
@@ -192,9 +216,9 @@ ALWAYS_INLINE void pv4(float *const *a, const float *const *p, const int64_t *x,
  * stop. */
 ALWAYS_INLINE void prefetch_block(const void *base, const int32_t *pages, int64_t pos,
                                   int64_t L, int64_t B, int64_t row, int64_t col, int64_t width,
-                                  const int bf16) {
+                                  const int kind) {
     if (pos >= L) return;
-    const int64_t esize = bf16 ? 2 : 4;
+    const int64_t esize = kind == KV_BF16 ? 2 : kind == KV_FP8 ? 1 : 4;
     const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
     const char *p = (const char *)base + (((int64_t)pages[pos / B] * B + off) * row + col) * esize;
     for (int64_t i = pos; i < end; ++i, p += row * esize)
@@ -206,7 +230,7 @@ ALWAYS_INLINE void prefetch_block(const void *base, const int32_t *pages, int64_
 ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *out,
                          const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
                          int64_t D, int64_t B, int64_t row, float scale, int64_t window,
-                         float softcap, const float *sinks, const int bf16) {
+                         float softcap, const float *sinks, const int kind) {
     const int64_t j0 = (window > 0 && L > window) ? L - window : 0, n = L - j0;
     const int64_t H = (h1 - h0) * G; /* query heads in this task */
     const int64_t col = h0 * D, width = (h1 - h0) * D;
@@ -216,11 +240,11 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
     const float *qh = q + h0 * G * D;
     for (int64_t i = 0; i < H * D; ++i) qs[i] = qh[i] * scale;
     memset(acc, 0, sizeof(float) * (size_t)(H * D));
-    prefetch_block(v, pages, j0, L, B, row, col, width, bf16); /* the V pass starts here */
+    prefetch_block(v, pages, j0, L, B, row, col, width, kind); /* the V pass starts here */
     for (int64_t pos = j0, j = 0; pos < L;) { /* scores [H, n], block by block */
         const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
         int64_t kr = ((int64_t)pages[pos / B] * B + off) * row + col; /* element offset */
-        prefetch_block(k, pages, end, L, B, row, col, width, bf16);
+        prefetch_block(k, pages, end, L, B, row, col, width, kind);
         for (; pos < end; ++pos, ++j, kr += row)
             for (int64_t i = 0; i < H; i += 4) { /* heads past H repeat the last one */
                 const float *q4[4];
@@ -231,7 +255,7 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
                     k4[u] = kr + (hi / G) * D;
                 }
                 float r[4];
-                dot4(q4, k, k4, D, r, bf16);
+                dot4(q4, k, k4, D, r, kind);
                 for (int u = 0; u < 4 && i + u < H; ++u) sc[(i + u) * n + j] = r[u];
             }
     }
@@ -248,7 +272,7 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
     for (int64_t pos = j0, j = 0; pos < L;) { /* out = P V, keys in order */
         const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
         int64_t vr = ((int64_t)pages[pos / B] * B + off) * row + col; /* element offset */
-        prefetch_block(v, pages, end, L, B, row, col, width, bf16);
+        prefetch_block(v, pages, end, L, B, row, col, width, kind);
         for (int64_t i = 0; i < H; i += 4) { /* heads past H: a scratch row, dropped */
             float *a4[4];
             const float *p4[4];
@@ -259,7 +283,7 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
                 p4[u] = sc + hi * n + j;
                 x4[u] = vr + (hi / G) * D;
             }
-            pv4(a4, p4, x4, end - pos, v, row, D, bf16);
+            pv4(a4, p4, x4, end - pos, v, row, D, kind);
         }
         j += end - pos;
         pos = end;
@@ -270,23 +294,21 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
 }
 
 /* One copy of attend() per pool dtype. */
-static int attend_f32(const float *q, const void *k, const void *v, float *out,
-                      const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
-                      int64_t D, int64_t B, int64_t row, float scale, int64_t window,
-                      float softcap, const float *sinks) {
-    return attend(q, k, v, out, pages, L, h0, h1, G, D, B, row, scale, window, softcap, sinks, 0);
-}
-
-static int attend_bf16(const float *q, const void *k, const void *v, float *out,
-                       const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,
-                       int64_t D, int64_t B, int64_t row, float scale, int64_t window,
-                       float softcap, const float *sinks) {
-    return attend(q, k, v, out, pages, L, h0, h1, G, D, B, row, scale, window, softcap, sinks, 1);
-}
+#define ATTEND_KIND(name, kind)                                                               \
+    static int name(const float *q, const void *k, const void *v, float *out,              \
+                    const int32_t *pages, int64_t L, int64_t h0, int64_t h1, int64_t G,     \
+                    int64_t D, int64_t B, int64_t row, float scale, int64_t window,         \
+                    float softcap, const float *sinks) {                                    \
+        return attend(q, k, v, out, pages, L, h0, h1, G, D, B, row, scale, window, softcap, \
+                      sinks, kind);                                                         \
+    }
+ATTEND_KIND(attend_f32, KV_F32)
+ATTEND_KIND(attend_bf16, KV_BF16)
+ATTEND_KIND(attend_fp8, KV_FP8)
 
 /* One task per sequence (its K/V rows are read whole, in order), or per (sequence, kv head)
  * when there are too few sequences to keep the threads busy. */
-int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_bf16,
+int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_kind,
                           float *out, const int32_t *kv_indptr, const int32_t *kv_indices,
                           const int32_t *kv_len, int64_t num_seqs, int64_t num_q_heads,
                           int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
@@ -297,10 +319,16 @@ int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_b
     const int64_t split = num_seqs < 4 * omp_get_max_threads() ? num_kv_heads : 1;
     const int64_t per = num_kv_heads / split;
     int failed = 0;
+    if (kv_kind == KV_FP8 && fp8_table[0x38] != 1.0f) fill_fp8_table(); /* 0x38 = 1.0 */
+    typedef int (*attend_fn)(const float *, const void *, const void *, float *, const int32_t *,
+                             int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             float, int64_t, float, const float *);
+    const attend_fn fn = kv_kind == KV_FP8 ? attend_fp8 : kv_kind == KV_BF16 ? attend_bf16
+                                                                             : attend_f32;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t t = 0; t < num_seqs * split; ++t) {
         const int64_t s = t / split, h0 = (t % split) * per;
-        failed |= (kv_bf16 ? attend_bf16 : attend_f32)(
+        failed |= fn(
             q + s * num_q_heads * D, k, v, out + s * num_q_heads * D, kv_indices + kv_indptr[s],
             kv_len[s], h0, h0 + per, G, D, block_size, row, scale, window, softcap, sinks);
     }

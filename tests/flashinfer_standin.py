@@ -1,0 +1,202 @@
+"""A PyTorch stand-in for the two FlashInfer wrappers batchgen uses, for CPU tests only.
+
+Written from FlashInfer's documented semantics (the 0.7 wrapper signatures and docstrings:
+NHD paged KV as a (k, v) tuple, int32 indptr / indices / last_page_len, bottom-right causal
+masks, `window_left`, `logits_soft_cap`, `sm_scale`, `k_scale` / `v_scale`, sinks, the
+`use_cuda_graph` buffers whose batch size is fixed) and checking what FlashInfer checks or
+requires of its caller: a plan before run, `q` in the planned `q_data_type`, K and V with equal
+strides, host indptrs, device indices, buffers large enough. It lets
+batchgen/attention/flashinfer_backend.py run end to end on the CPU, so the tests check *our
+use* of the API. It computes attention plainly and says nothing about whether FlashInfer's
+kernels are right: only a run on a GPU (scripts/gpu_check.sh) can.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+PLAN_LOG: list[tuple[str, int]] = []  # (wrapper kind, id) of every plan() call
+
+
+def _dtype(x: Any) -> torch.dtype:
+    return getattr(torch, x) if isinstance(x, str) else x
+
+
+def _check_index(name: str, t: torch.Tensor, device: str | torch.device) -> None:
+    if t.dtype != torch.int32:
+        raise ValueError(f"{name} must be int32, got {t.dtype}")
+    if torch.device(device).type != t.device.type:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+class _Wrapper:
+    """What both wrappers share: the workspace, the plan, the checks and the attention."""
+
+    kind = ""
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD") -> None:
+        if kv_layout != "NHD":
+            raise ValueError(f"the stand-in serves kv_layout NHD only, got {kv_layout}")
+        if float_workspace_buffer.dtype != torch.uint8:
+            raise ValueError("float_workspace_buffer must be a uint8 tensor")
+        self.device = float_workspace_buffer.device
+        self.plan_args: dict[str, Any] | None = None
+        self.num_plans = 0
+
+    def _record(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+                last: torch.Tensor, hq: int, hkv: int, d: int, page_size: int,
+                **kw: Any) -> None:
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", indptr),
+                        ("kv_last_page_len", last)):
+            _check_index(name, t, "cpu")  # host: FlashInfer copies them for its scheduler
+        _check_index("kv_indices", indices, self.device)
+        if not (len(qo_indptr) == len(indptr) == len(last) + 1):
+            raise ValueError("indptr lengths must be batch_size + 1")
+        if int(indptr[-1]) > len(indices):
+            raise ValueError("kv_indptr[-1] exceeds len(kv_indices)")
+        if len(last) and (int(last.min()) < 1 or int(last.max()) > page_size):
+            raise ValueError("kv_last_page_len must lie in [1, page_size]")
+        if hq % hkv:
+            raise ValueError("num_qo_heads must be a multiple of num_kv_heads")
+        q_dtype = _dtype(kw.get("q_data_type", "float16"))
+        kv_dtype = _dtype(kw.get("kv_data_type")) or q_dtype
+        self.plan_args = dict(qo=qo_indptr.clone(), indptr=indptr.clone(),
+                              indices=indices.clone(), last=last.clone(), hq=hq, hkv=hkv, d=d,
+                              page_size=page_size, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                              causal=kw.get("causal", False),
+                              window_left=kw.get("window_left", -1),
+                              soft_cap=kw.get("logits_soft_cap") or 0.0,
+                              sm_scale=kw.get("sm_scale") or d ** -0.5)
+        self.num_plans += 1
+        PLAN_LOG.append((self.kind, id(self)))
+
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
+            *args: Any, q_scale: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, out: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None, **unused: Any) -> torch.Tensor:
+        p = self.plan_args
+        if p is None:
+            raise RuntimeError("plan() must be called before run()")
+        k_cache, v_cache = paged_kv_cache
+        if q.dtype != p["q_dtype"]:
+            raise ValueError(f"q is {q.dtype} but the plan's q_data_type is {p['q_dtype']}")
+        if k_cache.dtype != p["kv_dtype"] or v_cache.dtype != p["kv_dtype"]:
+            raise ValueError(f"k/v are {k_cache.dtype} but the plan's kv_data_type is "
+                             f"{p['kv_dtype']}")
+        if k_cache.stride() != v_cache.stride():
+            raise ValueError("K and V caches must have the same strides")
+        if q.shape[1:] != (p["hq"], p["d"]) or q.shape[0] != int(self._qo()[-1]):
+            raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects "
+                             f"[{int(self._qo()[-1])}, {p['hq']}, {p['d']}]")
+        res = self._attend(q, k_cache, v_cache, k_scale or 1.0, v_scale or 1.0, sinks)
+        if out is None:
+            return res.to(q.dtype)
+        out.copy_(res.to(out.dtype))
+        return out
+
+    def _qo(self) -> torch.Tensor:
+        return self.plan_args["qo"]
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = self.plan_args
+        return p["indptr"], p["indices"], p["last"]
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: float, v_scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Per sequence: gather its pages, bottom-right causal (and windowed) softmax."""
+        p = self.plan_args
+        qo = self._qo().tolist()
+        indptr, indices, last = (t.tolist() for t in self._tables())
+        g = p["hq"] // p["hkv"]
+        res = torch.zeros(q.shape[0], p["hq"], v_cache.shape[-1])
+        for i in range(len(last)):
+            pages = indices[indptr[i]:indptr[i + 1]]
+            n = (len(pages) - 1) * p["page_size"] + last[i]
+            k = k_cache[pages].reshape(-1, p["hkv"], k_cache.shape[-1])[:n].float() * k_scale
+            v = v_cache[pages].reshape(-1, p["hkv"], v_cache.shape[-1])[:n].float() * v_scale
+            qi = q[qo[i]:qo[i + 1]].float()
+            s = torch.einsum("qhd,khd->hqk", qi, k.repeat_interleave(g, dim=1)) * p["sm_scale"]
+            if p["soft_cap"] > 0:
+                s = p["soft_cap"] * torch.tanh(s / p["soft_cap"])
+            qpos = torch.arange(n - qi.shape[0], n)[:, None]
+            kpos = torch.arange(n)[None]
+            allowed = kpos <= qpos if (p["causal"] or qi.shape[0] == 1) else kpos >= 0
+            if p["window_left"] >= 0:
+                allowed = allowed & (kpos >= qpos - p["window_left"])
+            s = s.masked_fill(~allowed, float("-inf"))
+            if sinks is not None:
+                sink = sinks.float().view(-1, 1, 1).expand(p["hq"], qi.shape[0], 1)
+                prob = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                prob = torch.softmax(s, dim=-1)
+            res[qo[i]:qo[i + 1]] = torch.einsum("hqk,khd->qhd", prob,
+                                                v.repeat_interleave(g, dim=1))
+        return res
+
+
+class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
+    kind = "prefill"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, backend: str = "auto", **unused: Any) -> None:
+        super().__init__(float_workspace_buffer, kv_layout)
+        if use_cuda_graph:
+            raise ValueError("the stand-in's prefill wrapper is eager only (as batchgen uses it)")
+        self.backend = backend
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor,
+             paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim_qk: int, page_size: int,
+             head_dim_vo: int | None = None, **kw: Any) -> None:
+        self._record(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                     num_qo_heads, num_kv_heads, head_dim_qk, page_size, **kw)
+
+
+class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
+    kind = "decode"
+
+    def __init__(self, float_workspace_buffer: torch.Tensor, kv_layout: str = "NHD",
+                 use_cuda_graph: bool = False, use_tensor_cores: bool = False,
+                 paged_kv_indptr_buffer: torch.Tensor | None = None,
+                 paged_kv_indices_buffer: torch.Tensor | None = None,
+                 paged_kv_last_page_len_buffer: torch.Tensor | None = None,
+                 backend: str = "auto", **unused: Any) -> None:
+        super().__init__(float_workspace_buffer, kv_layout)
+        self.use_cuda_graph = use_cuda_graph
+        self.use_tensor_cores = use_tensor_cores
+        if use_cuda_graph:
+            for name, b in (("paged_kv_indptr_buffer", paged_kv_indptr_buffer),
+                            ("paged_kv_indices_buffer", paged_kv_indices_buffer),
+                            ("paged_kv_last_page_len_buffer", paged_kv_last_page_len_buffer)):
+                if not torch.is_tensor(b):
+                    raise ValueError(f"{name} should be a torch.Tensor in cudagraph mode")
+            self.batch_size = len(paged_kv_last_page_len_buffer)
+            if len(paged_kv_indptr_buffer) != self.batch_size + 1:
+                raise ValueError("The size of paged_kv_indptr_buffer should be batch_size + 1")
+        self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer,
+                        paged_kv_last_page_len_buffer)
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             **kw: Any) -> None:
+        if self.use_cuda_graph:
+            if len(last_page_len) != self.batch_size:
+                raise ValueError("The batch size should be fixed in cudagraph mode")
+            if len(indices) > len(self.buffers[1]):
+                raise ValueError("The size of indices should be less than or equal to the "
+                                 "allocated buffer")
+            self.buffers[0].copy_(indptr)
+            self.buffers[1][:len(indices)].copy_(indices)
+            self.buffers[2].copy_(last_page_len)
+        qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
+        self._record(qo, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim,
+                     page_size, **kw)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Under a graph the kernels read the buffers (what plan() last wrote there)."""
+        if self.use_cuda_graph:
+            indptr, indices, last = self.buffers
+            return indptr.cpu(), indices.cpu(), last.cpu()
+        return super()._tables()
