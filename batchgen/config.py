@@ -38,6 +38,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     attention_backend: str | None = None
     seed: int | None = 0
+    enforce_eager: bool = True  # CUDA graphs for decode steps when False (GPU + FlashInfer)
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -50,6 +51,7 @@ class EngineConfig:
         check_choice(self.kv_cache_dtype, "kv_cache_dtype", KV_CACHE_DTYPES)
         check_choice(self.attention_backend, "attention_backend", (None, *BACKENDS))
         check_flag(self.enable_prefix_caching, "enable_prefix_caching")
+        check_flag(self.enforce_eager, "enforce_eager")
         self.seed = check_seed(self.seed)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -91,10 +93,13 @@ def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
                              f"({bs * bytes_per_token} bytes), got {cfg.kv_cache_memory}")
         return blocks
     budget = gpu_free_bytes if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
-    if budget is None or budget < bs * bytes_per_token:
+    one_seq = blocks_for(model_max_len, bs) * bs * bytes_per_token
+    if budget is None or budget < one_seq:
         raise ValueError(
-            "gpu_memory_utilization leaves no memory for the KV cache after the weights and "
-            f"activations ({budget} bytes); raise gpu_memory_utilization or pass kv_cache_memory")
+            f"one sequence of max_model_len={model_max_len} tokens needs {one_seq} bytes of KV "
+            f"cache, and gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "
+            f"{max(budget or 0, 0)} after the weights and activations; raise "
+            "gpu_memory_utilization, lower max_model_len, or pass kv_cache_memory")
     useful = cfg.max_num_seqs * blocks_for(model_max_len, bs) + 1
     return max(1, min(num_blocks_for_memory(budget, bs, bytes_per_token), useful))
 

@@ -11,6 +11,7 @@ import torch
 from tqdm.auto import tqdm
 
 from batchgen import cpu_allocator
+from batchgen.attention import flashinfer_backend
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.registry import BackendQuery, backend_candidates, build_backend
 from batchgen.attention.spec import probe_specs
@@ -28,7 +29,9 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
 from batchgen.model import loader
+from batchgen.model.cuda_graphs import CudaGraphCapturer, capture_sizes
 from batchgen.model.inputs import StepInputs
+from batchgen.model.profile import activation_peak_bytes, gpu_kv_budget
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
@@ -57,11 +60,12 @@ class LLM:
                  gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
                  num_kv_blocks: int | None = None, dtype: str | torch.dtype = "auto",
                  device: str | torch.device | None = None, attention_backend: str | None = None,
-                 seed: int | None = 0) -> None:
+                 seed: int | None = 0, enforce_eager: bool = True) -> None:
         _configure_logging()
         cfg = EngineConfig(block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
                            enable_prefix_caching, kv_cache_dtype, gpu_memory_utilization,
-                           kv_cache_memory, num_kv_blocks, attention_backend, seed)
+                           kv_cache_memory, num_kv_blocks, attention_backend, seed,
+                           enforce_eager)
         # Everything that can be checked is checked before the weights load.
         path = loader.check_model_dir(model)
         config = loader.load_config(path)
@@ -90,8 +94,8 @@ class LLM:
                                       self.tokenizer)
         specs = probe_specs(self.model, geo.num_layers, self.device)
         if sized_later:
-            num_blocks = self._size_pool(cfg, beta, target_len,
-                                         _gpu_kv_budget(self.device, cfg.gpu_memory_utilization))
+            other = flashinfer_backend.RESERVED_BYTES if backends[0][0] == "flashinfer" else 0
+            num_blocks = self._size_pool(cfg, beta, target_len, self._gpu_budget(cfg, other))
         self.cache_config = CacheConfig(cfg.block_size, num_blocks, beta)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
                              geo.head_dim, kv_dtype, self.device)
@@ -99,6 +103,8 @@ class LLM:
             backends, specs, self.cache, self._max_step_tokens(cfg),
             insisted=cfg.attention_backend is not None)
         self._assemble(cfg, backend)
+        if not cfg.enforce_eager:
+            self._capture_graphs(cfg)
         logger.info(self.cache_config.capacity_line(self.max_model_len))
         logger.info("attention backend: %s", self.attention_backend)
 
@@ -120,6 +126,26 @@ class LLM:
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
             StopFactory(self.tokenizer, self.eos_token_ids), self.eos_token_ids)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
+
+    def _capture_graphs(self, cfg: EngineConfig) -> None:
+        """Decode steps as CUDA graphs, where the device and the backend allow them."""
+        if self.device.type != "cuda" or self.attention_backend != "flashinfer":
+            logger.info("enforce_eager=False: CUDA graphs need a GPU and the flashinfer "
+                        "backend (here %s, %s); running eagerly", self.device.type,
+                        self.attention_backend)
+            return
+        pages = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
+        self.engine.runner.use_graphs(capture_sizes(cfg.max_num_seqs), pages,
+                                      CudaGraphCapturer())
+
+    def _gpu_budget(self, cfg: EngineConfig, other: int) -> int:
+        """Bytes for the GPU pool, after profiling the largest step's activations."""
+        peak = activation_peak_bytes(self.model, self._max_step_tokens(cfg), cfg.max_num_seqs,
+                                     self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        return gpu_kv_budget(total, free, torch.cuda.memory_allocated(self.device),
+                             torch.cuda.memory_reserved(self.device), peak,
+                             cfg.gpu_memory_utilization, other)
 
     def _min_rows(self) -> int:
         """Rows a CPU step is padded to (small-M GEMMs round differently); none on a GPU."""
@@ -229,14 +255,6 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
     return dev
-
-
-def _gpu_kv_budget(device: torch.device, utilization: float) -> int:
-    """Bytes the KV pool may take on a GPU: utilization x total, minus what is in use now,
-    minus a reserve for activations (10% of the remainder, at least 512 MiB)."""
-    free, total = torch.cuda.mem_get_info(device)
-    budget = utilization * total - (total - free)
-    return int(budget - max(512 << 20, 0.1 * budget))
 
 
 def _eos_ids(config, generation_config, tokenizer) -> list[int]:

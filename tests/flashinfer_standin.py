@@ -90,6 +90,8 @@ class _Wrapper:
         if q.shape[1:] != (p["hq"], p["d"]) or q.shape[0] != int(self._qo()[-1]):
             raise ValueError(f"q has shape {tuple(q.shape)}, the plan expects "
                              f"[{int(self._qo()[-1])}, {p['hq']}, {p['d']}]")
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (p["hq"],)):
+            raise ValueError("sinks must be float32 [num_qo_heads]")
         res = self._attend(q, k_cache, v_cache, k_scale or 1.0, v_scale or 1.0, sinks)
         if out is None:
             return res.to(q.dtype)

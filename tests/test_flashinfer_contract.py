@@ -142,3 +142,70 @@ def test_the_standin_refuses_what_flashinfer_refuses(standin):
                              .transpose(0, 1)))
     with pytest.raises(ValueError, match="int32"):
         w.plan(torch.tensor([0, 1]), i32([0]), i32([1]), 2, 1, 64, 2)
+
+
+class EagerCapturer:
+    """Stands in for torch.cuda graphs on the CPU: capture runs the step once and keeps its
+    output as the graph's static output; replay runs it again into that output. A replay must
+    not plan (a real graph replays kernels only), so plans must come before it."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.captured: list[int] = []
+        self.replays = 0
+
+    def capture(self, fn):
+        out = fn()
+        self.captured.append(out.shape[0])
+
+        def replay():
+            plans = self.backend.plans_made
+            new = fn()
+            assert self.backend.plans_made == plans, "a plan inside a graph"
+            out.copy_(new)
+            self.replays += 1
+
+        return replay, out
+
+
+def test_graph_decode_pads_to_captured_sizes_and_equals_eager(standin, tiny_model_factory,
+                                                              prompts):
+    """Decode steps replay the graph of the next size up: padded rows in the scratch block,
+    one decode wrapper per size over shared index buffers, planned before every replay."""
+    from batchgen.kv import blocks_for
+    from batchgen.model.cuda_graphs import capture_sizes
+
+    path = tiny_model_factory("gemma2", head_dim=64, eos_boost=RECOMMENDED_EOS_BOOST)
+    kw = dict(block_size=4, num_kv_blocks=256, attention_backend="flashinfer", max_num_seqs=12)
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=0)
+    want = LLM(path, **kw).generate(_ids(prompts), sp, use_tqdm=False)
+    llm = LLM(path, **kw)
+    backend = llm.engine.runner.backend
+    capturer = EagerCapturer(backend)
+    assert capture_sizes(12) == [1, 2, 4, 8, 12]
+    llm.engine.runner.use_graphs(capture_sizes(12), 12 * blocks_for(llm.max_model_len, 4),
+                                 capturer)
+    assert capturer.captured == [12, 8, 4, 2, 1]  # largest first
+    got = llm.generate(_ids(prompts), sp, use_tqdm=False)
+    assert capturer.replays > 0
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-4)
+    bufs = backend.graph_buffers
+    graph_wrappers = {k: w for k, w in backend.wrappers.items() if len(k) == 3}
+    assert {k[2] for k in graph_wrappers} == {1, 2, 4, 8, 12}
+    assert len({k[1] for k in graph_wrappers}) == 2  # gemma2: sliding and global layers
+    for (_, _, size), w in graph_wrappers.items():
+        indptr, indices, last = w.buffers
+        assert indptr.data_ptr() == bufs["indptr"].data_ptr() and len(indptr) == size + 1
+        assert indices.data_ptr() == bufs["indices"].data_ptr()
+        assert last.data_ptr() == bufs["last_page_len"].data_ptr() and len(last) == size
+    # the last replay: 10 live rows in a graph of 12, two dummies in the scratch block
+    meta_rows = backend.meta.num_seqs
+    assert meta_rows in (1, 2, 4, 8, 12)
+    scratch = llm.cache.scratch_block
+    kv = backend.meta.kv_indptr.tolist()
+    live = sum(1 for i in range(meta_rows) if backend.meta.kv_indices[kv[i]] != scratch)
+    assert all(backend.meta.kv_indices[kv[i]] == scratch for i in range(live, meta_rows))
+    assert backend.meta.kv_last_page_len[live:].tolist() == [1] * (meta_rows - live)

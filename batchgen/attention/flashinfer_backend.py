@@ -25,6 +25,9 @@ from batchgen.attention.spec import AttentionSpec
 from batchgen.kv.cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20  # one zeroed float workspace shared by every wrapper
+# GPU memory to leave for the workspace, the wrappers' own buffers (8 MiB each) and the CUDA
+# graphs' pool when the KV pool is sized from free memory
+RESERVED_BYTES = WORKSPACE_BYTES + (256 << 20)
 # fa2 is safe for these head sizes only (others can crash or be silently wrong upstream)
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -51,6 +54,9 @@ class FlashInferBackend:
         s0 = specs[0]
         self.out = torch.empty(max_num_tokens, s0.num_heads, s0.head_dim_v, dtype=s0.dtype,
                                device=dev)
+        # FlashInfer takes sinks as float32 [num_qo_heads]: one copy per layer, made once
+        self.sinks = [None if s.sinks is None else s.sinks.detach().float().contiguous()
+                      for s in specs]
         self.wrappers: dict[tuple[Any, ...], Any] = {}  # (kind, plan key[, batch]) -> wrapper
         self.meta: StepMetadata | None = None
         self.graph_batch: int | None = None  # captured batch size this step replays
@@ -81,7 +87,7 @@ class FlashInferBackend:
         self._planned_wrapper(spec).run(
             q, (self.cache.pool[layer, 0], self.cache.pool[layer, 1]), out=out,
             k_scale=self.cache.k_scales[layer], v_scale=self.cache.v_scales[layer],
-            sinks=spec.sinks)
+            sinks=self.sinks[layer])
         return out
 
     # ---- plans and wrappers -----------------------------------------------------------------

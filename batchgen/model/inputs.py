@@ -57,9 +57,10 @@ class StepInputs:
         self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
                     if pin else self.host)
 
-    def prepare(self, chunks: list[SeqChunk]) -> StepBatch:
+    def prepare(self, chunks: list[SeqChunk], pad_to: int | None = None) -> StepBatch:
         """Pack the chunks; logits row i belongs to the i-th chunk (in the given order) that
-        wants logits."""
+        wants logits. `pad_to`: exactly this many rows (a decode step replaying a CUDA graph
+        captured for that batch size); else at least `min_rows`."""
         bs = self.block_size
         order = sorted(range(len(chunks)),
                        key=lambda i: (len(chunks[i].token_ids), chunks[i].num_computed))
@@ -81,7 +82,8 @@ class StepInputs:
             last_row[i] = qo[-1] - 1
         logits = [last_row[i] for i, c in enumerate(chunks) if c.want_logits]
         num_logits = len(logits)
-        pad = self.min_rows - qo[-1]
+        rows = self.min_rows if pad_to is None else pad_to
+        pad = rows - qo[-1]
         if pad > 0:  # one-token dummy sequences writing into the scratch block
             ids += [0] * pad
             pages += [self.scratch_block] * pad
@@ -89,8 +91,8 @@ class StepInputs:
             kv += range(kv[-1] + 1, kv[-1] + pad + 1)
             starts += [0] * pad
             lens += [1] * pad
-        if 0 < num_logits < self.min_rows:
-            logits += [logits[-1]] * (self.min_rows - num_logits)
+        if 0 < num_logits < rows:
+            logits += [logits[-1]] * (rows - num_logits)
         return self._fill(ids, pages, qo, kv, starts, lens, logits, num_logits)
 
     def _fill(self, ids: list[int], pages: list[int], qo: list[int], kv: list[int],

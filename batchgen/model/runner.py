@@ -1,6 +1,6 @@
 """The model runner: owns the step's inputs (persistent buffers) and runs one packed forward of
 the HF model over a ragged batch: [1, T] tokens, explicit positions, no HF cache, logits only at
-the rows the sampler needs."""
+the rows the sampler needs. Decode-only steps replay a captured CUDA graph when graphs are on."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.interface import StepContext
 from batchgen.attention.metadata import SeqChunk
 from batchgen.kv.cache import KVCache
+from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
 
 
 class ModelRunner:
     """The model is the loader's, the pool and the backend are the LLM's; the step buffers
-    (`inputs`) are the runner's own."""
+    (`inputs`) and the captured graphs are the runner's own."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
                  inputs: StepInputs) -> None:
@@ -23,6 +24,17 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.inputs = inputs
+        self.graphs: DecodeGraphs | None = None
+
+    def use_graphs(self, sizes: list[int], max_pages: int, capturer: GraphCapturer) -> None:
+        """Capture decode steps of these batch sizes; later decode steps replay them."""
+        if not hasattr(self.backend, "graph_plan"):
+            raise ValueError(f"CUDA graphs need a backend that plans outside the graph "
+                             f"(flashinfer), not {self.backend.name!r}")
+        graphs = DecodeGraphs(self.model, self.cache, self.backend, self.inputs, sizes,
+                              max_pages, capturer)
+        graphs.capture()
+        self.graphs = graphs
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The step's copy-on-write block copies, before its forward writes anything."""
@@ -32,6 +44,10 @@ class ModelRunner:
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
         """Run one step; returns float32 logits [R, vocab], row i for the i-th chunk that wants
         logits."""
+        graphs = self.graphs
+        if (graphs is not None and graphs.size_for(len(chunks)) is not None
+                and all(len(c.token_ids) == 1 for c in chunks)):
+            return graphs.replay(chunks)
         batch = self.inputs.prepare(chunks)
         self.backend.plan(batch.meta)
         out = self.model(

@@ -1,0 +1,138 @@
+"""The FlashInfer backend on a real GPU (marked `cuda`; skipped without CUDA or FlashInfer):
+against the PyTorch backend on the same pool and metadata, greedy against HF in bf16, CUDA-graph
+replay against eager steps, an fp8 pool against bf16. Run by scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.spec import AttentionSpec
+from batchgen.attention.torch_backend import TorchBackend
+from batchgen.kv import BlockManager, KVCache
+from batchgen.model.inputs import StepInputs
+from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
+from tests.helpers import load_hf_model, make_prompt_token_ids
+
+flashinfer = pytest.importorskip("flashinfer") if torch.cuda.is_available() else None
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BF16 = dict(atol=2e-2, rtol=2e-2)  # bf16 inputs: FlashInfer's fa2 and SDPA round differently
+
+
+def _backends(spec, cache):
+    from batchgen.attention.flashinfer_backend import FlashInferBackend
+
+    return (FlashInferBackend([spec], cache, 4096, fi=flashinfer), TorchBackend([spec], cache))
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (24, None), (None, 30.0)])
+@pytest.mark.parametrize("kind", ["prefill", "chunked", "decode", "shared"])
+def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
+    """Same pool, same step metadata: prefill from scratch, chunks over a cached prefix,
+    decode rows, decode rows sharing copy-on-write blocks."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    bs, hq, hkv, d = 16, 8, 2, 128
+    cache = KVCache(1, 512, bs, hkv, d, torch.bfloat16, dev)
+    bm = BlockManager(512, bs)
+    random.Random(1).shuffle(bm.free)
+    lens = {"prefill": [(0, 70), (0, 33), (0, 128)], "chunked": [(48, 30), (100, 7), (16, 64)],
+            "decode": [(70, 1), (5, 1), (300, 1)], "shared": [(80, 1)] * 4}[kind]
+    chunks = []
+    for sid, (cached, new) in enumerate(lens):
+        if kind == "shared" and sid:
+            bm.fork(0, sid, num_tokens=cached)
+            copy = bm.append_slots(sid, cached, new)
+            cache.copy_blocks([copy] if copy else [])
+        else:
+            bm.allocate(sid, cached + new)
+        n = cached + new
+        slots = torch.tensor([bm.slot_index(sid, p) for p in range(n)], device=dev)
+        if not (kind == "shared" and sid):
+            cache.write(0, torch.randn(n, hkv, d, device=dev), torch.randn(n, hkv, d, device=dev),
+                        slots)
+        else:  # each sibling's own last token
+            cache.write(0, torch.randn(1, hkv, d, device=dev), torch.randn(1, hkv, d, device=dev),
+                        slots[-1:])
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+    chunks.sort(key=lambda c: (c.num_new, c.num_computed))
+    pages = sum(len(c.block_table) for c in chunks)
+    batch = StepInputs(4096, 16, pages, bs, cache.scratch_block, 0, dev).prepare(chunks)
+    spec = AttentionSpec(hq, hkv, d, d, d ** -0.5, window, softcap, torch.bfloat16)
+    q = torch.randn(batch.meta.num_tokens, hq, d, device=dev, dtype=torch.bfloat16)
+    outs = []
+    for backend in _backends(spec, cache):
+        backend.plan(batch.meta)
+        outs.append(backend.run(0, q).float())
+    torch.testing.assert_close(outs[0], outs[1], **BF16)
+
+
+def _first_divergence_is_a_near_tie(model, prompt, got, want, margin=0.05):
+    """Where two bf16 greedy runs part, the two candidates were within `margin` logits."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + want[:i]], device="cuda")).logits[0, -1]
+            return abs(float(logits[a] - logits[b])) < margin
+    return True
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_greedy_on_flashinfer_follows_hf_in_bf16(tiny_model_factory, family):
+    path = tiny_model_factory(family, head_dim=64, eos_boost=RECOMMENDED_EOS_BOOST,
+                              dtype=torch.bfloat16)
+    prompts = make_prompt_token_ids(16, 1, 200, vocab_size=512, seed=3)
+    llm = LLM(path, device="cuda", num_kv_blocks=512, attention_backend="flashinfer")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    hf = load_hf_model(path).to("cuda", torch.bfloat16)
+    try:
+        for p, o in zip(prompts, outs):
+            with torch.no_grad():
+                ids = torch.tensor([p], device="cuda")
+                want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                   do_sample=False, eos_token_id=2, pad_token_id=0)
+            want = want[0, len(p):].tolist()
+            want = want[:want.index(2) + 1] if 2 in want else want
+            assert _first_divergence_is_a_near_tie(hf, p, o.outputs[0].token_ids, want)
+    finally:
+        hf.to("cpu", torch.float32)
+
+
+def test_graph_replay_equals_eager(tiny_model_factory):
+    path = tiny_model_factory("llama", head_dim=64, dtype=torch.bfloat16)
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompt_token_ids(20, 5, 100, vocab_size=512, seed=4)]
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=0, ignore_eos=True)
+    runs = [LLM(path, device="cuda", num_kv_blocks=512, max_num_seqs=32,
+                attention_backend="flashinfer", enforce_eager=eager).generate(
+                    prompts, sp, use_tqdm=False) for eager in (True, False)]
+    for a, b in zip(*runs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-2)
+
+
+def test_fp8_pool_stays_close_to_bf16(tiny_model_factory):
+    """fp8 e4m3 K/V (scales 1.0): logprobs of the same tokens within 0.1 of a bf16 pool's."""
+    path = tiny_model_factory("llama", head_dim=64, dtype=torch.bfloat16)
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompt_token_ids(8, 5, 100, vocab_size=512, seed=5)]
+    sp = SamplingParams(temperature=0, max_tokens=16, logprobs=0, ignore_eos=True)
+    bf16, fp8 = (LLM(path, device="cuda", num_kv_blocks=256, kv_cache_dtype=kv,
+                     attention_backend="flashinfer").generate(prompts, sp, use_tqdm=False)
+                 for kv in ("auto", "fp8"))
+    agree = 0
+    for a, b in zip(bf16, fp8):
+        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
+        agree += ta == tb
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        for la, lb in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n]):
+            assert abs(next(iter(la.values())) - next(iter(lb.values()))) < 0.1
+    assert agree >= 6
