@@ -141,3 +141,17 @@ def cpu_kernel_available() -> bool:
     from batchgen.attention import cpu_kernel
 
     return cpu_kernel.try_load() is not None
+
+
+def interrupt_tracer(event: int, paths: tuple[str, ...], counter: list[int]) -> Any:
+    """A sys.settrace function raising KeyboardInterrupt at the `event`-th line executed in
+    files under `paths` (0: never), wherever that falls; counter[0] counts the lines."""
+
+    def local(frame: Any, what: str, arg: Any) -> Any:
+        if what == "line":
+            counter[0] += 1
+            if counter[0] == event:
+                raise KeyboardInterrupt
+        return local
+
+    return lambda frame, what, arg: local if frame.f_code.co_filename.startswith(paths) else None

@@ -12,7 +12,12 @@ import pytest
 import batchgen
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
-from tests.helpers import assert_pool_whole, cpu_kernel_or_skip, make_prompt_token_ids
+from tests.helpers import (
+    assert_pool_whole,
+    cpu_kernel_or_skip,
+    interrupt_tracer,
+    make_prompt_token_ids,
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,23 +53,9 @@ def test_a_tiny_temperature_samples_like_greedy(model_dir):
         assert all(v > -1e30 for d in c.outputs[0].logprobs for v in d.values())
 
 
-def _trace_interrupt(event: int, counter: list[int]):
-    """Raise KeyboardInterrupt at the `event`-th line run inside batchgen (0: never)."""
-    root = batchgen.__path__[0]
-
-    def local(frame, what, arg):
-        if what == "line":
-            counter[0] += 1
-            if counter[0] == event:
-                raise KeyboardInterrupt
-        return local
-
-    return lambda frame, what, arg: local if frame.f_code.co_filename.startswith(root) else None
-
-
 def _workload(llm: LLM, event: int, counter: list[int]):
     prompts = make_prompt_token_ids(4, 3, 40, vocab_size=512, seed=5)
-    sys.settrace(_trace_interrupt(event, counter))
+    sys.settrace(interrupt_tracer(event, (batchgen.__path__[0],), counter))
     try:
         a = llm.generate(_ids(prompts), [SamplingParams(n=2, seed=1, max_tokens=8),
                                          SamplingParams(temperature=0, max_tokens=12),

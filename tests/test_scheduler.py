@@ -21,7 +21,7 @@ from tests.fake_engine import (
     reference_beams,
     reference_samples,
 )
-from tests.helpers import check_pool_invariants
+from tests.helpers import check_pool_invariants, interrupt_tracer
 
 
 def _assert_whole(llm: FakeLLM) -> None:
@@ -178,24 +178,6 @@ def test_preemption_recomputes_and_shares_again():
     _assert_whole(llm)
 
 
-def _interrupt_at(event: int, paths: tuple[str, ...]):
-    """A trace function that raises KeyboardInterrupt at the `event`-th line executed in
-    files under `paths` (the engine's bookkeeping), wherever that falls."""
-    count = [0]
-
-    def local(frame, what, arg):
-        if what == "line":
-            count[0] += 1
-            if count[0] == event:
-                raise KeyboardInterrupt
-        return local
-
-    def tracer(frame, what, arg):
-        return local if frame.f_code.co_filename.startswith(paths) else None
-
-    return tracer, count
-
-
 ENGINE_FILES = tuple(f"{__import__('batchgen').__path__[0]}/{p}"
                      for p in ("engine/", "kv/", "requests.py"))
 
@@ -207,9 +189,9 @@ def _interrupted_workload(llm: FakeLLM, event: int | None) -> tuple[object, int]
               SamplingParams(n=3, seed=4, max_tokens=6, ignore_eos=True),
               SamplingParams(seed=5, max_tokens=9), SamplingParams(n=2, seed=6)]
     beams = BeamSearchParams(beam_width=3, max_tokens=5)
-    tracer, count = _interrupt_at(event or 0, ENGINE_FILES)
+    count = [0]
     if event is not None:
-        sys.settrace(tracer)
+        sys.settrace(interrupt_tracer(event, ENGINE_FILES, count))
     try:
         a = llm.generate(prompts, params)
         b = llm.beam_search(prompts[:2], beams)
@@ -226,14 +208,8 @@ def test_an_interrupt_anywhere_leaves_every_block_free():
     def make():
         return FakeLLM(num_blocks=22, block_size=2, max_num_batched_tokens=8)
 
-    want, total = _interrupted_workload(make(), None)
-    tracer, count = _interrupt_at(0, ENGINE_FILES)
-    sys.settrace(tracer)
-    try:
-        _interrupted_workload(make(), None)
-    finally:
-        sys.settrace(None)
-    total = count[0]
+    want, _ = _interrupted_workload(make(), None)
+    total = _interrupted_workload(make(), 0)[1]  # lines a whole run executes
     assert total > 5000
     llm = make()
     for event in sorted(random.Random(0).sample(range(1, total), 60)):
