@@ -9,7 +9,15 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.attention.registry import BACKENDS
-from batchgen.checks import check, check_choice, check_flag, check_int, check_seed, is_number
+from batchgen.checks import (
+    check,
+    check_choice,
+    check_flag,
+    check_int,
+    check_seed,
+    is_int,
+    is_number,
+)
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import num_blocks_for_memory
 
@@ -39,6 +47,8 @@ class EngineConfig:
     attention_backend: str | None = None
     seed: int | None = 0
     enforce_eager: bool = True  # CUDA graphs for decode steps when False (GPU + FlashInfer)
+    tensor_parallel_size: int = 1  # vLLM's name; one GPU per LLM today
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -52,6 +62,10 @@ class EngineConfig:
         check_choice(self.attention_backend, "attention_backend", (None, *BACKENDS))
         check_flag(self.enable_prefix_caching, "enable_prefix_caching")
         check_flag(self.enforce_eager, "enforce_eager")
+        check_flag(self.trust_remote_code, "trust_remote_code")
+        check(self.tensor_parallel_size == 1 and is_int(self.tensor_parallel_size),
+              "tensor_parallel_size", "1 (tensor parallelism is not implemented: run one LLM "
+              "per GPU, or scale out with Ray Data)", self.tensor_parallel_size)
         self.seed = check_seed(self.seed)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS

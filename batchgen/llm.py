@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import time
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +29,7 @@ from batchgen.engine.scheduler import Scheduler, StepStats
 from batchgen.engine.sequence import SequenceGroup
 from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
+from batchgen.log import configure_logging, logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import CudaGraphCapturer, capture_sizes
 from batchgen.model.inputs import StepInputs
@@ -35,11 +37,11 @@ from batchgen.model.profile import activation_peak_bytes, gpu_kv_budget
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
-from batchgen.requests import Limits, PromptType, RequestBuilder
+from batchgen.prompts import Conversation, PromptType
+from batchgen.requests import Limits, RequestBuilder
+from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
-
-logger = logging.getLogger("batchgen")
 
 # Steps of fewer tokens (or logits rows) are padded to this many on the CPU: small-M GEMMs
 # round differently, and padding keeps each row's result independent of its batch.
@@ -53,22 +55,31 @@ class LLM:
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str | os.PathLike, *, block_size: int = 16,
-                 max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
-                 kv_cache_dtype: str = "auto",
+    def __init__(self, model: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None,
+                 block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
-                 num_kv_blocks: int | None = None, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device | None = None, attention_backend: str | None = None,
-                 seed: int | None = 0, enforce_eager: bool = True) -> None:
-        _configure_logging()
+                 kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
+                 dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
+                 attention_backend: str | None = None, seed: int | None = 0,
+                 enforce_eager: bool = True, tensor_parallel_size: int = 1,
+                 trust_remote_code: bool = False) -> None:
+        configure_logging()
+        if kv_cache_memory is not None and kv_cache_memory_bytes is not None:
+            raise ValueError("pass kv_cache_memory or kv_cache_memory_bytes (vLLM's name for "
+                             "it), not both")
         cfg = EngineConfig(block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
                            enable_prefix_caching, kv_cache_dtype, gpu_memory_utilization,
-                           kv_cache_memory, num_kv_blocks, attention_backend, seed,
-                           enforce_eager)
+                           kv_cache_memory if kv_cache_memory is not None
+                           else kv_cache_memory_bytes, num_kv_blocks, attention_backend, seed,
+                           enforce_eager, tensor_parallel_size, trust_remote_code)
         # Everything that can be checked is checked before the weights load.
-        path = loader.check_model_dir(model)
-        config = loader.load_config(path)
+        path = loader.resolve_model_dir(model)
+        tok_path = (path if tokenizer is None else
+                    loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
+        self.model_path = path
+        config = loader.load_config(path, trust_remote_code)
         loader.check_weights(path)
         self.device = _resolve_device(device)
         self.dtype = loader.resolve_dtype(dtype, config)
@@ -86,12 +97,12 @@ class LLM:
 
         if self.device.type == "cpu":
             cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
-        self.tokenizer = loader.load_tokenizer(path)
-        self.model = loader.load_model(path, config, self.dtype, self.device)
+        self.tokenizer = loader.load_tokenizer(tok_path, trust_remote_code)
+        self.model = loader.load_model(path, config, self.dtype, self.device, trust_remote_code)
         self.config = config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.eos_token_ids = _eos_ids(config, loader.load_generation_config(path),
-                                      self.tokenizer)
+        self.generation_config = loader.load_generation_config(path)
+        self.eos_token_ids = _eos_ids(config, self.generation_config, self.tokenizer)
         specs = probe_specs(self.model, geo.num_layers, self.device)
         if sized_later:
             other = flashinfer_backend.RESERVED_BYTES if backends[0][0] == "flashinfer" else 0
@@ -121,10 +132,12 @@ class LLM:
                             self.cache.scratch_block, self._min_rows(), self.device)
         runner = ModelRunner(self.model, self.cache, backend, inputs)
         self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.eos_token_ids)
+        stops = StopFactory(self.tokenizer, self.eos_token_ids)
         self.requests = RequestBuilder(
             self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
-            StopFactory(self.tokenizer, self.eos_token_ids), self.eos_token_ids)
+            stops, self.eos_token_ids)
+        self.results = ResultBuilder(self.tokenizer, stops)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
 
     def _capture_graphs(self, cfg: EngineConfig) -> None:
@@ -166,32 +179,70 @@ class LLM:
         return num_blocks
 
     # ---- public API ---------------------------------------------------------------------------
-    def generate(self, prompts: PromptType | Seq[PromptType],
+    def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. Without
+        `sampling_params`, the model's generation_config.json defaults apply (as in vLLM)."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         groups = self.requests.build(prompts, sampling_params, SamplingParams)
         self._run(groups, use_tqdm)
-        return [g.policy.output(g) for g in groups]
+        return [self.results.request_output(g) for g in groups]
 
-    def beam_search(self, prompts: PromptType | Seq[PromptType],
+    def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
-                    use_tqdm: bool = True) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
         prompts run at once under continuous batching and beams share prefix blocks."""
         groups = self.requests.build(prompts, params, BeamSearchParams)
         self._run(groups, use_tqdm)
-        return [g.policy.output(g) for g in groups]
+        return [self.results.beam_output(g) for g in groups]
+
+    def chat(self, messages: Conversation | Seq[Conversation],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `chat`: each conversation (or the one given) through the chat template, then
+        `generate`. `chat_template_content_format` is accepted for vLLM's signature (content
+        is passed to the template as given)."""
+        prompts = self.requests.render_chat(messages, chat_template, add_generation_prompt,
+                                            continue_final_message, tools, chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json (the sampling fields it sets
+        away from their defaults, as vLLM reads them), else vLLM's defaults."""
+        diff = self.generation_config.to_diff_dict() if self.generation_config else {}
+        keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+        params = {k: diff[k] for k in keys if diff.get(k) is not None}
+        if diff.get("max_new_tokens") is not None:
+            params["max_tokens"] = diff["max_new_tokens"]
+        return SamplingParams(**params)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, doing nothing, while a call is running)."""
+        return self.block_manager.reset_prefix_cache()
 
     def kv_stats(self) -> KVStats:
         """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions."""
         return self._last_stats
 
     def get_tokenizer(self):
+        """The HF tokenizer prompts are encoded with (None for a folder without one)."""
         return self.tokenizer
 
+    def __repr__(self) -> str:
+        c = self.cache_config
+        return (f"LLM(model={str(self.model_path)!r}, dtype={self.dtype}, "
+                f"device={str(self.device)!r}, attention_backend={self.attention_backend!r}, "
+                f"kv_cache={c.num_blocks} blocks x {c.block_size} tokens "
+                f"({self.cache.dtype}), max_model_len={self.max_model_len})")
+
     # ---- running a call -----------------------------------------------------------------------
-    def _run(self, groups: list[SequenceGroup], use_tqdm: bool) -> None:
+    def _run(self, groups: list[SequenceGroup], use_tqdm: bool | Callable[..., tqdm]) -> None:
         """Run validated groups to completion and record the call's KV figures (an error or a
         Ctrl-C aborts the call and leaves the pool whole: see Engine.run)."""
         if not groups:
@@ -199,8 +250,9 @@ class LLM:
         bm, sched = self.block_manager, self.scheduler
         bm.reset_stats()
         preempt0, prompt0 = sched.num_preemptions, sched.prompt_tokens_computed
-        bar = tqdm(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
-                   disable=not use_tqdm)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
+                       disable=not use_tqdm)
         try:
             self.engine.run(groups, _progress(bar) if use_tqdm else None)
         finally:
@@ -228,19 +280,6 @@ def _progress(bar: tqdm):
                                 f"output: {counts[1] / el:,.0f} tok/s", refresh=False)
             counts[2] = now
     return on_step
-
-
-def _configure_logging() -> None:
-    """Show batchgen's INFO lines (the capacity line) when the application has configured no
-    logging at all; under `logging.basicConfig` they go through the root handler, once."""
-    lib = logging.getLogger("batchgen")
-    if lib.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[batchgen] %(message)s"))
-    lib.addHandler(handler)
-    if lib.level == logging.NOTSET:
-        lib.setLevel(logging.INFO)
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

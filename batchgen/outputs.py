@@ -1,8 +1,21 @@
-"""Results returned to the user; field names follow vLLM so code ports with one import."""
+"""Results returned to the user; names and fields follow vLLM so code ports with one import."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (raw: before sampling processors), its rank in the
+    distribution (1 = most likely) and its text (None when detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+TokenLogprobs = dict[int, Logprob]  # a position's chosen token and its top-k alternatives
 
 
 @dataclass
@@ -13,7 +26,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[TokenLogprobs] | None
     finish_reason: str | None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop id or stop string that ended it
 
@@ -23,7 +36,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """All samples of one prompt, in the order the prompts were given."""
+    """All samples of one prompt, in the order the prompts were given. `prompt_logprobs[0]` is
+    None (the first token has no context); `num_cached_tokens` came from the prefix cache."""
 
     request_id: str
     prompt: str | None
@@ -31,17 +45,30 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
 class BeamSequence:
-    """One finished beam hypothesis."""
+    """One finished beam hypothesis; `logprobs` holds each generated token's own logprob."""
 
     token_ids: list[int]
     text: str
     cumulative_logprob: float
     score: float
     finish_reason: str
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def tokens(self) -> list[int]:
+        """vLLM's field: the prompt's ids followed by the generated ones."""
+        return self.prompt_token_ids + self.token_ids
+
+    @property
+    def cum_logprob(self) -> float:
+        """vLLM's name for `cumulative_logprob`."""
+        return self.cumulative_logprob
 
 
 @dataclass

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
+
+# vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
+# (prompt_token_ids, output_token_ids, logits) -> logits; logits is the row's float32 [V].
+LogitsProcessor = Callable[..., Any]
 
 logger = logging.getLogger("batchgen")
 
@@ -68,10 +74,27 @@ class SamplingParams(_Stops):
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list[LogitsProcessor] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_sampling()
+        self._check_limits()
+        self._check_controls()
+        self._stop_strs = _as_str_list(self.stop, "stop")
+        self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
+        check(self.detokenize or not self._stop_strs, "stop",
+              "empty when detokenize=False (stop strings are matched on text)", self.stop)
+
+    def _check_sampling(self) -> None:
+        """n, temperature and the warpers and penalties."""
         check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         check(is_number(self.temperature) and self.temperature >= 0, "temperature",
               "a number >= 0 (0 means greedy)", self.temperature)
@@ -88,6 +111,10 @@ class SamplingParams(_Stops):
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             check(is_number(v) and -2 <= v <= 2, name, "in [-2, 2]", v)
+
+    def _check_limits(self) -> None:
+        """Lengths, seed, logprobs, flags (logprobs=True means 1 and -1 the whole vocabulary, as
+        in vLLM)."""
         check(self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
               "max_tokens", "an integer >= 1 or None (up to max_model_len)", self.max_tokens)
         check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
@@ -95,12 +122,35 @@ class SamplingParams(_Stops):
         check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
               f"<= max_tokens ({self.max_tokens})", self.min_tokens)
         self.seed = check_seed(self.seed)
-        check(self.logprobs is None or (is_int(self.logprobs) and self.logprobs >= 0),
-              "logprobs", "None or an integer >= 0", self.logprobs)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is True:
+                setattr(self, name, v := 1)
+            check(v is None or (is_int(v) and v >= -1), name,
+                  "None, True, an integer >= 0 or -1 (the whole vocabulary)", v)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "detokenize"):
             check_flag(getattr(self, name), name)
-        self._stop_strs = _as_str_list(self.stop, "stop")
-        self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
+        t = self.truncate_prompt_tokens
+        check(t is None or (is_int(t) and (t >= 1 or t == -1)), "truncate_prompt_tokens",
+              "None, -1 (max_model_len) or an integer >= 1", t)
+
+    def _check_controls(self) -> None:
+        """logit_bias, allowed_token_ids, bad_words, logits_processors (vLLM's forms)."""
+        bias = self.logit_bias
+        check(bias is None or (isinstance(bias, dict) and all(
+            is_int(k) and k >= 0 and is_number(v) for k, v in bias.items())), "logit_bias",
+            "a dict of token id -> finite number", bias)
+        if bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in bias.items()}
+        allowed = self.allowed_token_ids
+        check(allowed is None or (bool(allowed) and bool(_as_id_list(allowed, "allowed_token_ids"))),
+              "allowed_token_ids", "None or a non-empty list of token ids", allowed)
+        if self.bad_words is not None:
+            self.bad_words = _as_str_list(self.bad_words, "bad_words")
+        procs = self.logits_processors
+        check(procs is None or (isinstance(procs, (list, tuple)) and all(map(callable, procs))),
+              "logits_processors", "a list of callables (token ids, logits) -> logits", procs)
 
     @property
     def greedy(self) -> bool:

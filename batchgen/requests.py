@@ -3,6 +3,8 @@ every prompt is checked and tokenized, and every request bounded, before the fir
 
 from __future__ import annotations
 
+import numbers
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -14,9 +16,9 @@ from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.scheduler import request_peak_blocks
 from batchgen.engine.sequence import Sequence, SequenceGroup, sample_seed
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.prompts import Conversation, PromptType, TokensPrompt
 from batchgen.sampling.stop import StopFactory
 
-PromptType = str | dict[str, Any]
 Params = SamplingParams | BeamSearchParams
 
 
@@ -42,21 +44,55 @@ class RequestBuilder:
         self.stops = stops
         self.eos_token_ids = eos_token_ids
 
-    def build(self, prompts: PromptType | Seq[PromptType], params: Any, kind: type
+    def build(self, prompts: PromptType | Iterable[PromptType], params: Any, kind: type
               ) -> list[SequenceGroup]:
         """Validate and tokenize everything, then make the groups (ValueError on any bad
         input, naming it, before anything is queued)."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        if not isinstance(prompts, Seq):
-            raise ValueError("prompts must be a str, a dict with 'prompt_token_ids', or a list "
-                             f"of those, got {type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = as_prompt_list(prompts)
         per_prompt = _params_per_prompt(params, len(prompts), kind)
         texts, token_ids = self._tokenize(prompts)
+        token_ids = [self._truncate(ids, p) for ids, p in zip(token_ids, per_prompt)]
         limits = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
         return [self._group(i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
+
+    def render_chat(self, conversations: Conversation | Seq[Conversation],
+                    chat_template: str | None, add_generation_prompt: bool,
+                    continue_final_message: bool, tools: list[dict] | None,
+                    chat_template_kwargs: dict[str, Any] | None) -> list[TokensPrompt]:
+        """Each conversation through the tokenizer's chat template (or `chat_template`), as
+        token ids: the template's own BOS, none added twice. One conversation (a list of
+        messages) or a list of them."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer; the model folder has none")
+        if chat_template is None and not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template= "
+                             "(a Jinja template string) to chat()")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message=True needs add_generation_prompt=False")
+        convs = list(conversations)
+        if not convs or isinstance(convs[0], dict):
+            convs = [convs]  # one conversation
+        kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                  continue_final_message=continue_final_message, tools=tools,
+                  **(chat_template_kwargs or {}))
+        out: list[TokensPrompt] = []
+        for i, conv in enumerate(convs):
+            if not (isinstance(conv, list) and all(isinstance(m, dict) for m in conv)):
+                raise ValueError(f"messages[{i}] must be a list of {{'role', 'content'}} dicts")
+            ids = tok.apply_chat_template(conv, tokenize=True, return_dict=False, **kw)
+            text = tok.apply_chat_template(conv, tokenize=False, **kw)
+            out.append(TokensPrompt(prompt_token_ids=list(ids), prompt=text))
+        return out
+
+    def _truncate(self, ids: list[int], p: Params) -> list[int]:
+        """truncate_prompt_tokens=k keeps the last k tokens (-1: as many as max_model_len
+        leaves room for, with one token to generate)."""
+        k = getattr(p, "truncate_prompt_tokens", None)
+        if k is None:
+            return ids
+        return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
 
     def _tokenize(self, prompts: list[PromptType]) -> tuple[list[str | None], list[list[int]]]:
         """Batched tokenisation of text prompts; token-id prompts pass through."""
@@ -68,14 +104,18 @@ class RequestBuilder:
                 ids.append(None)
             elif isinstance(p, dict) and "prompt_token_ids" in p:
                 tok = p["prompt_token_ids"]
-                if not (isinstance(tok, (list, tuple)) and all(
-                        isinstance(t, int) and not isinstance(t, bool) for t in tok)):
+                if isinstance(tok, (str, bytes)) or not all(
+                        isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                        for t in tok):
                     raise ValueError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
                 texts.append(p.get("prompt"))
-                ids.append(list(tok))
+                ids.append([int(t) for t in tok])
+            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
+                texts.append(p["prompt"])
+                ids.append(None)
             else:
-                raise ValueError(f"prompts[{i}] must be a str or a dict with 'prompt_token_ids',"
-                                 f" got {type(p).__name__}")
+                raise ValueError(f"prompts[{i}] must be a str, a {{'prompt': str}} or a "
+                                 f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
         todo = [i for i, t in enumerate(ids) if t is None]
         if todo:
             if self.tokenizer is None:
@@ -102,9 +142,7 @@ class RequestBuilder:
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
-        if getattr(p, "logprobs", None) is not None and p.logprobs > lim.vocab_size:
-            raise ValueError(f"logprobs must be <= the vocabulary size {lim.vocab_size}, "
-                             f"got {p.logprobs}")
+        self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
         name = "beam_width" if isinstance(p, BeamSearchParams) else "n"
@@ -120,12 +158,41 @@ class RequestBuilder:
                 f"raise num_kv_blocks / kv_cache_memory or lower max_tokens / {name}")
         return t
 
+    def _check_vocab(self, p: Params) -> None:
+        """Token ids and counts a request names must fit the vocabulary."""
+        vocab = self.limits.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name, None)
+            if k is not None and k > vocab:
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
+        for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
+            ids = list(getattr(p, name, None) or ())
+            if any(t >= vocab for t in ids):
+                raise ValueError(f"{name} has token id {max(ids)} outside the model's "
+                                 f"vocabulary [0, {vocab})")
+        if getattr(p, "bad_words", None) and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; the model folder has none")
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word's ids, and those of " word" when that is as long but starts
+        with another token."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            out.append(plain)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return out
+
     def _group(self, i: int, text: str | None, ids: list[int], p: Params, max_tokens: int
                ) -> SequenceGroup:
         """The group with its policy and its sequences: n samples (each with its own stop
         state and, when seeded, generator), or one beam leader."""
         if isinstance(p, SamplingParams):
             group = SequenceGroup(i, text, ids, p, max_tokens, SamplePolicy())
+            if p.bad_words:
+                group.bad_word_ids = self._bad_word_ids(p.bad_words)
             group.seqs = [self._sample(group, k) for k in range(p.n)]
             return group
         state = BeamSearchState(
@@ -134,8 +201,7 @@ class RequestBuilder:
             eos_token_ids=[] if p.ignore_eos else self.eos_token_ids,
             num_return_sequences=p.num_return_sequences, vocab_size=self.limits.vocab_size,
             stop_token_ids=p.stop_ids)
-        policy = BeamPolicy(state, lambda tokens: self.stops.text(p, ids, tokens))
-        group = SequenceGroup(i, text, ids, p, max_tokens, policy)
+        group = SequenceGroup(i, text, ids, p, max_tokens, BeamPolicy(state))
         stop = self.stops(p, ids, max_tokens) if p.stop_strings else None
         group.seqs = [Sequence(group, 0, list(ids), stop)]
         return group
@@ -148,6 +214,17 @@ class RequestBuilder:
         return Sequence(group, k, list(group.prompt_token_ids),
                         self.stops(p, group.prompt_token_ids, group.max_tokens), gen,
                         logprobs=[] if p.logprobs is not None else None)
+
+
+def as_prompt_list(prompts: Any) -> list[Any]:
+    """One prompt (a str or a dict) or any sequence or iterable of them (a list, a tuple, a
+    numpy array, a pandas Series, a generator) as a list."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise ValueError("prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': "
+                         f"[...]}} dict, or an iterable of those, got {type(prompts).__name__}")
+    return list(prompts)
 
 
 def _params_per_prompt(sp: Any, n: int, kind: type) -> list[Any]:

@@ -69,7 +69,7 @@ def run(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, kv:
               enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, logprobs=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t] for t, lp in zip(o.outputs[0].token_ids,
+    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
                                                               o.outputs[0].logprobs)])
             for o in outs]
 

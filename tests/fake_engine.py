@@ -24,6 +24,7 @@ from batchgen.kv import BlockManager, blocks_for
 from batchgen.model.inputs import StepInputs
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.requests import Limits, RequestBuilder
+from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler, SamplingRow
 from batchgen.sampling.stop import StopFactory
 
@@ -90,6 +91,7 @@ class FakeLLM:
         self.requests = RequestBuilder(
             None, Limits(max_model_len, VOCAB, block_size, num_blocks, max_num_seqs,
                          max_num_batched_tokens), StopFactory(None, [EOS]), [EOS])
+        self.results = ResultBuilder(None, StopFactory(None, [EOS]))
 
     def generate(self, prompts: list[list[int]], params):
         return self._run(prompts, params, SamplingParams)
@@ -101,7 +103,8 @@ class FakeLLM:
         groups = self.requests.build([{"prompt_token_ids": p} for p in prompts], params, kind)
         self.block_manager.reset_stats()
         self.engine.run(groups)
-        return [g.policy.output(g) for g in groups]
+        return [self.results.beam_output(g) if kind is BeamSearchParams
+                else self.results.request_output(g) for g in groups]
 
 
 def reference_samples(prompt: list[int], p: SamplingParams, max_tokens: int

@@ -98,7 +98,7 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
         if cached:  # the prefix was written in an earlier step
             slots = torch.tensor([bm.slot_index(sid, p) for p in range(cached)])
             cache.write(0, k[:cached], v[:cached], slots)
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
     batch = prepare(chunks, block_size)
     meta = batch.meta
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
@@ -124,9 +124,9 @@ def test_step_inputs_match_block_tables():
     bm.allocate("a", 10)
     bm.allocate("b", 8)  # exact block multiple
     bm.allocate("c", 1)
-    chunks = [SeqChunk([5, 6, 7], bm.block_tables["a"], 7, True),
-              SeqChunk(list(range(10, 18)), bm.block_tables["b"], 0, True),
-              SeqChunk([9], bm.block_tables["c"], 0, False)]
+    chunks = [SeqChunk([5, 6, 7], bm.block_tables["a"], 7, 1),
+              SeqChunk(list(range(10, 18)), bm.block_tables["b"], 0, 1),
+              SeqChunk([9], bm.block_tables["c"], 0, 0)]
     batch = prepare(chunks, 4)
     m = batch.meta
     for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len):
@@ -151,7 +151,7 @@ def test_tiny_steps_are_padded_in_the_scratch_block():
     bm = BlockManager(8, 4)
     bm.allocate("a", 6)
     cache = KVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
-    batch = prepare([SeqChunk([3, 4], bm.block_tables["a"], 4, True)], 4, cache, min_rows=16)
+    batch = prepare([SeqChunk([3, 4], bm.block_tables["a"], 4, 1)], 4, cache, min_rows=16)
     m = batch.meta
     assert m.num_tokens == 16 and m.num_seqs == 15  # the chunk + 14 one-token dummies
     assert batch.input_ids.tolist() == [3, 4] + [0] * 14  # dummies after the real rows
@@ -203,11 +203,11 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks,
                     torch.tensor([bm.slot_index(sid, i) for i in range(prompt, n)]))
         full_k.append(torch.cat([k_prompt, k_own]))
         full_v.append(torch.cat([v_prompt, v_own]))
-        chunks.append(SeqChunk([0], bm.block_tables[sid], n - 1, True))
+        chunks.append(SeqChunk([0], bm.block_tables[sid], n - 1, 1))
     bm.allocate("x", 20)  # an unrelated decode row in the same step
     kx, vx = torch.randn(20, hkv, d), torch.randn(20, hkv, d)
     cache.write(0, kx, vx, torch.tensor([bm.slot_index("x", i) for i in range(20)]))
-    other.append(SeqChunk([0], bm.block_tables["x"], 19, True))
+    other.append(SeqChunk([0], bm.block_tables["x"], 19, 1))
     q = torch.randn(5, hq, d)
     sink_t = torch.randn(hq) if sinks else None
     meta = prepare(chunks + other, bs).meta  # rows sorted by length: find each by its length
@@ -254,7 +254,7 @@ def test_fp8_pools_are_read_back_with_their_scales(kernel):
         stored = [cache.pool[0, j][bm.block_tables[sid]].reshape(-1, hkv, d)[:cached + new]
                   .float() * s for j, s in ((0, 0.5), (1, 2.0))]
         keys.append(stored)
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
     shapes_order = sorted(range(3), key=lambda i: (shapes[i][1], shapes[i][0]))
     batch = prepare([chunks[i] for i in shapes_order], bs)
     q = torch.randn(batch.meta.num_tokens, hq, d)

@@ -60,7 +60,7 @@ def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
         else:  # each sibling's own last token
             cache.write(0, torch.randn(1, hkv, d, device=dev), torch.randn(1, hkv, d, device=dev),
                         slots[-1:])
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, True))
+        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
     chunks.sort(key=lambda c: (c.num_new, c.num_computed))
     pages = sum(len(c.block_table) for c in chunks)
     batch = StepInputs(4096, 16, pages, bs, cache.scratch_block, 0, dev).prepare(chunks)

@@ -50,7 +50,7 @@ def test_a_tiny_temperature_samples_like_greedy(model_dir):
                                                       logprobs=1), use_tqdm=False)
     for g, c in zip(greedy, cold):
         assert c.outputs[0].token_ids == g.outputs[0].token_ids
-        assert all(v > -1e30 for d in c.outputs[0].logprobs for v in d.values())
+        assert all(v.logprob > -1e30 for d in c.outputs[0].logprobs for v in d.values())
 
 
 def _workload(llm: LLM, event: int, counter: list[int]):

@@ -53,7 +53,7 @@ def test_fp8_prefill_logits_equal_hf_with_fp8_rounded_kv(setup):
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("p", i), len(p))
-        chunks.append(SeqChunk(p, bm.block_tables[("p", i)], 0, True))
+        chunks.append(SeqChunk(p, bm.block_tables[("p", i)], 0, 1))
     step = runner.inputs.prepare(chunks)
     runner.backend.plan(step.meta)
     with torch.inference_mode():

@@ -140,7 +140,8 @@ def test_logprobs_equal_hf_scores(llm, model_dir, prompts):
             top = lp[t].topk(k).indices.tolist()
             assert set(entry) == {tok, *top}
             for tid, val in entry.items():
-                assert val == pytest.approx(lp[t, tid].item(), abs=1e-4)
+                assert val.logprob == pytest.approx(lp[t, tid].item(), abs=1e-4)
+                assert val.rank == int((lp[t] > lp[t, tid]).sum()) + 1
             total += lp[t, tok].item()
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
 

@@ -67,7 +67,7 @@ def test_packed_prefill_logits_equal_hf(tiny_model_factory, prompts, family):
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("packed", i), len(p))
-        chunks.append(SeqChunk(p, bm.block_tables[("packed", i)], 0, True))
+        chunks.append(SeqChunk(p, bm.block_tables[("packed", i)], 0, 1))
     runner = llm.engine.runner
     step = runner.inputs.prepare(chunks)
     meta = step.meta

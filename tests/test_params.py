@@ -36,7 +36,7 @@ BAD_SAMPLING = [
     ("seed", {"seed": 2**64}),
     ("seed", {"seed": -(2**63) - 1}),
     ("seed", {"seed": True}),
-    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": -2}),
     ("logprobs", {"logprobs": 2.0}),
     ("stop", {"stop": ""}),
     ("stop", {"stop": [""]}),
@@ -48,6 +48,21 @@ BAD_SAMPLING = [
     ("ignore_eos", {"ignore_eos": "yes"}),
     ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
     ("skip_special_tokens", {"skip_special_tokens": None}),
+    ("prompt_logprobs", {"prompt_logprobs": -2}),
+    ("prompt_logprobs", {"prompt_logprobs": "all"}),
+    ("logit_bias", {"logit_bias": [(3, 1.0)]}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}),
+    ("logit_bias", {"logit_bias": {3: "up"}}),
+    ("allowed_token_ids", {"allowed_token_ids": []}),
+    ("allowed_token_ids", {"allowed_token_ids": [3, -1]}),
+    ("bad_words", {"bad_words": [""]}),
+    ("bad_words", {"bad_words": [3]}),
+    ("logits_processors", {"logits_processors": [3]}),
+    ("logits_processors", {"logits_processors": print}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
+    ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
+    ("detokenize", {"detokenize": "no"}),
+    ("stop", {"stop": ["x"], "detokenize": False}),
 ]
 
 BAD_BEAM = [
@@ -91,6 +106,8 @@ def test_sampling_defaults_follow_vllm() -> None:
     {"temperature": 0}, {"top_k": -1}, {"top_k": 0}, {"top_p": 1}, {"min_p": 1},
     {"max_tokens": None}, {"min_tokens": 4, "max_tokens": 4}, {"seed": -3}, {"logprobs": 0},
     {"presence_penalty": -2, "frequency_penalty": 2}, {"repetition_penalty": 0.5},
+    {"logprobs": -1}, {"prompt_logprobs": 0}, {"truncate_prompt_tokens": -1},
+    {"logit_bias": {3: -100}}, {"allowed_token_ids": [3]}, {"detokenize": False},
 ])
 def test_edge_values_are_accepted(kwargs: dict) -> None:
     SamplingParams(**kwargs)
@@ -143,3 +160,8 @@ def test_near_zero_temperatures_are_raised_to_vllms_floor(t, caplog):
     assert p.temperature == 0.01 and not p.greedy
     assert "temperature" in caplog.text
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+
+
+def test_logprobs_true_means_one_as_in_vllm() -> None:
+    p = SamplingParams(logprobs=True, prompt_logprobs=True)
+    assert (p.logprobs, p.prompt_logprobs) == (1, 1)

@@ -272,14 +272,17 @@ def test_logprobs_are_raw_with_top_k_and_chosen() -> None:
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         assert lp == pytest.approx(raw[i, tok].item(), abs=1e-5)
     assert out.top_logprobs[2] is None
-    assert out.top_logprobs[1] == pytest.approx({out.token_ids[1]: out.logprobs[1]})
+    ((tok1, (lp1, rank1)),) = out.top_logprobs[1].items()
+    assert tok1 == out.token_ids[1] and lp1 == pytest.approx(out.logprobs[1])
+    assert rank1 == int((raw[1] > raw[1, tok1]).sum()) + 1  # its true rank
     for i, k in ((0, 5), (3, 3)):
         d = out.top_logprobs[i]
-        top_ids = raw[i].topk(k).indices.tolist()
-        assert set(d) == set(top_ids) | {out.token_ids[i]}
+        order = raw[i].argsort(descending=True).tolist()
+        assert set(d) == set(order[:k]) | {out.token_ids[i]}
         assert len(d) in (k, k + 1)
-        for t, v in d.items():
+        for t, (v, rank) in d.items():
             assert v == pytest.approx(raw[i, t].item(), abs=1e-5)
+            assert rank == order.index(t) + 1  # 1 = the most likely, chosen tokens included
 
 
 def test_top_k_one_is_always_argmax_and_history_ids_beyond_vocab_are_ignored() -> None:

@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 
 from batchgen.params import BeamSearchParams, SamplingParams
-from batchgen.sampling.stop import IncrementalDetokenizer, StopChecker
+from batchgen.sampling.stop import IncrementalDetokenizer, StopChecker, StreamDetokenizer
+
+DETOKENIZERS = pytest.mark.parametrize("Detok", [StreamDetokenizer, IncrementalDetokenizer])
 
 PAD, BOS, EOS = 0, 1, 2
 
@@ -66,8 +68,9 @@ def _run(checker: StopChecker, ids: list[int]) -> tuple[int, str | None, int | s
 # ----------------------------------------------------------------------------- detokenizer
 
 
+@DETOKENIZERS
 @pytest.mark.parametrize("skip", [True, False])
-def test_incremental_text_equals_full_decode_on_random_ids(tok: Any, skip: bool) -> None:
+def test_incremental_text_equals_full_decode_on_random_ids(tok: Any, skip: bool, Detok) -> None:
     rng = random.Random(0)
     vocab = len(tok)
     multibyte = _ids(tok, "héllo 世界 🙂 naïve ∑x")
@@ -76,26 +79,28 @@ def test_incremental_text_equals_full_decode_on_random_ids(tok: Any, skip: bool)
         ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
         cut = rng.randrange(len(ids) + 1)
         ids[cut:cut] = multibyte  # multi-byte characters split over several byte tokens
-        detok = IncrementalDetokenizer(tok, [BOS, *prompt], skip_special_tokens=skip)
+        detok = Detok(tok, [BOS, *prompt], skip_special_tokens=skip)
         pieces = [detok.step(t) for t in ids]
         pieces.append(detok.flush())
         assert "".join(pieces) == detok.text == _decode(tok, ids, skip)
 
 
-def test_text_is_held_back_until_a_character_is_complete(tok: Any) -> None:
-    detok = IncrementalDetokenizer(tok, [BOS], True)
+@DETOKENIZERS
+def test_text_is_held_back_until_a_character_is_complete(tok: Any, Detok) -> None:
+    detok = Detok(tok, [BOS], True)
     world = _ids(tok, "世")
     assert len(world) == 3
     assert [detok.step(t) for t in world] == ["", "", "世"]
 
 
-def test_window_stays_bounded(tok: Any) -> None:
-    detok = IncrementalDetokenizer(tok, [BOS, *_ids(tok, "Hello")], True)
+@DETOKENIZERS
+def test_window_stays_bounded(tok: Any, Detok) -> None:
+    detok = Detok(tok, [BOS, *_ids(tok, "Hello")], True)
     ids = _ids(tok, "The quick brown fox jumps over the lazy dog. " * 30)
     for t in ids:
         detok.step(t)
         detok.step(EOS)  # skipped special tokens never enter the window
-        assert len(detok._ids) <= 8
+        assert len(getattr(detok, "_ids", getattr(detok, "_window", []))) <= 8
     assert detok.text == _decode(tok, ids)
 
 

@@ -18,7 +18,9 @@ class SeqChunk:
     token_ids: list[int]  # the query tokens of this step (1 while decoding)
     block_table: list[int]  # covers every position up to num_computed + len(token_ids)
     num_computed: int  # tokens already in the cache before this step
-    want_logits: bool  # the chunk ends the sequence's known tokens: its last row is sampled
+    # logits kept for the chunk's last num_logits positions: 1 where the chunk ends the
+    # sequence's known tokens (its last row is sampled), all of them for prompt logprobs, else 0
+    num_logits: int
 
     @property
     def num_new(self) -> int:

@@ -75,6 +75,7 @@ class BeamHypothesis:
     sum_logprobs: float  # accumulated log-probs (HF's raw running score)
     score: float  # HF sequences_scores: sum_logprobs / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" (EOS / stop id / stop string) or "length"
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # (logprob, rank)
 
 
 @dataclass
@@ -92,6 +93,7 @@ class BeamStep:
     tokens: list[int]
     done: bool
     finished: list[BeamHypothesis] = field(default_factory=list)
+    token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # of tokens[j]
 
 
 class BeamSearchState:
@@ -128,9 +130,11 @@ class BeamSearchState:
         self._device: torch.device | None = None
         # Running beams (HF running_sequences / running_beam_scores).
         self._running: list[list[int]] = [[]]
+        self._running_lps: list[list[tuple[float, int]]] = [[]]  # each token's (logprob, rank)
         self._running_scores: torch.Tensor | None = None
         # Finished buffer (HF sequences / beam_scores / is_sent_finished), W slots.
         self._fin_tokens: list[list[int]] = [[] for _ in range(beam_width)]
+        self._fin_lps: list[list[tuple[float, int]]] = [[] for _ in range(beam_width)]
         self._fin_scores: torch.Tensor | None = None
         self._fin_sums: torch.Tensor | None = None  # raw sums, gathered alongside
         self._fin_reason: torch.Tensor | None = None
@@ -176,6 +180,7 @@ class BeamSearchState:
         ids_l = topk_ids[0].tolist()
         parents_l = ([0] * len(ids_l) if first_single
                      else (topk_indices // vocab)[0].tolist())
+        cand_lps = _candidate_logprobs(logprobs, parents_l, topk_ids[0])
         new_len = self.gen_len + 1  # generated length including the new token
         # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
         is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
@@ -189,19 +194,21 @@ class BeamSearchState:
         self._running_scores = torch.take_along_dim(topk_running_log_probs, next_idx, dim=1)
         # f. finished buffer (_update_finished_beams)
         finished = self._update_finished(topk_log_probs, hits, is_stop_tok, new_len, parents_l,
-                                         ids_l)
+                                         ids_l, cand_lps)
         # g. stopping condition of the group
         self.gen_len = new_len
         self.done = self._group_done(hits)
-        old_running = self._running
+        old_running, old_lps = self._running, self._running_lps
         if self.done:
-            self._running = []
+            self._running, self._running_lps = [], []
             return BeamStep([], [], True, finished)
         next_l = next_idx[0].tolist()
         parents = [parents_l[c] for c in next_l]
         tokens = [ids_l[c] for c in next_l]
+        lps = [cand_lps[c] for c in next_l]
         self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
-        return BeamStep(parents, tokens, False, finished)
+        self._running_lps = [[*old_lps[p], lp] for p, lp in zip(parents, lps)]
+        return BeamStep(parents, tokens, False, finished, lps)
 
     def _check_rows(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """The step's [W, V] rows (a single first-step row expanded) and whether it was one."""
@@ -225,7 +232,8 @@ class BeamSearchState:
 
     def _update_finished(self, topk_log_probs: torch.Tensor, hits: torch.Tensor,
                          is_stop_tok: torch.Tensor, new_len: int, parents_l: list[int],
-                         ids_l: list[int]) -> list[BeamHypothesis]:
+                         ids_l: list[int], cand_lps: list[tuple[float, int]]
+                         ) -> list[BeamHypothesis]:
         """Merge this step's admitted hits into the W-slot finished buffer (HF
         _update_finished_beams); returns the hypotheses admitted now."""
         w = self.beam_width
@@ -244,19 +252,24 @@ class BeamSearchState:
         self._fin_scores, self._fin_sums, self._fin_reason, self._fin_done = (
             torch.take_along_dim(m, keep, dim=1) for m in merged)
         new_fin: list[list[int]] = []
+        new_lps: list[list[tuple[float, int]]] = []
         finished: list[BeamHypothesis] = []
         scores_l, sums_l = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
         reasons_l = self._fin_reason[0].tolist()
         for slot, i in enumerate(keep[0].tolist()):
             if i < w:
                 new_fin.append(self._fin_tokens[i])
+                new_lps.append(self._fin_lps[i])
                 continue
-            toks = [*self._running[parents_l[i - w]], ids_l[i - w]]
+            c = i - w
+            toks = [*self._running[parents_l[c]], ids_l[c]]
+            lps = [*self._running_lps[parents_l[c]], cand_lps[c]]
             new_fin.append(toks)
+            new_lps.append(lps)
             if reasons_l[slot] != _UNSET:
                 finished.append(BeamHypothesis(list(toks), sums_l[slot], scores_l[slot],
-                                               _REASONS[reasons_l[slot]]))
-        self._fin_tokens = new_fin
+                                               _REASONS[reasons_l[slot]], list(lps)))
+        self._fin_tokens, self._fin_lps = new_fin, new_lps
         return finished
 
     def _group_done(self, hits: torch.Tensor) -> bool:
@@ -290,6 +303,17 @@ class BeamSearchState:
         sums = self._fin_sums[0, :n].tolist()
         reasons = self._fin_reason[0, :n].tolist()
         return [
-            BeamHypothesis(list(self._fin_tokens[i]), sums[i], scores[i], _REASONS.get(reasons[i], "length"))
+            BeamHypothesis(list(self._fin_tokens[i]), sums[i], scores[i],
+                           _REASONS.get(reasons[i], "length"), list(self._fin_lps[i]))
             for i in range(n)
         ]
+
+
+def _candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor
+                        ) -> list[tuple[float, int]]:
+    """Each candidate token's own log-prob in its parent's row and its rank there (1 = the
+    most likely), for the hypotheses' per-token logprobs."""
+    rows = logprobs[torch.tensor(parents, device=logprobs.device)].to(torch.float32)
+    lp = rows.gather(1, tokens[:, None])
+    ranks = (rows > lp).sum(dim=-1) + 1
+    return list(zip(lp[:, 0].tolist(), ranks.tolist()))

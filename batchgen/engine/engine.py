@@ -10,7 +10,7 @@ import torch
 from batchgen.attention.metadata import SeqChunk
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput, StepStats
 from batchgen.engine.sequence import SequenceGroup
-from batchgen.sampling.sampler import Sampler, SamplingRow
+from batchgen.sampling.sampler import RankedLogprobs, Sampler, SamplingRow, ranked_logprobs
 
 
 class Runner(Protocol):
@@ -64,7 +64,21 @@ class Engine:
         sampled = []
         if out.samplers:
             rows = [SamplingRow(s.group.params, s.token_ids, s.num_prompt_tokens, s.generator,
-                                self.eos_token_ids) for s in out.samplers]
+                                self.eos_token_ids, s.group.bad_word_ids) for s in out.samplers]
             res = self.sampler(logits[out.sample_rows], rows)
             sampled = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
-        return self.scheduler.update_from_output(out, logits, sampled)
+        prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []
+        return self.scheduler.update_from_output(out, logits, sampled, prompt)
+
+
+def prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[SequenceGroup, int, int, int]]
+                    ) -> list[RankedLogprobs | None]:
+    """Raw logprobs of prompt tokens (each row scores the next prompt token), with the top
+    `prompt_logprobs` and ranks; all rows of the step in one call."""
+    rows, targets, ks = [], [], []
+    for group, first, row, count in prompt_rows:
+        rows += range(row, row + count)
+        targets += group.prompt_token_ids[first:first + count]
+        ks += [group.params.prompt_logprobs] * count
+    lp = torch.log_softmax(logits[rows], dim=-1)
+    return ranked_logprobs(lp, torch.tensor(targets, device=lp.device), ks)

@@ -7,19 +7,13 @@ group's W beams advance together through HF's beam selection).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from batchgen.engine.beam import BeamSearchState, StopFn
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.outputs import (
-    BeamSearchOutput,
-    BeamSequence,
-    CompletionOutput,
-    RequestOutput,
-)
+from batchgen.sampling.sampler import RankedLogprobs
 
 
 @dataclass
@@ -38,7 +32,7 @@ class Append:
     seq: Sequence
     token: int
     logprob: float
-    top_logprobs: dict[int, float] | None = None
+    top_logprobs: RankedLogprobs | None = None
 
 
 @dataclass
@@ -57,7 +51,7 @@ class SetSeqs:
 
 
 Op = Fork | Append | Free | SetSeqs
-Sample = tuple[int, float, dict[int, float] | None]  # token, raw logprob, top logprobs
+Sample = tuple[int, float, RankedLogprobs | None]  # token, raw logprob, top logprobs
 
 
 def ready(seqs: list[Sequence]) -> list[Sequence]:
@@ -90,15 +84,6 @@ class SamplePolicy:
     def finished(self, group: SequenceGroup) -> bool:
         return all(s.finished for s in group.seqs)
 
-    def output(self, group: SequenceGroup) -> RequestOutput:
-        outs = [CompletionOutput(index=s.index, text=s.stop.final_text(s.output_token_ids),
-                                 token_ids=s.output_token_ids,
-                                 cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
-                                 finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                for s in group.seqs]
-        return RequestOutput(request_id=str(group.index), prompt=group.prompt,
-                             prompt_token_ids=group.prompt_token_ids, outputs=outs)
-
 
 class BeamPolicy:
     """HF beam search over the group's W live beams. After the first step the beams decode
@@ -106,9 +91,8 @@ class BeamPolicy:
     The first child of a parent takes over its sequence, other children fork it, parents
     without children end."""
 
-    def __init__(self, state: BeamSearchState, text: Callable[[list[int]], str]) -> None:
+    def __init__(self, state: BeamSearchState) -> None:
         self.state = state
-        self.text = text  # a hypothesis's output text (the sample rules, replayed)
 
     def held_tokens(self, group: SequenceGroup) -> int:
         return 1 if self.state.gen_len > 0 else 0
@@ -127,7 +111,6 @@ class BeamPolicy:
         step = self.state.step(logprobs, self._stop_fn(beams))
         if step.done:
             return [Free(b) for b in beams]
-        token_lp = logprobs[step.parents, step.tokens].tolist()
         ops: list[Op] = []
         nxt: list[Sequence] = []
         taken: set[int] = set()
@@ -142,7 +125,7 @@ class BeamPolicy:
                 nxt.append(parent)
         ops += [Free(b) for p, b in enumerate(beams) if p not in taken]
         ops.append(SetSeqs(group, nxt))
-        ops += [Append(c, t, lp) for c, t, lp in zip(nxt, step.tokens, token_lp)]
+        ops += [Append(c, t, lp) for c, t, (lp, _) in zip(nxt, step.tokens, step.token_logprobs)]
         return ops
 
     def _stop_fn(self, beams: list[Sequence]) -> StopFn | None:
@@ -154,14 +137,6 @@ class BeamPolicy:
 
     def finished(self, group: SequenceGroup) -> bool:
         return self.state.done
-
-    def output(self, group: SequenceGroup) -> BeamSearchOutput:
-        seqs = [BeamSequence(token_ids=h.token_ids, text=self.text(h.token_ids),
-                             cumulative_logprob=h.sum_logprobs, score=h.score,
-                             finish_reason=h.finish_reason)
-                for h in self.state.finalize()]
-        return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                                sequences=seqs)
 
 
 GroupPolicy = SamplePolicy | BeamPolicy

@@ -22,6 +22,7 @@ from batchgen.attention.metadata import SeqChunk
 from batchgen.engine.policy import Append, Fork, Free, Op, Sample, SetSeqs
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
+from batchgen.sampling.sampler import RankedLogprobs
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -55,6 +56,8 @@ class SchedulerOutput:
     samplers: list[Sequence] = field(default_factory=list)  # sequences that draw a token...
     sample_rows: list[int] = field(default_factory=list)  # ...from these logits rows
     beam_rows: dict[SequenceGroup, dict[Sequence, int]] = field(default_factory=dict)
+    # prompt logprobs: (group, first position scored, its logits row, how many rows)
+    prompt_rows: list[tuple[SequenceGroup, int, int, int]] = field(default_factory=list)
     num_prompt_tokens: int = 0
 
 
@@ -234,6 +237,8 @@ class Scheduler:
             self.waiting.popleft()
             self.running.append(group)
             self.bm.allocate(leader, start + n, hit)
+            if group.num_cached_tokens is None:
+                group.num_cached_tokens = start
             leader.status = SequenceStatus.RUNNING
             leader.num_computed_tokens = start
             leader.cached_blocks = len(hit)
@@ -241,8 +246,9 @@ class Scheduler:
             budget.take(out, leader, n)
 
     def _describe(self, out: SchedulerOutput) -> None:
-        """The runner's chunks and who reads each logits row: samplers draw from it (an n > 1
-        leader's last prompt row serves every sample), beams hand theirs to their policy."""
+        """The runner's chunks and who reads each logits row: samplers draw from a chunk's last
+        row (an n > 1 leader's last prompt row serves every sample), beams hand theirs to their
+        policy, and a request with prompt logprobs keeps every row of its prompt chunks."""
         row = 0
         tables = self.bm.block_tables
         for item in out.scheduled:
@@ -251,25 +257,38 @@ class Scheduler:
             start = seq.num_computed_tokens
             end = start + n
             want = end == len(tokens)
-            out.chunks.append(SeqChunk(tokens[start:end], tables[seq], start, want))
-            if start < group.num_prompt_tokens:
-                out.num_prompt_tokens += min(end, group.num_prompt_tokens) - start
+            p = group.num_prompt_tokens
+            rows = int(want)
+            if group.prompt_logprobs is not None and start < p - 1:
+                rows = n  # every position scores the next prompt token
+                out.prompt_rows.append((group, start + 1, row, min(end, p - 1) - start))
+            out.chunks.append(SeqChunk(tokens[start:end], tables[seq], start, rows))
+            if start < p:
+                out.num_prompt_tokens += min(end, p) - start
+            row += rows
             if not want:
                 continue
             samplers = group.policy.samples_from(group, seq)
             if samplers:
                 out.samplers += samplers
-                out.sample_rows += [row] * len(samplers)
+                out.sample_rows += [row - 1] * len(samplers)
             else:
-                out.beam_rows.setdefault(group, {})[seq] = row
-            row += 1
+                out.beam_rows.setdefault(group, {})[seq] = row - 1
         self.prompt_tokens_computed += out.num_prompt_tokens
 
     # ---- after the step -------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, logits: torch.Tensor,
-                           sampled: list[Sample]) -> StepStats:
-        """Apply one step's results: progress and prefix-cache publishing, pending forks, then
+                           sampled: list[Sample],
+                           prompt_logprobs: list[RankedLogprobs | None] = ()) -> StepStats:
+        """Apply one step's results: progress and prefix-cache publishing, prompt logprobs
+        (`prompt_logprobs`: the entries of `out.prompt_rows`, in order), pending forks, then
         each group's policy operations; finished groups leave the running list."""
+        entries = iter(prompt_logprobs)
+        for group, first, _, count in out.prompt_rows:
+            for pos in range(first, first + count):
+                entry = next(entries)
+                if group.prompt_logprobs[pos] is None:  # a recompute scores them again
+                    group.prompt_logprobs[pos] = entry
         touched: dict[SequenceGroup, None] = {}
         for item in out.scheduled:
             seq = item.seq
@@ -313,11 +332,11 @@ class Scheduler:
         return appended
 
     def _append(self, seq: Sequence, token: int, logprob: float,
-                top: dict[int, float] | None) -> None:
+                top: RankedLogprobs | None) -> None:
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(top if top is not None else {token: logprob})
+            seq.logprobs.append(top if top is not None else {token: (logprob, None)})
         if seq.stop is not None:
             reason, stop_reason = seq.stop.append(token, seq.num_generated)
             if reason is not None:
@@ -382,8 +401,8 @@ class Scheduler:
         """Hashes of the leader's full blocks within its first `limit` tokens, and the cached
         blocks of their longest prefix. At least two tokens are left to compute (one would run
         as a decode row; see _chunk_size), or the one a one-token prompt has."""
-        if not self.bm.enable_prefix_caching:
-            return [], []
+        if not self.bm.enable_prefix_caching or leader.group.prompt_logprobs is not None:
+            return [], []  # prompt logprobs need every prompt position computed
         hashes = self._hashes(leader, limit)[:limit // self.block_size]
         return hashes, self.bm.lookup(hashes[:max(limit - 2, 0) // self.block_size])
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.sampling.sampler import RankedLogprobs
 from batchgen.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[RankedLogprobs] | None = None  # per token, when the request asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # prefix cache: chained hashes of the full blocks of token_ids (a memo that may run ahead of
@@ -105,10 +106,16 @@ class SequenceGroup:
     policy: GroupPolicy
     seqs: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
+    bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
+    num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
+    # prompt logprobs, filled position by position as the leader computes the prompt
+    prompt_logprobs: list[RankedLogprobs | None] | None = None
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
+        if getattr(self.params, "prompt_logprobs", None) is not None:
+            self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

@@ -203,6 +203,17 @@ class BlockManager:
         self.ref_count = [0] * self.num_blocks
         self.free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in hashed]
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (their blocks go back to the free list); refused while a
+        sequence holds blocks, since its published blocks would lose their hashes under it."""
+        if self.block_tables:
+            return False
+        self.free.extend(self.evictable)
+        self.evictable.clear()
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return True
+
     def reset_stats(self) -> None:
         """Start a new measurement window for peak usage, COW copies and prefix hits."""
         self.peak_blocks_in_use = self.num_blocks_in_use()

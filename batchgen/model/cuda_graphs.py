@@ -76,7 +76,7 @@ class DecodeGraphs:
         """Warm up and capture every size, largest first (smaller graphs reuse its memory)."""
         scratch = self.cache.scratch_block
         for size in reversed(self.sizes):
-            dummy = [SeqChunk([0], [scratch], 0, True) for _ in range(size)]
+            dummy = [SeqChunk([0], [scratch], 0, 1) for _ in range(size)]
             step = self._prepare(dummy, size)
             step()  # eager warm-up: kernel builds, allocator settles
             self.graphs[size] = self.capturer.capture(step)

@@ -58,8 +58,8 @@ class StepInputs:
                     if pin else self.host)
 
     def prepare(self, chunks: list[SeqChunk], pad_to: int | None = None) -> StepBatch:
-        """Pack the chunks; logits row i belongs to the i-th chunk (in the given order) that
-        wants logits. `pad_to`: exactly this many rows (a decode step replaying a CUDA graph
+        """Pack the chunks; the logits rows are each chunk's last `num_logits` positions, chunk
+        by chunk in the given order. `pad_to`: exactly this many rows (a decode step replaying a CUDA graph
         captured for that batch size); else at least `min_rows`."""
         bs = self.block_size
         order = sorted(range(len(chunks)),
@@ -80,7 +80,8 @@ class StepInputs:
             starts.append(start)
             lens.append(n)
             last_row[i] = qo[-1] - 1
-        logits = [last_row[i] for i, c in enumerate(chunks) if c.want_logits]
+        logits = [r for i, c in enumerate(chunks)
+                  for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         num_logits = len(logits)
         rows = self.min_rows if pad_to is None else pad_to
         pad = rows - qo[-1]

@@ -39,16 +39,38 @@ class KVGeometry:
     max_position_embeddings: int | None
 
 
-def check_model_dir(path: object) -> Path:
-    """A local folder with a config.json, or a ValueError naming `model`."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise ValueError("model must be the path of a local HuggingFace model folder, got "
-                         f"{type(path).__name__}")
-    p = Path(path)
-    if not (p.is_dir() and (p / "config.json").is_file()):
+def resolve_model_dir(model: object, name: str = "model", marker: str = "config.json"
+                      ) -> Path:
+    """A local model folder: a path (`~` expanded), or a hub id ("org/name") already in the
+    local Hugging Face cache (looked up offline, as transformers would load it). A ValueError
+    naming `name` says how to get a missing one; a model object is a TypeError."""
+    if isinstance(model, torch.nn.Module):
+        raise TypeError(f"{name} must be a folder or a hub id, not a {type(model).__name__} "
+                        "object: save it with .save_pretrained(folder) and pass the folder")
+    if not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"{name} must be the path of a local HuggingFace model folder or a "
+                         f"hub id, got {type(model).__name__}")
+    path = Path(os.path.expanduser(os.fspath(model)))
+    if not path.exists() and isinstance(model, str) and model.count("/") == 1:
+        path = _cached_snapshot(model, name)
+    if not (path.is_dir() and any((path / m).is_file() for m in marker.split("|"))):
+        raise ValueError(f"{name} must be a local HuggingFace folder containing {marker}, or "
+                         f"a hub id in the local cache, got {str(model)!r}")
+    return path
+
+
+def _cached_snapshot(repo_id: str, name: str) -> Path:
+    """The folder of a hub model in the local HF cache (no download: batchgen runs offline)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError, FileNotFoundError) as e:
         raise ValueError(
-            f"model must be a local HuggingFace model folder containing config.json, got {str(path)!r}")
-    return p
+            f"{name}={repo_id!r} is not a local folder and not in the Hugging Face cache; "
+            f"download it first (`hf download {repo_id}`, or `huggingface-cli download "
+            f"{repo_id}`) or pass a folder") from e
 
 
 def check_weights(path: Path) -> None:
@@ -108,22 +130,25 @@ def kv_geometry(config: PretrainedConfig) -> KVGeometry:
     return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
 
 
-def load_tokenizer(path: Path):
+TOKENIZER_FILES = "tokenizer.json|tokenizer_config.json|tokenizer.model|vocab.json"
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The folder's tokenizer, or None when it ships none (token-id prompts still work)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((path / n).exists() for n in names):
+    if not any((path / n).exists() for n in TOKENIZER_FILES.split("|")):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
-               device: torch.device) -> torch.nn.Module:
+               device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
     """Load safetensors weights with batchgen's attention registered and selected."""
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=register())
+            path, config=config, dtype=dtype, attn_implementation=register(),
+            trust_remote_code=trust_remote_code)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
@@ -137,7 +162,7 @@ def load_generation_config(path: Path) -> GenerationConfig | None:
     return GenerationConfig.from_pretrained(path)
 
 
-def load_config(path: Path) -> PretrainedConfig:
-    config = AutoConfig.from_pretrained(path)
+def load_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_supported(config)
     return config

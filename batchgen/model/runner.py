@@ -42,8 +42,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits [R, vocab], row i for the i-th chunk that wants
-        logits."""
+        """Run one step; returns float32 logits [R, vocab]: each chunk's last `num_logits`
+        positions, chunk by chunk."""
         graphs = self.graphs
         if (graphs is not None and graphs.size_for(len(chunks)) is not None
                 and all(len(c.token_ids) == 1 for c in chunks)):

@@ -29,6 +29,7 @@ default), with the chosen token always present in the top-logprobs dict.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ class SamplingRow:
     num_prompt_tokens: int  # generated ids are token_ids[num_prompt_tokens:]
     generator: torch.Generator | None = None  # per-sequence generator for seeded requests
     eos_token_id: int | list[int] | None = None  # banned (with stop ids) while < min_tokens
+    bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
 
     @property
     def num_generated(self) -> int:
@@ -54,13 +56,17 @@ class SamplingRow:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
+RankedLogprobs = dict[int, tuple[float, int]]  # token -> (raw logprob, rank; 1 = the most likely)
+
+
 @dataclass
 class SamplerOutput:
-    """Chosen tokens and their raw logprobs for one step, one entry per row."""
+    """Chosen tokens and their raw logprobs for one step, one entry per row; with `logprobs`
+    asked, the chosen token and the top-k with their ranks."""
 
     token_ids: list[int]
     logprobs: list[float]
-    top_logprobs: list[dict[int, float] | None]
+    top_logprobs: list[RankedLogprobs | None]
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -99,6 +105,50 @@ def _banned_ids(row: SamplingRow) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- stages
+
+
+def _needs_controls(rows: list[SamplingRow]) -> bool:
+    return any(r.params.logit_bias or r.params.allowed_token_ids or r.bad_word_ids
+               or r.params.logits_processors for r in rows)
+
+
+def apply_controls(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's per-request logit controls, before penalties: allowed_token_ids (everything
+    else -inf), logit_bias (added), bad_words (the last token of a word whose other tokens end
+    the output is banned) and logits_processors (called on the row's output ids and logits)."""
+    scores = scores.clone()
+    vocab = scores.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                                device=scores.device)
+            masked = torch.full_like(scores[i], _NEG_INF)
+            masked[keep] = scores[i, keep]
+            scores[i] = masked
+        if p.logit_bias:
+            ids = [t for t in p.logit_bias if t < vocab]
+            scores[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=scores.device)
+        if r.bad_word_ids:
+            out = r.token_ids[r.num_prompt_tokens:]
+            banned = [w[-1] for w in r.bad_word_ids
+                      if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:]
+                                         == w[:-1])]
+            scores[i, [t for t in banned if t < vocab]] = _NEG_INF
+        for fn in p.logits_processors or ():
+            out = r.token_ids[r.num_prompt_tokens:]
+            prompt = r.token_ids[:r.num_prompt_tokens]
+            args = (out, scores[i]) if _arity(fn) == 2 else (prompt, out, scores[i])
+            scores[i] = fn(*args)
+    return scores
+
+
+def _arity(fn: object) -> int:
+    """Positional parameters of a logits processor: 2 (output ids, logits) or 3 (+ prompt)."""
+    try:
+        return len(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return 2
 
 
 def apply_penalties(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -229,7 +279,8 @@ class Sampler:
         raw = logits.float()
         n, vocab = raw.shape
         dev = raw.device
-        scores = apply_penalties(raw, rows) if _needs_penalties(rows) else raw
+        scores = apply_controls(raw, rows) if _needs_controls(rows) else raw
+        scores = apply_penalties(scores, rows) if _needs_penalties(rows) else scores
         greedy, sampled = _split(rows)
         if not sampled:
             return self._output(raw, scores.argmax(dim=-1), rows)
@@ -251,27 +302,40 @@ class Sampler:
     @staticmethod
     def _output(raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Gather raw logprobs of the chosen tokens and the requested top-k; one host sync."""
-        vocab = raw.shape[1]
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
-        ks = [min(r.params.logprobs, vocab) if r.params.logprobs is not None else -1 for r in rows]
-        kmax = max(ks)
-        if kmax > 0:
-            top = torch.topk(raw, kmax, dim=-1)
-            top_lp = (top.values - lse[:, None]).tolist()
-            top_ids = top.indices.tolist()
-        tokens = chosen.tolist()
-        lps = chosen_lp.tolist()
-        tops: list[dict[int, float] | None] = []
-        for i, k in enumerate(ks):
-            if k < 0:
-                tops.append(None)
-                continue
-            d = {tokens[i]: lps[i]}
-            for j in range(k):
-                d.setdefault(top_ids[i][j], top_lp[i][j])
-            tops.append(d)
-        return SamplerOutput(token_ids=tokens, logprobs=lps, top_logprobs=tops)
+        ks = [r.params.logprobs for r in rows]
+        tops = ranked_logprobs(raw - lse[:, None], chosen, ks)
+        return SamplerOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(),
+                             top_logprobs=tops)
+
+
+def ranked_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int | None]
+                    ) -> list[RankedLogprobs | None]:
+    """Per row with k not None: the chosen token and the top k, each with (logprob, rank); rank
+    1 is the most likely, a chosen token outside the top k gets its true rank (vLLM's form);
+    k = -1 means every token.
+    Rows with k None get None. Used for sampled tokens and prompt logprobs alike."""
+    vocab = logprobs.shape[1]
+    ks = [vocab if k == -1 else k for k in ks]  # -1: the whole vocabulary (vLLM)
+    asked = [i for i, k in enumerate(ks) if k is not None]
+    out: list[RankedLogprobs | None] = [None] * len(ks)
+    if not asked:
+        return out
+    rows = torch.tensor(asked, dtype=torch.long, device=logprobs.device)
+    lp = logprobs[rows]
+    tok = chosen[rows]
+    tok_lp = lp.gather(1, tok[:, None])
+    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
+    kmax = min(max(ks[i] for i in asked), vocab)
+    top_lp, top_ids = (torch.topk(lp, kmax, dim=-1) if kmax > 0 else (lp[:, :0], tok[:, None][:, :0]))
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(asked):
+        d = {int(tok[j]): (float(tok_lp[j, 0]), ranks[j])}
+        for r in range(min(ks[i], vocab)):
+            d.setdefault(top_ids[j][r], (top_lp[j][r], r + 1))
+        out[i] = d
+    return out
 
 
 def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

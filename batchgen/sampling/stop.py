@@ -28,6 +28,8 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
+from tokenizers.decoders import DecodeStream
+
 from batchgen.params import BeamSearchParams, SamplingParams
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept as left context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
@@ -61,14 +63,9 @@ def _id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-class IncrementalDetokenizer:
-    """Turns generated ids into text one token at a time over a bounded window of ids.
-
-    Keeps ``ids`` = a few prompt tokens + the generated tokens not yet settled, and two
-    offsets into it (vLLM's ``prefix_offset`` / ``read_offset``): text is emitted as
-    ``decode(ids[prefix:]) - decode(ids[prefix:read])``, and only once it does not end in an
-    incomplete UTF-8 character (U+FFFD). Skipped special tokens never enter the window.
-    """
+class _Detokenizer:
+    """What both detokenizers share: the tokenizer, the skipped ids, the prompt's tail as
+    context (skipped ids left out) and the text so far."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True,
                  special: frozenset[int] | None = None):
@@ -77,11 +74,24 @@ class IncrementalDetokenizer:
         if special is None:
             special = special_ids(tokenizer)
         self._skip = special if skip_special_tokens else frozenset()
-        context = [t for t in prompt_token_ids if t not in self._skip][-PROMPT_CONTEXT_TOKENS:]
-        self._ids: list[int] = list(context)
-        self._prefix = 0
-        self._read = len(context)
+        self._context = [t for t in prompt_token_ids if t not in self._skip][-PROMPT_CONTEXT_TOKENS:]
         self.text = ""
+
+
+class IncrementalDetokenizer(_Detokenizer):
+    """Turns generated ids into text one token at a time over a bounded window of ids.
+
+    Keeps ``ids`` = a few prompt tokens + the generated tokens not yet settled, and two
+    offsets into it (vLLM's ``prefix_offset`` / ``read_offset``): text is emitted as
+    ``decode(ids[prefix:]) - decode(ids[prefix:read])``, and only once it does not end in an
+    incomplete UTF-8 character (U+FFFD). Skipped special tokens never enter the window.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._ids: list[int] = list(self._context)
+        self._prefix = 0
+        self._read = len(self._ids)
 
     def _window_texts(self) -> tuple[str, str]:
         """(decode of the settled context, decode of the whole window)."""
@@ -127,6 +137,67 @@ class IncrementalDetokenizer:
         return twin
 
 
+class StreamDetokenizer(_Detokenizer):
+    """The same contract as IncrementalDetokenizer, on tokenizers' own incremental decoder
+    (`tokenizers.decoders.DecodeStream`): the same prompt context and skipped ids, text held
+    back while a character is incomplete, given up after MAX_PENDING_TOKENS, flushed at the
+    end. Used for every fast tokenizer."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._window = list(self._context)  # settled ids: the stream's context
+        self._pending: list[int] = []  # ids fed since the last text came out
+        self._stream = DecodeStream(ids=self._window, skip_special_tokens=self.skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        """Add one generated token; return the text it completes ("" while pending)."""
+        if token_id in self._skip:
+            return ""
+        chunk = self._stream.step(self.tokenizer.backend_tokenizer, token_id)
+        self._pending.append(token_id)
+        if chunk is not None:
+            return self._settle(chunk, restart=False)
+        if len(self._pending) >= MAX_PENDING_TOKENS:  # invalid UTF-8 that will never complete
+            return self._settle(self._pending_text(), restart=True)
+        return ""
+
+    def flush(self) -> str:
+        """Emit whatever is pending (it may end in U+FFFD); call once at the end."""
+        return self._settle(self._pending_text(), restart=True) if self._pending else ""
+
+    def fork(self) -> StreamDetokenizer:
+        """An independent copy (the Rust stream copies its state)."""
+        twin = copy.copy(self)
+        twin._stream = copy.copy(self._stream)
+        twin._window, twin._pending = list(self._window), list(self._pending)
+        return twin
+
+    def _pending_text(self) -> str:
+        prefix = _decode(self.tokenizer, self._window, self.skip_special_tokens)
+        full = _decode(self.tokenizer, self._window + self._pending, self.skip_special_tokens)
+        return full[len(prefix):]
+
+    def _settle(self, new_text: str, restart: bool) -> str:
+        """Emit `new_text`; the settled ids become the context (a fresh stream after a forced
+        emit, whose bytes the old stream still holds)."""
+        self.text += new_text
+        self._window = (self._window + self._pending)[-PROMPT_CONTEXT_TOKENS:]
+        self._pending = []
+        if restart:
+            self._stream = DecodeStream(ids=self._window,
+                                        skip_special_tokens=self.skip_special_tokens)
+        return new_text
+
+
+def detokenizer(tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool,
+                special: frozenset[int] | None = None
+                ) -> StreamDetokenizer | IncrementalDetokenizer:
+    """tokenizers' DecodeStream for a fast tokenizer, the windowed decoder otherwise."""
+    cls = (StreamDetokenizer if getattr(tokenizer, "backend_tokenizer", None) is not None
+           else IncrementalDetokenizer)
+    return cls(tokenizer, prompt_token_ids, skip_special_tokens, special)
+
+
 class StopChecker:
     """Decides when one sequence stops, and its final text; see the module docstring. Samples
     feed it every token; beams ask `would_stop` of each candidate and replay a finished
@@ -142,7 +213,8 @@ class StopChecker:
         special: frozenset[int] | None = None,
     ):
         self.eos_ids = _id_set(eos_token_id)
-        self.tokenizer = tokenizer
+        # detokenize=False: no text at all (stop strings are refused with it)
+        self.tokenizer = tokenizer if getattr(params, "detokenize", True) else None
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.stop_strings: list[str] = list(params.stop_strings)
@@ -151,17 +223,17 @@ class StopChecker:
         self.min_tokens: int = getattr(params, "min_tokens", 0)
         self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
         self.skip_special_tokens = bool(getattr(params, "skip_special_tokens", True))
-        if tokenizer is not None and special is None:
-            special = special_ids(tokenizer)
+        if self.tokenizer is not None and special is None:
+            special = special_ids(self.tokenizer)
         self.special = special or frozenset()
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._stop_token_text_dropped = False  # the last token's text is not in the output
         self._truncate_at: int | None = None  # text index where a stop string cut the text
-        self.detokenizer: IncrementalDetokenizer | None = None
-        if tokenizer is not None and self.stop_strings:
-            self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids,
-                                                      self.skip_special_tokens, self.special)
+        self.detokenizer: StreamDetokenizer | IncrementalDetokenizer | None = None
+        if self.tokenizer is not None and self.stop_strings:
+            self.detokenizer = detokenizer(self.tokenizer, prompt_token_ids, self.skip_special_tokens,
+                                           self.special)
         self._search_from = 0  # stop strings must end after this text index (min_tokens)
 
     @property

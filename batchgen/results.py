@@ -1,0 +1,75 @@
+"""From finished groups to the user's results: RequestOutput / BeamSearchOutput with their text
+(the stop rules, one implementation for samples and beams) and vLLM's Logprob objects."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from batchgen.engine.policy import BeamPolicy
+from batchgen.engine.sequence import SequenceGroup
+from batchgen.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    TokenLogprobs,
+)
+from batchgen.sampling.sampler import RankedLogprobs
+from batchgen.sampling.stop import StopFactory
+
+
+class ResultBuilder:
+    """Turns a finished group into its output. Token texts of logprobs are decoded here, once
+    per distinct id of a request."""
+
+    def __init__(self, tokenizer: Any | None, stops: StopFactory) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+
+    def request_output(self, group: SequenceGroup) -> RequestOutput:
+        p = group.params
+        decode = self._decoder(getattr(p, "detokenize", True))
+        outs = [CompletionOutput(
+            index=s.index, text=s.stop.final_text(s.output_token_ids),
+            token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
+            logprobs=None if s.logprobs is None else [_logprobs(e, decode) for e in s.logprobs],
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.seqs]
+        prompt_lps = None
+        if group.prompt_logprobs is not None:
+            prompt_lps = [None if e is None else _logprobs(e, decode)
+                          for e in group.prompt_logprobs]
+        return RequestOutput(request_id=str(group.index), prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outs,
+                             num_cached_tokens=group.num_cached_tokens or 0,
+                             prompt_logprobs=prompt_lps)
+
+    def beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
+        assert isinstance(group.policy, BeamPolicy)
+        decode = self._decoder(True)
+        seqs = [BeamSequence(
+            token_ids=h.token_ids,
+            text=self.stops.text(group.params, group.prompt_token_ids, h.token_ids),
+            cumulative_logprob=h.sum_logprobs, score=h.score, finish_reason=h.finish_reason,
+            logprobs=[_logprobs({t: lp}, decode) for t, lp in zip(h.token_ids,
+                                                                  h.token_logprobs)],
+            prompt_token_ids=group.prompt_token_ids)
+            for h in group.policy.state.finalize()]
+        return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
+                                sequences=seqs)
+
+    def _decoder(self, detokenize: bool):
+        """token id -> its text (memoised for one output), or None without text."""
+        if self.tokenizer is None or not detokenize:
+            return lambda token: None
+        memo: dict[int, str] = {}
+
+        def decode(token: int) -> str:
+            if token not in memo:
+                memo[token] = self.tokenizer.decode([token])
+            return memo[token]
+        return decode
+
+
+def _logprobs(entry: RankedLogprobs, decode) -> TokenLogprobs:
+    return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
