@@ -1,4 +1,5 @@
-"""Quickstart: greedy generation, n samples per prompt and a stop string from a local model."""
+"""Quickstart: greedy generation, n samples per prompt, a stop string and a chat turn from a
+local model."""
 
 import sys
 
@@ -21,6 +22,10 @@ def main(model_dir: str) -> None:
 
     stopped = llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=32, stop=["e"]))
     print(f"stop at 'e': {stopped[0].outputs[0].text!r} ({stopped[0].outputs[0].stop_reason!r})")
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                    SamplingParams(temperature=0, max_tokens=16, logprobs=1))
+    first = chat[0].outputs[0].logprobs[0]
+    print(f"chat: {chat[0].outputs[0].text!r}; first token {first}")
     print(llm.kv_stats())
 
 
