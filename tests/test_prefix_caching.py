@@ -77,6 +77,23 @@ def test_shared_system_prompt_in_one_call(model_dir, prefix_len):
     _no_leak(off)
 
 
+def test_cached_prefix_gives_the_bits_of_a_cold_run(model_dir):
+    """A hit's suffix sits in the same SDPA rows as in a cold prefill, and the cached blocks
+    hold the bits a cold prefill writes, whatever the length of the prompt that wrote them (its
+    tile had fewer or more queries): bit-identical logprobs. A resumed dataset job relies on
+    this (its cache holds other rows than an uninterrupted run's)."""
+    prefix = [1] + _tokens(15, 21)  # one full block
+    on, off = _pair(model_dir, num_kv_blocks=256)
+    for c in (1, 5, 17):  # the writer's tile: 17 (failed before padded tiles), 21, 33 queries
+        for k in (2, 9, 40):
+            on.reset_prefix_cache()
+            on.generate(_ids([prefix + _tokens(c, 99)]), SP, use_tqdm=False)
+            p = prefix + _tokens(k, 30 + k)
+            hit = on.generate(_ids([p]), SP, use_tqdm=False)
+            assert on.kv_stats().prefix_hit_tokens == B
+            _same(hit, off.generate(_ids([p]), SP, use_tqdm=False))
+
+
 def test_full_prompt_hit_still_computes_the_last_token(model_dir):
     on, off = _pair(model_dir, num_kv_blocks=256)
     exact = [1] + _tokens(47, 5)  # 48 tokens = 3 full blocks

@@ -2,10 +2,10 @@
 bottom-right causal chunks, sliding windows, logit softcap and attention sinks.
 
 Prefill chunks are cut into query tiles that see only the keys up to their own window (the
-causal upper triangle is mostly skipped). Tiles of one shape share an SDPA call; a tile's shape
-depends on its absolute positions alone (see `_tiles`), so a sequence's result depends neither
-on its batch neighbours nor on how its prompt was chunked or cached (batch invariance). There
-is no Python loop over tokens.
+causal upper triangle is mostly skipped). Tiles of one shape share an SDPA call; a tile's shape,
+and the row each query takes in it, depend on its absolute positions alone (see `_tiles`), so a
+sequence's result depends neither on its batch neighbours nor on how its prompt was chunked or
+cached (batch invariance). There is no Python loop over tokens.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ KV_SPLIT = 512
 
 @dataclass
 class _Group:
-    """Query tiles of one shape: S tiles of `q_len` queries, each over `width` keys."""
+    """Query tiles of one shape: S tiles of `q_len` query rows, each over `width` keys."""
 
-    rows: slice | torch.Tensor  # packed rows of the tiles' queries: a slice when contiguous
+    rows: slice | torch.Tensor  # packed rows of the tiles' real queries: a slice when contiguous
+    slots: torch.Tensor | None  # where each real query sits among the S*q_len rows (None: all)
     num_seqs: int
     q_len: int
     width: int  # keys per tile (gathered whole blocks are cut to this)
@@ -58,20 +59,35 @@ class _Group:
         return self.masks[key]
 
 
-def _tiles(q_start: int, q_len: int, kv_len: int) -> list[tuple[int, int, int, int]]:
-    """(q_start, q_len, kv_len, width) of the SDPA tiles of one sequence's queries.
+@dataclass(frozen=True)
+class _Tile:
+    """One sequence's queries in one SDPA tile: packed rows [row, row + n) are the queries at
+    positions [first, first + n); the tile holds q_len rows from position first - lead, and its
+    keys are positions [0, kv_len) of a `width`-wide window."""
+
+    row: int
+    n: int
+    lead: int
+    q_len: int
+    kv_len: int
+    width: int
+
+
+def _tiles(q_start: int, q_len: int, kv_len: int) -> list[_Tile]:
+    """The SDPA tiles of one sequence's queries.
 
     A decode row (one query) is one tile, its keys rounded up to KV_SPLIT. A prefill chunk is
-    cut at absolute multiples of QUERY_TILE positions, and each tile is as wide as its whole
-    QUERY_TILE window (keys past its last query are masked). So a prompt position lands in an
-    SDPA call of the same width however the prompt is chunked or prefix-cached: its bits do
-    not depend on the batch, the token budget or the cache."""
+    cut at absolute multiples of QUERY_TILE positions; each tile has QUERY_TILE query rows (the
+    positions of its window, those outside the chunk padded) and is as wide as its window (keys
+    past its last query are masked). So a prompt position lands in the same row of an SDPA call
+    of the same shape however the prompt is chunked or prefix-cached: CPU SDPA blocks its
+    queries by row, so its bits depend neither on the batch, the token budget nor the cache."""
     if q_len == 1:
-        return [(q_start, 1, kv_len, KV_SPLIT * math.ceil(kv_len / KV_SPLIT))]
+        return [_Tile(q_start, 1, 0, 1, kv_len, KV_SPLIT * math.ceil(kv_len / KV_SPLIT))]
     first = kv_len - q_len  # position of the first query
     cuts = [first, *range((first // QUERY_TILE + 1) * QUERY_TILE, kv_len, QUERY_TILE), kv_len]
-    return [(q_start + a - first, b - a, b, QUERY_TILE * math.ceil(b / QUERY_TILE))
-            for a, b in zip(cuts, cuts[1:])]
+    return [_Tile(q_start + a - first, b - a, a % QUERY_TILE, QUERY_TILE, b,
+                  QUERY_TILE * math.ceil(b / QUERY_TILE)) for a, b in zip(cuts, cuts[1:])]
 
 
 class SdpaTiles:
@@ -84,35 +100,38 @@ class SdpaTiles:
 
     def plan(self, qo: list[int], kv_lens: list[int], pages: list[list[int]],
              seqs: Iterable[int], block_size: int) -> None:
-        buckets: dict[tuple[int, int], list[tuple[int, int, int, list[int]]]] = {}
-        for i in seqs:  # tiles of one (queries, width) shape share an SDPA call
-            for q0, qn, kvn, width in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):
-                buckets.setdefault((qn, width), []).append((q0, qn, kvn, pages[i]))
+        buckets: dict[tuple[int, int], list[tuple[_Tile, list[int]]]] = {}
+        for i in seqs:  # tiles of one (rows, width) shape share an SDPA call
+            for t in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):
+                buckets.setdefault((t.q_len, t.width), []).append((t, pages[i]))
         self.groups = [self._group(tiles, width, block_size)
                        for (_, width), tiles in sorted(buckets.items())]
 
-    def _group(self, tiles: list[tuple[int, int, int, list[int]]], width: int, bs: int
-               ) -> _Group:
+    def _group(self, tiles: list[tuple[_Tile, list[int]]], width: int, bs: int) -> _Group:
         """Index tensors and the causal mask of one group of same-shape query tiles."""
         dev = self.device
-        q_len = tiles[0][1]
-        kv_len = torch.tensor([t[2] for t in tiles])
+        q_len = tiles[0][0].q_len
         n_pages = (width + bs - 1) // bs
         pages: list[int] = []
-        for _, _, kvn, own in tiles:  # page table rows, right-padded with block 0 (masked)
-            n = (kvn + bs - 1) // bs
+        for t, own in tiles:  # page table rows, right-padded with block 0 (masked)
+            n = (t.kv_len + bs - 1) // bs
             pages.extend(own[:n])
             pages.extend([0] * (n_pages - n))
+        kv_len = torch.tensor([t.kv_len for t, _ in tiles])
+        start = torch.tensor([t.kv_len - t.n - t.lead for t, _ in tiles])  # position of row 0
         ar_kv = torch.arange(width)
-        q_pos = (kv_len - q_len)[:, None] + torch.arange(q_len)[None]  # bottom-right causal
+        q_pos = start[:, None] + torch.arange(q_len)[None]
         base = (ar_kv[None, None, :] < kv_len[:, None, None]) & (
             ar_kv[None, None, :] <= q_pos[:, :, None])
-        if all(a[0] + a[1] == b[0] for a, b in zip(tiles, tiles[1:])):
-            rows: slice | torch.Tensor = slice(tiles[0][0], tiles[-1][0] + q_len)
-        else:
-            starts = torch.tensor([t[0] for t in tiles])
-            rows = (starts[:, None] + torch.arange(q_len)[None]).reshape(-1).to(dev)
-        return _Group(rows=rows, num_seqs=len(tiles), q_len=q_len, width=width,
+        real = [range(t.row, t.row + t.n) for t, _ in tiles]
+        flat = [r for rr in real for r in rr]
+        contiguous = flat == list(range(flat[0], flat[0] + len(flat)))
+        rows = slice(flat[0], flat[0] + len(flat)) if contiguous else torch.tensor(flat, device=dev)
+        full = all(t.n == q_len for t, _ in tiles)
+        slots = None if full else torch.tensor(
+            [k * q_len + t.lead + j for k, (t, _) in enumerate(tiles) for j in range(t.n)],
+            device=dev)
+        return _Group(rows=rows, slots=slots, num_seqs=len(tiles), q_len=q_len, width=width,
                       pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
                       base_mask=base.to(dev))
 
@@ -125,7 +144,10 @@ class SdpaTiles:
         g = hq // hkv
         for grp in self.groups:
             s, mq = grp.num_seqs, grp.q_len
-            qg = q[grp.rows].view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
+            qg = q[grp.rows]
+            if grp.slots is not None:  # padded rows: zeros, their outputs dropped
+                qg = q.new_zeros(s * mq, hq, q.shape[2]).index_copy_(0, grp.slots, qg)
+            qg = qg.view(s, mq, hkv, g, -1)  # [S, mq, Hkv, G, D]
             qg = qg.permute(0, 2, 3, 1, 4).reshape(s, hkv, g * mq, -1)
             kg, vg = _gather(kv_blocks, grp.pages, s, grp.width, q.dtype, scales)
             mask = grp.mask(spec.window, g, q.dtype)
@@ -134,7 +156,8 @@ class SdpaTiles:
             else:
                 og = _explicit_attention(qg, kg, vg, mask, spec, hkv, g, mq)
             og = og.view(s, hkv, g, mq, -1).permute(0, 3, 1, 2, 4)  # [S, mq, Hkv, G, Dv]
-            out[grp.rows] = og.reshape(s * mq, hq, -1)
+            og = og.reshape(s * mq, hq, -1)
+            out[grp.rows] = og if grp.slots is None else og.index_select(0, grp.slots)
 
 
 class TiledBackend:
