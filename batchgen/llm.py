@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -46,6 +46,9 @@ from batchgen.sampling.stop import StopFactory
 # Steps of fewer tokens (or logits rows) are padded to this many on the CPU: small-M GEMMs
 # round differently, and padding keeps each row's result independent of its batch.
 CPU_MIN_BATCH_ROWS = 16
+# A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
+# requests finish, few enough that a dataset of any size needs bounded memory.
+STREAM_WINDOW = 2
 
 
 class LLM:
@@ -139,6 +142,7 @@ class LLM:
             stops, self.eos_token_ids)
         self.results = ResultBuilder(self.tokenizer, stops)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
+        self._busy = False
 
     def _capture_graphs(self, cfg: EngineConfig) -> None:
         """Decode steps as CUDA graphs, where the device and the backend allow them."""
@@ -187,8 +191,37 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         groups = self.requests.build(prompts, sampling_params, SamplingParams)
-        self._run(groups, use_tqdm)
+        for _ in self._stream(groups, len(groups), use_tqdm):
+            pass
         return [self.results.request_output(g) for g in groups]
+
+    def generate_stream(self, prompts: PromptType | Iterable[PromptType],
+                        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
+                        use_tqdm: bool | Callable[..., tqdm] = True
+                        ) -> Iterator[tuple[int, RequestOutput]]:
+        """`generate` over any iterable of prompts (a generator of unknown length too), yielding
+        `(input index, RequestOutput)` as each request finishes. New requests are pulled as
+        others finish, so the batch stays full while only a window of a few x max_num_seqs
+        sequences is held; outputs equal `generate`'s. `sampling_params`: one for all, or an
+        iterable aligned with the prompts. A bad prompt raises when it is reached; outputs
+        already yielded stay valid. Closing the stream early frees every block."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        groups = self.requests.stream(prompts, sampling_params, SamplingParams,
+                                      self.scheduler.max_num_seqs)
+        for g in self._stream(groups, _length(prompts), use_tqdm):
+            yield g.index, self.results.request_output(g)
+
+    def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
+                           params: BeamSearchParams | Iterable[BeamSearchParams],
+                           use_tqdm: bool | Callable[..., tqdm] = True
+                           ) -> Iterator[tuple[int, BeamSearchOutput]]:
+        """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
+        `generate_stream`."""
+        groups = self.requests.stream(prompts, params, BeamSearchParams,
+                                      self.scheduler.max_num_seqs)
+        for g in self._stream(groups, _length(prompts), use_tqdm):
+            yield g.index, self.results.beam_output(g)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
@@ -196,7 +229,8 @@ class LLM:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
         prompts run at once under continuous batching and beams share prefix blocks."""
         groups = self.requests.build(prompts, params, BeamSearchParams)
-        self._run(groups, use_tqdm)
+        for _ in self._stream(groups, len(groups), use_tqdm):
+            pass
         return [self.results.beam_output(g) for g in groups]
 
     def chat(self, messages: Conversation | Seq[Conversation],
@@ -242,25 +276,42 @@ class LLM:
                 f"({self.cache.dtype}), max_model_len={self.max_model_len})")
 
     # ---- running a call -----------------------------------------------------------------------
-    def _run(self, groups: list[SequenceGroup], use_tqdm: bool | Callable[..., tqdm]) -> None:
-        """Run validated groups to completion and record the call's KV figures (an error or a
-        Ctrl-C aborts the call and leaves the pool whole: see Engine.run)."""
-        if not groups:
-            return
+    def _stream(self, groups: Iterable[SequenceGroup], total: int | None,
+                use_tqdm: bool | Callable[..., tqdm]) -> Iterator[SequenceGroup]:
+        """Run groups (validated, or built lazily) and yield each as it finishes; the call's
+        KV figures are recorded when it ends. One call at a time: a second one while a stream
+        is open would mix their requests. An error or a Ctrl-C aborts the call and leaves the
+        pool whole (see Engine.stream)."""
+        if self._busy:
+            raise RuntimeError("this LLM is already running a call (an open generate_stream "
+                               "or beam_search_stream): finish or close it first")
+        self._busy = True
         bm, sched = self.block_manager, self.scheduler
         bm.reset_stats()
         preempt0, prompt0 = sched.num_preemptions, sched.prompt_tokens_computed
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(groups), desc="Processed prompts", dynamic_ncols=True,
+        bar = make_bar(total=total, desc="Processed prompts", dynamic_ncols=True,
                        disable=not use_tqdm)
         try:
-            self.engine.run(groups, _progress(bar) if use_tqdm else None)
+            yield from self.engine.stream(groups, STREAM_WINDOW * sched.max_num_seqs,
+                                          _progress(bar) if use_tqdm else None)
         finally:
+            self._busy = False
             bar.close()
             self._last_stats = KVStats(
                 bm.num_blocks, bm.block_size, bm.peak_blocks_in_use, bm.cow_copies,
                 sched.num_preemptions - preempt0, bm.prefix_hit_tokens,
                 sched.prompt_tokens_computed - prompt0)
+
+
+def _length(prompts: object) -> int | None:
+    """How many prompts, when the iterable knows (for the progress bar's total)."""
+    if isinstance(prompts, (str, dict)):
+        return 1
+    try:
+        return len(prompts)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def _progress(bar: tqdm):

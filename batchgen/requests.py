@@ -4,9 +4,10 @@ every prompt is checked and tokenized, and every request bounded, before the fir
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from itertools import islice, zip_longest
 from typing import Any
 
 import torch
@@ -49,11 +50,28 @@ class RequestBuilder:
         """Validate and tokenize everything, then make the groups (ValueError on any bad
         input, naming it, before anything is queued)."""
         prompts = as_prompt_list(prompts)
-        per_prompt = _params_per_prompt(params, len(prompts), kind)
-        texts, token_ids = self._tokenize(prompts)
+        return self._build(prompts, _params_per_prompt(params, len(prompts), kind), 0)
+
+    def stream(self, prompts: PromptType | Iterable[PromptType], params: Any, kind: type,
+               chunk: int) -> Iterator[SequenceGroup]:
+        """The groups of any iterable of prompts (a generator of unknown length too), built
+        lazily: `chunk` prompts at a time are pulled, validated and tokenized as one batch. A
+        bad prompt raises when its chunk is reached, naming its input index."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        start = 0
+        for batch in _batched(_paired(prompts, params, kind), chunk):
+            yield from self._build([pr for pr, _ in batch], [pa for _, pa in batch], start)
+            start += len(batch)
+
+    def _build(self, prompts: list[Any], per_prompt: list[Any], start: int
+               ) -> list[SequenceGroup]:
+        """Groups for prompts `start`, `start + 1`, ... (all checked before any is made)."""
+        texts, token_ids = self._tokenize(prompts, start)
         token_ids = [self._truncate(ids, p) for ids, p in zip(token_ids, per_prompt)]
-        limits = [self._check(i, ids, p) for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
-        return [self._group(i, text, ids, p, t)
+        limits = [self._check(start + i, ids, p)
+                  for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
+        return [self._group(start + i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
 
     def render_chat(self, conversations: Conversation | Seq[Conversation],
@@ -94,11 +112,12 @@ class RequestBuilder:
             return ids
         return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
 
-    def _tokenize(self, prompts: list[PromptType]) -> tuple[list[str | None], list[list[int]]]:
+    def _tokenize(self, prompts: list[PromptType], start: int = 0
+                  ) -> tuple[list[str | None], list[list[int]]]:
         """Batched tokenisation of text prompts; token-id prompts pass through."""
         texts: list[str | None] = []
         ids: list[list[int] | None] = []
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts, start):
             if isinstance(p, str):
                 texts.append(p)
                 ids.append(None)
@@ -116,7 +135,7 @@ class RequestBuilder:
             else:
                 raise ValueError(f"prompts[{i}] must be a str, a {{'prompt': str}} or a "
                                  f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
-        todo = [i for i, t in enumerate(ids) if t is None]
+        todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
             if self.tokenizer is None:
                 raise ValueError("prompts must be token ids ({'prompt_token_ids': [...]}): the "
@@ -225,6 +244,36 @@ def as_prompt_list(prompts: Any) -> list[Any]:
         raise ValueError("prompts must be a str, a {'prompt': ...} or {'prompt_token_ids': "
                          f"[...]}} dict, or an iterable of those, got {type(prompts).__name__}")
     return list(prompts)
+
+
+def _paired(prompts: Iterable[Any], params: Any, kind: type) -> Iterator[tuple[Any, Any]]:
+    """(prompt, params) pairs: one params object for every prompt, or an iterable of them
+    aligned with the prompts (the two must end together)."""
+    name = "sampling_params" if kind is SamplingParams else "params"
+    if params is None and kind is SamplingParams:
+        params = SamplingParams()
+    if isinstance(params, kind):
+        for prompt in prompts:
+            yield prompt, params
+        return
+    if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
+        raise ValueError(f"{name} must be a {kind.__name__} or an iterable of them aligned "
+                         f"with the prompts, got {type(params).__name__}")
+    done = object()
+    for i, (prompt, p) in enumerate(zip_longest(prompts, params, fillvalue=done)):
+        if prompt is done or p is done:
+            raise ValueError(f"{name} and prompts must have the same length: one ended at "
+                             f"item {i}")
+        if not isinstance(p, kind):
+            raise ValueError(f"{name}[{i}] must be a {kind.__name__}, got {type(p).__name__}")
+        yield prompt, p
+
+
+def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of `size` items (the last one shorter), pulled lazily."""
+    it = iter(items)
+    while batch := list(islice(it, size)):
+        yield batch
 
 
 def _params_per_prompt(sp: Any, n: int, kind: type) -> list[Any]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 import torch
@@ -34,13 +34,24 @@ class Engine:
 
     def run(self, groups: list[SequenceGroup],
             on_step: Callable[[StepStats], None] | None = None) -> None:
-        """Run the groups to completion. An error or an interrupt anywhere (Ctrl-C included)
-        aborts every group and frees every block before it propagates."""
+        """Run the groups to completion (all queued at once)."""
+        for _ in self.stream(groups, max(sum(len(g.seqs) for g in groups), 1), on_step):
+            pass
+
+    def stream(self, groups: Iterable[SequenceGroup], max_waiting_seqs: int,
+               on_step: Callable[[StepStats], None] | None = None) -> Iterator[SequenceGroup]:
+        """Run groups pulled lazily from `groups`, yielding each as it finishes. Before every
+        step the waiting queue is topped up to `max_waiting_seqs` sequences (so the batch
+        stays full while only a bounded window of requests is held). An error, an interrupt
+        (Ctrl-C) or closing the stream early aborts every group and frees every block."""
+        source = iter(groups)
+        more, idle = True, 0
         try:
-            for group in groups:
-                self.scheduler.add(group)
-            idle = 0
-            while self.scheduler.has_unfinished():
+            while True:
+                if more:
+                    more = self._top_up(source, max_waiting_seqs)
+                if not self.scheduler.has_unfinished():
+                    return
                 out = self.scheduler.schedule()
                 if not out.scheduled:
                     idle += 1
@@ -53,9 +64,22 @@ class Engine:
                 stats = self.step(out)
                 if on_step is not None:
                     on_step(stats)
-        except BaseException:
+                yield from stats.finished
+        except BaseException:  # GeneratorExit too: a stream closed early frees its blocks
             self.scheduler.abort_all()
             raise
+
+    def _top_up(self, source: Iterator[SequenceGroup], max_waiting_seqs: int) -> bool:
+        """Queue groups from `source` until `max_waiting_seqs` sequences wait (at least one
+        group when none does); False once `source` is exhausted."""
+        waiting = sum(len(g.seqs) for g in self.scheduler.waiting)
+        while waiting < max_waiting_seqs or not self.scheduler.has_unfinished():
+            group = next(source, None)
+            if group is None:
+                return False
+            self.scheduler.add(group)
+            waiting += len(group.seqs)
+        return True
 
     def step(self, out: SchedulerOutput) -> StepStats:
         """Execute one scheduled step and hand its results back to the scheduler."""
