@@ -1,0 +1,251 @@
+"""`generate_dataset`: n samples (or beams) for every row of a dataset, streamed through one
+`LLM`, optionally into crash-safe Parquet shards that a rerun resumes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from itertools import tee
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from batchgen.data.rows import ROW_ID, output_row, output_schema, row_params
+from batchgen.data.shards import ShardStore
+from batchgen.data.source import Source, open_source, quiet_datasets
+from batchgen.outputs import BeamSearchOutput, RequestOutput
+from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.prompts import TokensPrompt
+
+if TYPE_CHECKING:
+    import datasets
+
+    from batchgen.llm import LLM
+
+DEFAULT_ROWS_PER_SHARD = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptSpec:
+    """Where a row's prompt comes from: a text or token-id column, or a chat messages column
+    rendered through the chat template."""
+
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def column(self) -> str:
+        return self.messages_column or self.prompt_column  # type: ignore[return-value]
+
+
+def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchParams | None = None,
+                     *, prompt_column: str = "prompt", messages_column: str | None = None,
+                     output_dir: str | os.PathLike | None = None, resume: bool = False,
+                     seed: int | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                     chat_template: str | None = None, add_generation_prompt: bool = True,
+                     chat_template_kwargs: dict[str, Any] | None = None,
+                     use_tqdm: bool = True) -> datasets.Dataset:
+    """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
+    Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
+    `row_id`, `num_prompt_tokens` and `outputs` (the n completions, or the beams for
+    BeamSearchParams), ordered by `row_id`.
+
+    `params` defaults to `llm.get_default_sampling_params()`, as in `LLM.generate`. Prompts come
+    from `prompt_column` (text or token ids) or, with `messages_column`, from chat messages
+    through the chat template. Sample seeds derive from (seed, row id, sample index),
+    `seed` being `params.seed`, else this argument, else 0: a row's samples are the same
+    whatever ran with it. With `output_dir`, finished rows go to Parquet shards of
+    `rows_per_shard` rows (written atomically, listed in a manifest); `resume=True` skips the
+    rows of whole shards and redoes the rest, so a resumed run's data equal an uninterrupted
+    run's. Rows finished when an error or Ctrl-C stops the job are written first."""
+    params = llm.get_default_sampling_params() if params is None else params
+    spec = PromptSpec(None if messages_column else prompt_column, messages_column,
+                      chat_template, add_generation_prompt, chat_template_kwargs)
+    _check_args(params, spec, rows_per_shard, resume, output_dir)
+    source = open_source(data)
+    if source.column_names is not None and spec.column not in source.column_names:
+        raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
+                         f"{spec.column!r} is not a column of data (columns: "
+                         f"{source.column_names})")
+    job_seed = _job_seed(params, seed)
+    schema = output_schema(source.schema, params)
+    store = None
+    if output_dir is not None:
+        store = ShardStore(Path(output_dir).expanduser(), _job(llm, params, job_seed, spec,
+                                                                source), resume)
+    job = _Job(llm, source, params, spec, job_seed, schema, store, rows_per_shard)
+    job.run(use_tqdm)
+    return job.result()
+
+
+class _Job:
+    """One run of generate_dataset: pulls rows, streams them through the LLM, collects or
+    shards the finished ones."""
+
+    def __init__(self, llm: LLM, source: Source, params: SamplingParams | BeamSearchParams,
+                 spec: PromptSpec, seed: int, schema: pa.Schema | None,
+                 store: ShardStore | None, rows_per_shard: int) -> None:
+        self.llm, self.source, self.params, self.spec = llm, source, params, spec
+        self.seed, self.schema, self.store = seed, schema, store
+        self.rows_per_shard = rows_per_shard
+        self.inflight: dict[int, tuple[int, dict[str, Any]]] = {}  # stream index -> row
+        self.buffer: list[dict[str, Any]] = []  # finished rows not yet in a shard
+        self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
+
+    def run(self, use_tqdm: bool) -> None:
+        """Stream every row not done yet; on any error or Ctrl-C, write what finished first."""
+        done = self.store.done_ids if self.store is not None else set()
+        todo = None if self.source.num_rows is None else self.source.num_rows - len(done)
+        bar = tqdm(total=todo, desc="Rows", unit="row", dynamic_ncols=True, disable=not use_tqdm)
+        rate = _Rate(bar)
+        try:
+            for index, out in self._stream(done):
+                self._finished(index, out)
+                rate.update(out)
+            self._flush()
+            if self.store is not None:
+                self.store.finish()
+        except BaseException:
+            self._flush()
+            raise
+        finally:
+            bar.close()
+
+    def _stream(self, done: set[int]) -> Iterator[tuple[int, Any]]:
+        pairs_a, pairs_b = tee(self._requests(done))
+        prompts = (p for p, _ in pairs_a)
+        params = (q for _, q in pairs_b)
+        if isinstance(self.params, BeamSearchParams):
+            return self.llm.beam_search_stream(prompts, params, use_tqdm=False)
+        return self.llm.generate_stream(prompts, params, use_tqdm=False)
+
+    def _requests(self, done: set[int]) -> Iterator[tuple[Any, Any]]:
+        """(prompt, params) of every row not done, recording which stream index is which row."""
+        index = 0
+        for row_id, row in self.source.rows():
+            if row_id in done:
+                continue
+            self.inflight[index] = (row_id, row)
+            index += 1
+            yield self._prompt(row_id, row), self._row_params(row_id)
+
+    def _prompt(self, row_id: int, row: dict[str, Any]) -> Any:
+        """The row's prompt: text, token ids, or its messages through the chat template."""
+        value = row.get(self.spec.column)
+        if self.spec.messages_column is not None:
+            return self.llm.requests.render_chat(
+                [value], self.spec.chat_template, self.spec.add_generation_prompt, False, None,
+                self.spec.chat_template_kwargs)[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, int) for t in value):
+            return TokensPrompt(prompt_token_ids=list(value))
+        raise ValueError(f"row {row_id}: prompt_column {self.spec.column!r} must hold a string "
+                         f"or a list of token ids, got {type(value).__name__}")
+
+    def _row_params(self, row_id: int) -> SamplingParams | BeamSearchParams:
+        if isinstance(self.params, SamplingParams):
+            return row_params(self.params, self.seed, row_id)
+        return self.params
+
+    def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:
+        """File one finished request's row (and write a shard when one is full)."""
+        row_id, row = self.inflight.pop(index)
+        self.buffer.append(output_row(row, row_id, out))
+        if len(self.buffer) >= self.rows_per_shard:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Write the buffered finished rows as a shard (without output_dir: keep them)."""
+        if not self.buffer:
+            return
+        if self.store is not None:
+            self.store.write(self.buffer, self.schema)
+            if self.schema is None:
+                self.schema = self.store.schema
+        else:
+            self.kept += self.buffer
+        self.buffer = []
+
+    def result(self) -> datasets.Dataset:
+        """The job's rows, ordered by row_id (read back from the shards with output_dir:
+        memory-mapped, not held in RAM)."""
+        import datasets
+
+        with quiet_datasets():
+            if self.store is None:
+                table = pa.Table.from_pylist(self.kept, schema=self.schema)
+                return datasets.Dataset(table.sort_by(ROW_ID))
+            files = [str(f) for f in self.store.files()]
+            if not files:
+                raise ValueError("data has no rows")
+            ds = datasets.load_dataset("parquet", data_files=files, split="train")
+            return ds.sort(ROW_ID)
+
+
+class _Rate:
+    """The rows bar's postfix: samples/s and output tokens/s since the start."""
+
+    def __init__(self, bar: tqdm) -> None:
+        self.bar, self.start, self.samples, self.tokens, self.shown = bar, time.perf_counter(), 0, 0, 0.0
+
+    def update(self, out: RequestOutput | BeamSearchOutput) -> None:
+        seqs = out.sequences if isinstance(out, BeamSearchOutput) else out.outputs
+        self.samples += len(seqs)
+        self.tokens += sum(len(s.token_ids) for s in seqs)
+        self.bar.update(1)
+        now = time.perf_counter()
+        if now - self.shown > 0.5:
+            el = max(now - self.start, 1e-9)
+            self.bar.set_postfix_str(f"{self.samples / el:,.1f} samples/s, "
+                                     f"{self.tokens / el:,.0f} output tok/s", refresh=False)
+            self.shown = now
+
+
+def _check_args(params: Any, spec: PromptSpec, rows_per_shard: int, resume: bool,
+                output_dir: Any) -> None:
+    if not isinstance(params, (SamplingParams, BeamSearchParams)):
+        raise ValueError("params must be a SamplingParams or a BeamSearchParams, got "
+                         f"{type(params).__name__}")
+    if not isinstance(spec.column, str) or not spec.column:
+        raise ValueError("prompt_column / messages_column must be a column name")
+    if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
+        raise ValueError(f"rows_per_shard must be an integer >= 1, got {rows_per_shard!r}")
+    if resume and output_dir is None:
+        raise ValueError("resume=True needs output_dir (the shards to resume from)")
+
+
+def _job_seed(params: Any, seed: int | None) -> int:
+    """The job's seed: params.seed, else `seed`, else 0 (never random: a resume must redo the
+    same draws)."""
+    if isinstance(params, SamplingParams) and params.seed is not None:
+        return params.seed
+    return 0 if seed is None else int(seed)
+
+
+def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source) -> dict[str, Any]:
+    """What identifies a job for resume: model, params, seed, prompt source, input."""
+    fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+    if fields.get("logits_processors"):
+        fields["logits_processors"] = [getattr(f, "__qualname__", repr(f))
+                                       for f in fields["logits_processors"]]
+    fields["seed"] = None  # the job seed below covers it
+    return {"model": str(llm.model_path), "kind": type(params).__name__,
+            "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
+            "input": source.fingerprint, "input_rows": source.num_rows}
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with tuples as lists and dict keys as strings (what JSON gives back)."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
