@@ -1,0 +1,52 @@
+"""The `batchgen` command (also `python -m batchgen`): one subcommand per job.
+
+Each subcommand module has `register(subparsers)`, which adds its parser and sets `run`, a
+function of the parsed arguments that returns the exit code. Bad flags, bad values and bad
+inputs print one `batchgen: error: ...` line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+class CliError(Exception):
+    """A problem with the command line or its inputs: one line, exit code 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage dump) and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"batchgen: error: {message}\n")
+        sys.exit(EXIT_USAGE)
+
+
+def build_parser() -> Parser:
+    """The full command line: every subcommand registered."""
+    from batchgen.cli import bench, generate, kv_plan
+
+    parser = Parser(prog="batchgen", description="Offline batch inference on a paged KV cache.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
+                                metavar="{generate,beam,kv-plan,bench}")
+    for module in (generate, kv_plan, bench):
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run the subcommand, and turn errors and Ctrl-C into exit codes."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (CliError, ValueError, FileNotFoundError) as e:
+        sys.stderr.write(f"batchgen: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("batchgen: interrupted\n")
+        return EXIT_INTERRUPTED

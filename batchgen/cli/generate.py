@@ -1,0 +1,155 @@
+"""`batchgen generate` and `batchgen beam`: a dataset job from the command line, written as
+Parquet shards that `--resume` continues after a crash or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from batchgen.cli import EXIT_INTERRUPTED, CliError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    gen = sub.add_parser("generate", help="n samples for every row of a dataset",
+                         description="Sample completions for every row of a dataset into "
+                                     "Parquet shards (resumable).")
+    _job_args(gen)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--n", type=int, default=1, help="samples per row (default 1)")
+    s.add_argument("--temperature", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--min-tokens", type=int, default=0)
+    s.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    s.add_argument("--logprobs", type=int, default=None, help="top-k logprobs per token")
+    s.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(run=run, kind="generate")
+
+    beam = sub.add_parser("beam", help="beam search for every row of a dataset",
+                          description="Beam search (HF semantics) for every row of a dataset "
+                                      "into Parquet shards (resumable).")
+    _job_args(beam)
+    b = beam.add_argument_group("beam search")
+    b.add_argument("--beam-width", type=int, required=True)
+    b.add_argument("--length-penalty", type=float, default=1.0)
+    b.add_argument("--early-stopping", action="store_true")
+    b.add_argument("--num-return-sequences", type=int, default=None)
+    beam.set_defaults(run=run, kind="beam")
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    """Input, output, prompt source and engine flags, shared by generate and beam."""
+    io = p.add_argument_group("input and output")
+    io.add_argument("--model", required=True, help="model folder (or a hub id in the HF cache)")
+    io.add_argument("--input", required=True,
+                    help="JSONL / JSON / Parquet / CSV file, a folder of them, or a "
+                         "save_to_disk folder")
+    src = io.add_mutually_exclusive_group()
+    src.add_argument("--prompt-column", default=None, help="text or token-id column "
+                                                          "(default: prompt)")
+    src.add_argument("--messages-column", default=None,
+                     help="chat messages column, rendered through the chat template")
+    io.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    io.add_argument("--output", required=True, help="folder for the Parquet shards")
+    io.add_argument("--resume", action="store_true", help="continue the job in --output")
+    io.add_argument("--rows-per-shard", type=int, default=256)
+    io.add_argument("--max-tokens", type=int, default=16)
+    io.add_argument("--seed", type=int, default=0, help="job seed: row seeds derive from it")
+    io.add_argument("--quiet", action="store_true", help="no progress bar")
+    e = p.add_argument_group("engine")
+    e.add_argument("--tokenizer", default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 4GiB")
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-dtype", default="auto")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default=None)
+    e.add_argument("--attention-backend", default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check everything that can be checked before the weights load, then run the job."""
+    from batchgen.cli.kv_plan import parse_memory
+    from batchgen.data.runner import generate_dataset
+    from batchgen.data.shards import check_output_dir
+    from batchgen.data.source import open_source
+
+    params = _params(args)
+    if args.rows_per_shard < 1:
+        raise CliError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
+    check_output_dir(Path(args.output).expanduser(), args.resume)
+    template = _chat_template(args.chat_template)
+    source = open_source(args.input)
+    column = args.messages_column or args.prompt_column or "prompt"
+    if source.column_names is not None and column not in source.column_names:
+        flag = "--messages-column" if args.messages_column else "--prompt-column"
+        raise CliError(f"{flag} {column!r} is not a column of {args.input} (columns: "
+                       f"{', '.join(source.column_names)})")
+    llm = _llm(args, None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory))
+    start = time.perf_counter()
+    try:
+        ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
+                              messages_column=args.messages_column, output_dir=args.output,
+                              resume=args.resume, seed=args.seed,
+                              rows_per_shard=args.rows_per_shard, chat_template=template,
+                              use_tqdm=not args.quiet)
+    except KeyboardInterrupt:
+        sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
+                         "with --resume to finish the job\n")
+        return EXIT_INTERRUPTED
+    _summary(ds, time.perf_counter() - start, args.output)
+    return 0
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from batchgen.params import BeamSearchParams, SamplingParams
+
+    if args.kind == "beam":
+        return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
+                                length_penalty=args.length_penalty,
+                                early_stopping=args.early_stopping,
+                                num_return_sequences=args.num_return_sequences)
+    return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty,
+                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+                          logprobs=args.logprobs, ignore_eos=args.ignore_eos, seed=args.seed)
+
+
+def _chat_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as e:
+        raise CliError(f"--chat-template {path!r} cannot be read: {e.strerror}") from e
+
+
+def _llm(args: argparse.Namespace, kv_cache_memory: int | None) -> Any:
+    from batchgen.llm import LLM
+
+    return LLM(args.model, tokenizer=args.tokenizer, block_size=args.block_size,
+               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               enable_prefix_caching=not args.no_prefix_caching,
+               kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
+               num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
+               attention_backend=args.attention_backend, seed=args.seed)
+
+
+def _summary(ds: Any, seconds: float, output: str) -> None:
+    """One line: rows, samples and output tokens in the output, and this run's wall time."""
+    outputs = ds["outputs"]
+    samples = sum(len(o) for o in outputs)
+    tokens = sum(len(s["token_ids"]) for o in outputs for s in o)
+    print(f"batchgen: {len(ds)} rows, {samples} samples, {tokens} output tokens in {output} "
+          f"({seconds:.1f} s this run)")

@@ -1,0 +1,114 @@
+"""`batchgen kv-plan`: how many tokens and sequences a KV budget holds, from config.json alone.
+
+No weights are read: the folder needs only its config.json. The figures are the ones `LLM`
+sizes its pool with (see `batchgen.kv.plan`), down to the capacity line it logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from decimal import Decimal
+
+from batchgen.cli import CliError
+from batchgen.config import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES
+from batchgen.kv.plan import KvPlan, format_bytes, plan_kv
+
+MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+MEMORY_FORMS = ("plain bytes (e.g. 1073741824) or a number with B, KB, MB, GB, TB (powers of "
+                "1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 512MiB, 80GiB, 1.5GB")
+_MEMORY_RE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add the kv-plan subcommand."""
+    p = sub.add_parser(
+        "kv-plan", help="KV-cache capacity of a model for a memory budget (config.json only)",
+        description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model folder (only config.json is read) or a cached hub id")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="longest sequence (default: the model's max_position_embeddings, "
+                        "capped by the pool)")
+    p.add_argument("--memory", default=None, metavar="BYTES",
+                   help="KV budget, LLM's kv_cache_memory: bytes or 512MiB, 80GiB, 1.5GB "
+                        f"(default: the CPU default, {format_bytes(DEFAULT_CPU_KV_BYTES)})")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    p.add_argument("--block-size", type=int, default=16, metavar="B")
+    p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                   help="model dtype ('auto': the config's); the KV dtype for --kv-cache-dtype "
+                        "auto")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=run)
+
+
+def parse_memory(text: str) -> int:
+    """Bytes from '1073741824', '512MiB', '80GiB', '1.5GB' (GiB = 2^30, GB = 10^9); whole
+    bytes, rounded down; a CliError naming --memory otherwise."""
+    m = _MEMORY_RE.fullmatch(text)
+    unit = MEMORY_UNITS.get(m.group(2).upper()) if m else None
+    value = int(Decimal(m.group(1)) * unit) if m and unit else 0
+    if value < 1:
+        raise CliError(f"--memory must be a positive size: {MEMORY_FORMS}; got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan the pool and print the report (or JSON)."""
+    from batchgen.model import loader
+
+    memory = None if args.memory is None else parse_memory(args.memory)
+    path = loader.resolve_model_dir(args.model, "--model")
+    config = loader.load_config(path, args.trust_remote_code)
+    plan = plan_kv(config, memory=memory, block_size=args.block_size,
+                   max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
+                   dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    if args.json:
+        print(json.dumps({"model": str(path), **plan.to_dict()}, indent=2))
+    else:
+        print("\n".join(report_lines(plan, str(path))))
+    return 0
+
+
+def report_lines(plan: KvPlan, model: str) -> list[str]:
+    """The human-readable plan: geometry, β, one sequence, the pool, concurrency, LLM's line."""
+    beta, s = plan.bytes_per_token, plan.max_model_len
+    budget = (f"{format_bytes(plan.memory_bytes)} (the CPU default: no --memory given; on a "
+              "GPU LLM sizes the pool from the memory left after the weights)"
+              if plan.memory_is_default else f"{format_bytes(plan.memory_bytes)} "
+              f"({plan.memory_bytes:,} bytes)")
+    lines = [
+        f"model: {model} ({plan.model_type}, {plan.model_dtype})",
+        f"geometry: L={plan.num_layers} layers, H_kv={plan.num_kv_heads} KV heads, "
+        f"d_h={plan.head_dim}, KV dtype {plan.kv_dtype} (b={plan.dtype_bytes} bytes)",
+        f"beta = 2 * L * H_kv * d_h * b = {beta:,} bytes/token = {beta / 2**20:.3f} MiB/token",
+        f"block: {plan.block_size} tokens = {plan.bytes_per_block:,} bytes "
+        f"({format_bytes(plan.bytes_per_block)})",
+        f"one sequence of max_model_len={s} tokens: {format_bytes(plan.seq_bytes)} "
+        f"({plan.seq_bytes:,} bytes), {plan.seq_blocks} blocks in its block table",
+        f"memory: {budget}",
+        f"pool: {plan.num_blocks:,} blocks = {plan.num_tokens:,} tokens, "
+        f"{format_bytes(plan.pool_bytes)}",
+    ]
+    if plan.capped_by_max_num_seqs:
+        lines.append(f"  (capped at what max_num_seqs={plan.max_num_seqs} sequences of {s} "
+                     "tokens can use, as LLM does with its default budget)")
+    if s < plan.model_max_len:
+        lines.append(f"max_model_len = {s}, what the KV pool holds (the model allows "
+                     f"{plan.model_max_len})")
+    lines.append(f"max concurrency at max_model_len={s}: {plan.max_concurrency:.2f}x")
+    if plan.sliding is not None:
+        sw, windowed = plan.sliding, plan.windowed_seq_bytes or 0
+        lines.append(
+            f"sliding windows: {sw.num_windowed} of {sw.num_layers} layers slide over "
+            f"{sw.window} tokens; a window-aware allocator would need {format_bytes(windowed)} "
+            f"({windowed:,} bytes) per {s}-token sequence instead of "
+            f"{format_bytes(plan.seq_bytes)}: batchgen does NOT save this yet (its pool keeps "
+            "every token of every layer)")
+    lines.append(f"LLM logs: {plan.capacity_line()}")
+    return lines

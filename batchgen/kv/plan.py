@@ -1,0 +1,203 @@
+"""KV capacity planning from a model's config alone (no weights): β, blocks, concurrency.
+
+The numbers come from the same functions `LLM.__init__` sizes its pool with (`EngineConfig`,
+`kv_cache_torch_dtype`, `kv_cache_bytes`, `target_max_model_len`, `pool_blocks`,
+`fit_max_model_len`, `CacheConfig`), so a plan's capacity line is, by construction, the line
+`LLM(model, kv_cache_memory=M, block_size=B, max_model_len=N, kv_cache_dtype=...)` logs.
+
+β = 2 · L · H_kv · d_h · b bytes per token: K and V, every layer. batchgen's pool
+`[L, 2, P+1, B, H_kv, d_h]` keeps every token of every layer, with one block table per
+sequence, so sliding-window layers cost as much as full ones; `SlidingWindows` reports what a
+window-aware allocator would save, which batchgen does not (yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from batchgen.config import (
+    DEFAULT_CPU_KV_BYTES,
+    CacheConfig,
+    EngineConfig,
+    fit_max_model_len,
+    kv_cache_torch_dtype,
+    pool_blocks,
+    target_max_model_len,
+)
+from batchgen.kv.block_manager import blocks_for
+from batchgen.kv.cache import kv_cache_bytes
+from batchgen.model import loader
+
+_CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SlidingWindows:
+    """Layers that attend over the last `window` tokens only (the current one included)."""
+
+    window: int
+    num_windowed: int
+    num_layers: int
+
+    @property
+    def num_full(self) -> int:
+        return self.num_layers - self.num_windowed
+
+    def tokens_needed(self, seq_len: int) -> int:
+        """Layer-tokens of KV a window-aware allocator keeps for one `seq_len` sequence:
+        full layers × s + windowed layers × min(s, W)."""
+        return self.num_full * seq_len + self.num_windowed * min(seq_len, self.window)
+
+
+@dataclass(frozen=True)
+class KvPlan:
+    """The paged pool `LLM` would allocate for these settings, and what it holds."""
+
+    model_type: str
+    num_layers: int  # L
+    num_kv_heads: int  # H_kv
+    head_dim: int  # d_h
+    model_dtype: str
+    kv_dtype: str
+    dtype_bytes: int  # b
+    block_size: int  # B
+    num_blocks: int
+    memory_bytes: int  # the budget the pool was sized from
+    memory_is_default: bool  # the CPU default (no kv_cache_memory given)
+    max_num_seqs: int
+    model_max_len: int  # what the model allows (or max_model_len as given)
+    max_model_len: int  # what LLM runs with: model_max_len capped by the pool
+    sliding: SlidingWindows | None = None
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.num_blocks, self.bytes_per_token)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """β = 2 · L · H_kv · d_h · b."""
+        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
+                              self.dtype_bytes)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+    @property
+    def seq_blocks(self) -> int:
+        """Blocks one max_model_len sequence's block table holds."""
+        return blocks_for(self.max_model_len, self.block_size)
+
+    @property
+    def seq_bytes(self) -> int:
+        """KV of one max_model_len sequence, token-exact (s · β)."""
+        return self.max_model_len * self.bytes_per_token
+
+    @property
+    def max_concurrency(self) -> float:
+        return self.cache_config.max_concurrency(self.max_model_len)
+
+    @property
+    def capped_by_max_num_seqs(self) -> bool:
+        """The default budget held more than max_num_seqs full sequences (LLM allocates no
+        more than they can use)."""
+        return self.memory_is_default and self.num_blocks < self.memory_bytes // (
+            self.bytes_per_block)
+
+    @property
+    def windowed_seq_bytes(self) -> int | None:
+        """KV of one max_model_len sequence if windowed layers kept only their window."""
+        if self.sliding is None:
+            return None
+        per_layer_token = self.bytes_per_token // self.num_layers
+        return self.sliding.tokens_needed(self.max_model_len) * per_layer_token
+
+    def capacity_line(self) -> str:
+        """The start-up line LLM logs for the same settings."""
+        return self.cache_config.capacity_line(self.max_model_len)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan and its derived figures, JSON-ready."""
+        d = asdict(self)
+        for name in ("bytes_per_token", "bytes_per_block", "num_tokens", "pool_bytes",
+                     "seq_blocks", "seq_bytes", "max_concurrency", "capped_by_max_num_seqs",
+                     "windowed_seq_bytes"):
+            d[name] = getattr(self, name)
+        d["capacity_line"] = self.capacity_line()
+        return d
+
+
+def sliding_windows(config: PretrainedConfig) -> SlidingWindows | None:
+    """Which layers slide, from transformers' config conventions: `layer_types` (Gemma 2/3,
+    gpt-oss, Qwen2/3 in transformers 5), `use_sliding_window` + `max_window_layers` (older
+    Qwen2), `sliding_window_pattern` (older Gemma 3), else every layer (Mistral, Phi-3)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    if not _positive_int(window) or getattr(text, "use_sliding_window", True) is False:
+        return None
+    num_layers = text.num_hidden_layers
+    types = getattr(text, "layer_types", None)
+    pattern = getattr(text, "sliding_window_pattern", None)
+    if isinstance(types, (list, tuple)) and len(types) == num_layers:
+        windowed = sum(t == "sliding_attention" for t in types)
+    elif _positive_int(getattr(text, "max_window_layers", None)):
+        windowed = max(0, num_layers - text.max_window_layers)
+    elif _positive_int(pattern):
+        windowed = sum((i + 1) % pattern != 0 for i in range(num_layers))
+    else:
+        windowed = num_layers
+    return SlidingWindows(window, windowed, num_layers) if windowed else None
+
+
+def _positive_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
+
+
+def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: int = 16,
+            max_model_len: int | None = None, kv_cache_dtype: str = "auto",
+            dtype: str | torch.dtype = "auto", max_num_seqs: int = 256) -> KvPlan:
+    """The pool `LLM(..., kv_cache_memory=memory, ...)` sizes for `config` (the CPU default
+    budget when `memory` is None), with LLM's checks and ValueErrors, step for step."""
+    cfg = EngineConfig(block_size=block_size, max_model_len=max_model_len,
+                       max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
+                       kv_cache_memory=memory)
+    model_dtype = loader.resolve_dtype(dtype, config)
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
+    geo = loader.kv_geometry(config)
+    target = target_max_model_len(cfg, geo.max_position_embeddings)
+    dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()
+    beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1, dtype_bytes)
+    num_blocks = pool_blocks(cfg, beta, _CPU, None, target)
+    fitted = fit_max_model_len(cfg, target, num_blocks * cfg.block_size)
+    return KvPlan(
+        model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_layers,
+        num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
+        model_dtype=_dtype_name(model_dtype), kv_dtype=_dtype_name(kv_dtype),
+        dtype_bytes=dtype_bytes, block_size=cfg.block_size, num_blocks=num_blocks,
+        memory_bytes=DEFAULT_CPU_KV_BYTES if memory is None else memory,
+        memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
+        model_max_len=target, max_model_len=fitted, sliding=sliding_windows(config))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, three significant decimals where they matter: 0.781 MiB, 1.56 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} bytes"

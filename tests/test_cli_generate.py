@@ -1,0 +1,190 @@
+"""`batchgen generate` / `batchgen beam`: a real subprocess killed with SIGKILL and then
+interrupted with Ctrl-C (SIGINT) mid-run resumes to exactly the rows of an uninterrupted run;
+bad flags and inputs print one line and exit with code 2 before the model is loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchgen.cli import main
+from batchgen.data.shards import MANIFEST
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
+
+
+def write_jsonl(path: Path, count: int) -> Path:
+    with path.open("w") as f:
+        for i in range(count):
+            text = " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(2 + i % 9))
+            f.write(json.dumps({"question": text, "k": i}) + "\n")
+    return path
+
+
+def command(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "batchgen", "generate", "--model", str(model), "--input",
+            str(data), "--prompt-column", "question", "--n", "4", "--temperature", "0.9",
+            "--max-tokens", "12", "--seed", "3", "--rows-per-shard", "100", "--max-num-seqs",
+            "64", "--output", str(out), "--quiet", *extra]
+
+
+def shards(out: Path) -> int:
+    return len(list(out.glob("part-*.parquet"))) if out.is_dir() else 0
+
+
+def start_then_signal(cmd: list[str], out: Path, min_shards: int, sig: int
+                      ) -> subprocess.CompletedProcess:
+    """Run `cmd`, send `sig` once `out` holds `min_shards` shards, and wait for it to end."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while shards(out) < min_shards and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the job ended before it could be interrupted: make it longer"
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=60)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def rows_by_id(out: Path) -> list[dict]:
+    table = pq.read_table(out)
+    return sorted(table.to_pylist(), key=lambda r: r["row_id"])
+
+
+def test_sigkill_then_ctrl_c_then_resume_equals_an_uninterrupted_run(tiny_model_factory,
+                                                                      tmp_path: Path) -> None:
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    data = write_jsonl(tmp_path / "in.jsonl", 3000)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    done = subprocess.run(command(model, data, whole), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "batchgen: 3000 rows, 12000 samples" in done.stdout
+
+    killed = start_then_signal(command(model, data, broken), broken, 3, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    manifest = json.loads((broken / MANIFEST).read_text())
+    assert not manifest["complete"] and 300 <= manifest["rows"] < 3000
+
+    interrupted = start_then_signal(command(model, data, broken, "--resume"), broken,
+                                    shards(broken) + 3, signal.SIGINT)
+    assert interrupted.returncode == 130, interrupted.stderr[-2000:]
+    assert "interrupted; the finished rows are in" in interrupted.stderr
+    assert "rerun with --resume" in interrupted.stderr
+    after_ctrl_c = json.loads((broken / MANIFEST).read_text())
+    assert not after_ctrl_c["complete"] and manifest["rows"] < after_ctrl_c["rows"] < 3000
+
+    resumed = subprocess.run(command(model, data, broken, "--resume"), cwd=ROOT, env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((broken / MANIFEST).read_text())["complete"]
+    expected, got = rows_by_id(whole), rows_by_id(broken)
+    assert [r["row_id"] for r in got] == list(range(3000))  # none lost, none twice
+    assert got == expected  # row by row: inputs, prompt lengths, every sample
+
+
+# ---- exit code 2 before the model loads -------------------------------------------------------
+@pytest.fixture
+def jsonl(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "in.jsonl", 5)
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = main(argv)
+    err = capsys.readouterr().err
+    return code, err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prompt-column", "prompt"], "--prompt-column 'prompt' is not a column of"),
+    (["--messages-column", "messages"], "--messages-column 'messages' is not a column of"),
+    (["--prompt-column", "question", "--n", "0"], "n must be"),
+    (["--prompt-column", "question", "--rows-per-shard", "0"], "--rows-per-shard must be >= 1"),
+    (["--prompt-column", "question", "--temperature", "-1"], "temperature"),
+    (["--prompt-column", "question", "--chat-template", "/nonexistent/t.jinja"],
+     "--chat-template '/nonexistent/t.jinja' cannot be read"),
+])
+def test_bad_values_exit_2_before_loading(jsonl: Path, tmp_path: Path, extra: list[str],
+                                          message: str, capsys) -> None:
+    """--model names no folder: each error is found before the model would load."""
+    code, err = run_main(["generate", "--model", str(tmp_path / "no-model"), "--input",
+                          str(jsonl), "--output", str(tmp_path / "out"), *extra], capsys)
+    assert code == 2 and err.count("\n") == 1 and err.startswith("batchgen: error: "), err
+    assert message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_inputs_exit_2(tmp_path: Path, jsonl: Path, capsys) -> None:
+    model = tmp_path / "no-model"
+    cases = {
+        "does not exist": tmp_path / "missing.jsonl",
+        "data has no rows": tmp_path / "empty.parquet",
+        "cannot be read": tmp_path / "broken.jsonl",
+        "must be a .jsonl/.json/.parquet/.csv file": tmp_path / "notes.txt",
+    }
+    import pyarrow as pa
+    pq.write_table(pa.table({"question": pa.array([], pa.string())}), cases["data has no rows"])
+    cases["cannot be read"].write_text('{"question": "a"}\n{oops\n')
+    cases["must be a .jsonl/.json/.parquet/.csv file"].write_text("hi")
+    for message, path in cases.items():
+        code, err = run_main(["generate", "--model", str(model), "--input", str(path),
+                              "--output", str(tmp_path / "out"), "--prompt-column", "question"],
+                             capsys)
+        assert code == 2 and err.count("\n") == 1 and message in err, (message, err)
+
+
+def test_existing_output_without_resume_exits_2(tiny_model_factory, jsonl: Path,
+                                                tmp_path: Path, capsys) -> None:
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    out = tmp_path / "out"
+    argv = ["generate", "--model", str(model), "--input", str(jsonl), "--output", str(out),
+            "--prompt-column", "question", "--max-tokens", "4", "--quiet"]
+    assert main(argv) == 0
+    assert "batchgen: 5 rows, 5 samples" in capsys.readouterr().out
+    code, err = run_main([*argv[:1], "--model", str(tmp_path / "no-model"), *argv[3:]], capsys)
+    assert code == 2 and "already holds shards of a job: pass resume=True (--resume)" in err
+    code, err = run_main([*argv, "--resume", "--n", "2"], capsys)
+    assert code == 2 and "holds a different job (params differ)" in err
+    assert main([*argv, "--resume"]) == 0  # the finished job resumes to itself
+
+
+def test_beam_command(tiny_model_factory, jsonl: Path, tmp_path: Path, capsys) -> None:
+    from batchgen import LLM, BeamSearchParams
+
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    out = tmp_path / "beams"
+    assert main(["beam", "--model", str(model), "--input", str(jsonl), "--output", str(out),
+                 "--prompt-column", "question", "--beam-width", "3", "--max-tokens", "5",
+                 "--quiet"]) == 0
+    assert "batchgen: 5 rows, 15 samples" in capsys.readouterr().out
+    rows = rows_by_id(out)
+    prompts = [json.loads(line)["question"] for line in jsonl.read_text().splitlines()]
+    expected = LLM(str(model), device="cpu").beam_search(
+        prompts, BeamSearchParams(beam_width=3, max_tokens=5), use_tqdm=False)
+    for row, want in zip(rows, expected):
+        assert [o["token_ids"] for o in row["outputs"]] == [s.token_ids for s in want.sequences]
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--input", "x.jsonl", "--output", "o"],  # no --model
+    ["generate", "--model", "m", "--input", "x", "--output", "o", "--n", "two"],
+    ["beam", "--model", "m", "--input", "x", "--output", "o"],  # no --beam-width
+    ["generate", "--model", "m", "--input", "x", "--output", "o", "--prompt-column", "a",
+     "--messages-column", "b"],
+])
+def test_bad_flags_exit_2(argv: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("batchgen: error: ")
