@@ -24,6 +24,8 @@ RUNS = {
 ALONE = {  # scripts with their own small settings
     "gpu_bench.py": ["--device", "cpu", "--quick"],
     "kv_quality.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3"],
+    "dataset.py": [*SMALL[:12], "--rows", "40", "--n", "2", "--max-tokens", "4",
+                   "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
 }
 
 
