@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job end to end, offline: install, write a random tiny model with a real byte-level
-# BPE tokenizer, then generate from it with batchgen (greedy, n samples, stop strings).
+# BPE tokenizer, generate from it with batchgen (greedy, n samples, stop strings, chat), then
+# run a dataset job from the command line: 4 samples for each row of a JSONL file, written as
+# resumable Parquet shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -8,3 +10,17 @@ bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1
 python -m batchgen.tools.make_tiny_model models/tiny-llama --eos-boost 0.06
 python examples/quickstart.py models/tiny-llama
+echo
+echo "== batchgen generate: 4 samples per row of examples/data/prompts.jsonl =="
+rm -rf runs/demo-samples
+batchgen generate --model models/tiny-llama --input examples/data/prompts.jsonl \
+  --n 4 --temperature 1.0 --max-tokens 24 --seed 0 --output runs/demo-samples
+python - <<'PY'
+import pyarrow.parquet as pq
+
+rows = sorted(pq.read_table("runs/demo-samples").to_pylist(), key=lambda r: r["row_id"])
+print(f"{len(rows)} rows read back from runs/demo-samples; row 0 ({rows[0]['id']}):")
+print(f"  prompt: {rows[0]['prompt']!r}")
+for s in rows[0]["outputs"]:
+    print(f"  sample {s['index']}: {s['text']!r} ({len(s['token_ids'])} tokens, {s['finish_reason']})")
+PY
