@@ -116,6 +116,7 @@ class _Job:
             self._flush()
             raise
         finally:
+            rate.show()
             bar.close()
 
     def _stream(self, done: set[int]) -> Iterator[tuple[int, Any]]:
@@ -201,12 +202,16 @@ class _Rate:
         self.samples += len(seqs)
         self.tokens += sum(len(s.token_ids) for s in seqs)
         self.bar.update(1)
+        if time.perf_counter() - self.shown > 0.5:
+            self.show()
+
+    def show(self) -> None:
+        """Set the postfix from the totals so far (also once at the end)."""
         now = time.perf_counter()
-        if now - self.shown > 0.5:
-            el = max(now - self.start, 1e-9)
-            self.bar.set_postfix_str(f"{self.samples / el:,.1f} samples/s, "
-                                     f"{self.tokens / el:,.0f} output tok/s", refresh=False)
-            self.shown = now
+        el = max(now - self.start, 1e-9)
+        self.bar.set_postfix_str(f"{self.samples / el:,.1f} samples/s, "
+                                 f"{self.tokens / el:,.0f} output tok/s", refresh=False)
+        self.shown = now
 
 
 def _check_args(params: Any, spec: PromptSpec, rows_per_shard: int, resume: bool,
