@@ -74,7 +74,8 @@ def test_sigkill_then_ctrl_c_then_resume_equals_an_uninterrupted_run(tiny_model_
     killed = start_then_signal(command(model, data, broken), broken, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     manifest = json.loads((broken / MANIFEST).read_text())
-    assert not manifest["complete"] and 300 <= manifest["rows"] < 3000
+    # 3 shards were on disk; the kill may land before the third is listed
+    assert not manifest["complete"] and 200 <= manifest["rows"] < 3000
 
     interrupted = start_then_signal(command(model, data, broken, "--resume"), broken,
                                     shards(broken) + 3, signal.SIGINT)

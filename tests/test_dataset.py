@@ -217,6 +217,37 @@ def test_interrupt_keeps_finished_rows_and_resume_completes(llm, data, reference
     assert counting.pulled == 0 and again["outputs"] == ds["outputs"]
 
 
+@pytest.mark.parametrize("target, call", [
+    ("ShardStore._write_manifest", 2),  # shard 2 renamed and listed in memory, manifest not
+    ("_fsync_dir", 3),  # shard 2 renamed into place, not listed anywhere
+])
+def test_ctrl_c_inside_a_shard_write_loses_and_duplicates_nothing(
+        llm, data, reference, tmp_path, monkeypatch, target, call) -> None:
+    from batchgen.data import shards
+
+    owner, _, name = target.rpartition(".")
+    holder = getattr(shards, owner) if owner else shards
+    real, calls = getattr(holder, name), []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(holder, name, interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
+                         use_tqdm=False)
+    monkeypatch.undo()
+    ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
+                          resume=True, use_tqdm=False)
+    assert ds["row_id"] == list(range(len(data)))
+    assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
+    assert sorted(pq.read_table(out).column("row_id").to_pylist()) == list(range(len(data)))
+
+
 def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> None:
     out = tmp_path / "out"
     sub = data.select(range(3))

@@ -164,16 +164,18 @@ class _Job:
             self._flush()
 
     def _flush(self) -> None:
-        """Write the buffered finished rows as a shard (without output_dir: keep them)."""
-        if not self.buffer:
+        """Write the buffered finished rows as a shard (without output_dir: keep them). The
+        buffer is emptied first: a Ctrl-C inside the write must not let the error path write
+        the same rows again (the shard is listed or not; unlisted rows are redone on resume)."""
+        rows, self.buffer = self.buffer, []
+        if not rows:
             return
-        if self.store is not None:
-            self.store.write(self.buffer, self.schema)
-            if self.schema is None:
-                self.schema = self.store.schema
-        else:
-            self.kept += self.buffer
-        self.buffer = []
+        if self.store is None:
+            self.kept += rows
+            return
+        self.store.write(rows, self.schema)
+        if self.schema is None:
+            self.schema = self.store.schema
 
     def result(self) -> datasets.Dataset:
         """The job's rows, ordered by row_id (read back from the shards with output_dir:
