@@ -190,9 +190,8 @@ class LLM:
         `sampling_params`, the model's generation_config.json defaults apply (as in vLLM)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        groups = self.requests.build(prompts, sampling_params, SamplingParams)
-        for _ in self._stream(groups, len(groups), use_tqdm):
-            pass
+        groups = self._run(self.requests.build(prompts, sampling_params, SamplingParams),
+                           use_tqdm)
         return [self.results.request_output(g) for g in groups]
 
     def generate_stream(self, prompts: PromptType | Iterable[PromptType],
@@ -207,9 +206,7 @@ class LLM:
         already yielded stay valid. Closing the stream early frees every block."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        groups = self.requests.stream(prompts, sampling_params, SamplingParams,
-                                      self.scheduler.max_num_seqs)
-        for g in self._stream(groups, _length(prompts), use_tqdm):
+        for g in self._stream_prompts(prompts, sampling_params, SamplingParams, use_tqdm):
             yield g.index, self.results.request_output(g)
 
     def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
@@ -218,9 +215,7 @@ class LLM:
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
         """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
         `generate_stream`."""
-        groups = self.requests.stream(prompts, params, BeamSearchParams,
-                                      self.scheduler.max_num_seqs)
-        for g in self._stream(groups, _length(prompts), use_tqdm):
+        for g in self._stream_prompts(prompts, params, BeamSearchParams, use_tqdm):
             yield g.index, self.results.beam_output(g)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
@@ -228,9 +223,7 @@ class LLM:
                     use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
         prompts run at once under continuous batching and beams share prefix blocks."""
-        groups = self.requests.build(prompts, params, BeamSearchParams)
-        for _ in self._stream(groups, len(groups), use_tqdm):
-            pass
+        groups = self._run(self.requests.build(prompts, params, BeamSearchParams), use_tqdm)
         return [self.results.beam_output(g) for g in groups]
 
     def chat(self, messages: Conversation | Seq[Conversation],
@@ -276,6 +269,19 @@ class LLM:
                 f"({self.cache.dtype}), max_model_len={self.max_model_len})")
 
     # ---- running a call -----------------------------------------------------------------------
+    def _run(self, groups: list[SequenceGroup], use_tqdm: bool | Callable[..., tqdm]
+             ) -> list[SequenceGroup]:
+        """Run validated groups to completion (the batch calls); returns them."""
+        for _ in self._stream(groups, len(groups), use_tqdm):
+            pass
+        return groups
+
+    def _stream_prompts(self, prompts: Any, params: Any, kind: type,
+                        use_tqdm: bool | Callable[..., tqdm]) -> Iterator[SequenceGroup]:
+        """Groups built lazily from any iterable of prompts, yielded as they finish."""
+        groups = self.requests.stream(prompts, params, kind, self.scheduler.max_num_seqs)
+        return self._stream(groups, _length(prompts), use_tqdm)
+
     def _stream(self, groups: Iterable[SequenceGroup], total: int | None,
                 use_tqdm: bool | Callable[..., tqdm]) -> Iterator[SequenceGroup]:
         """Run groups (validated, or built lazily) and yield each as it finishes; the call's

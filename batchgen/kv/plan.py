@@ -19,15 +19,8 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from batchgen.config import (
-    DEFAULT_CPU_KV_BYTES,
-    CacheConfig,
-    EngineConfig,
-    fit_max_model_len,
-    kv_cache_torch_dtype,
-    pool_blocks,
-    target_max_model_len,
-)
+from batchgen import config as engine_config
+from batchgen.config import CacheConfig, EngineConfig
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
 from batchgen.model import loader
@@ -174,19 +167,19 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
                        max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory=memory)
     model_dtype = loader.resolve_dtype(dtype, config)
-    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
+    kv_dtype = engine_config.kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
     geo = loader.kv_geometry(config)
-    target = target_max_model_len(cfg, geo.max_position_embeddings)
+    target = engine_config.target_max_model_len(cfg, geo.max_position_embeddings)
     dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()
     beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1, dtype_bytes)
-    num_blocks = pool_blocks(cfg, beta, _CPU, None, target)
-    fitted = fit_max_model_len(cfg, target, num_blocks * cfg.block_size)
+    num_blocks = engine_config.pool_blocks(cfg, beta, _CPU, None, target)
+    fitted = engine_config.fit_max_model_len(cfg, target, num_blocks * cfg.block_size)
     return KvPlan(
         model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_layers,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
         model_dtype=_dtype_name(model_dtype), kv_dtype=_dtype_name(kv_dtype),
         dtype_bytes=dtype_bytes, block_size=cfg.block_size, num_blocks=num_blocks,
-        memory_bytes=DEFAULT_CPU_KV_BYTES if memory is None else memory,
+        memory_bytes=engine_config.DEFAULT_CPU_KV_BYTES if memory is None else memory,
         memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
         model_max_len=target, max_model_len=fitted, sliding=sliding_windows(config))
 
