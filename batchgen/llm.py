@@ -43,8 +43,9 @@ from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
 
-# Steps of fewer tokens (or logits rows) are padded to this many on the CPU: small-M GEMMs
-# round differently, and padding keeps each row's result independent of its batch.
+# CPU steps are padded to a multiple of this many tokens (and at least this many logits rows):
+# small-M GEMMs and the scalar tails of elementwise kernels round differently, and padding keeps
+# each row's result independent of its batch.
 CPU_MIN_BATCH_ROWS = 16
 # A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
 # requests finish, few enough that a dataset of any size needs bounded memory.
@@ -165,12 +166,14 @@ class LLM:
                              cfg.gpu_memory_utilization, other)
 
     def _min_rows(self) -> int:
-        """Rows a CPU step is padded to (small-M GEMMs round differently); none on a GPU."""
+        """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
         return CPU_MIN_BATCH_ROWS if self.device.type == "cpu" else 0
 
     def _max_step_tokens(self, cfg: EngineConfig) -> int:
-        """The most query tokens one step can have (the backends size their buffers by it)."""
-        return max(cfg.max_num_batched_tokens, self._min_rows())
+        """The most query tokens one step can have, padding included (the backends size their
+        buffers by it)."""
+        m = self._min_rows()
+        return -(-max(cfg.max_num_batched_tokens, m) // m) * m if m else cfg.max_num_batched_tokens
 
     def _size_pool(self, cfg: EngineConfig, beta: int, target_len: int, gpu_free: int | None
                    ) -> int:

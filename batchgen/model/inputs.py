@@ -4,10 +4,11 @@ place every step (pinned host memory plus device copies on CUDA, one set on the 
 `prepare` packs the scheduled chunks into one ragged batch: token ids, positions, the slot
 mapping for the KV writes, the logits rows to keep and the attention metadata. Row order and
 padding are decided here, not by the engine: rows are sorted by (query length, cached length)
-so that a backend's same-shape rows are contiguous, and on the CPU a step of fewer than
-`min_rows` tokens (or logits rows) is padded with one-token dummies in the scratch block, since
-small-M CPU GEMMs round differently and padding keeps every row's result independent of its
-batch.
+so that a backend's same-shape rows are contiguous, and on the CPU a step's tokens are padded
+up to a multiple of `min_rows` (its logits rows up to `min_rows`) with one-token dummies in the
+scratch block: small-M CPU GEMMs round differently, and so do the scalar tails of elementwise
+kernels (a T x 688 activation ends mid-vector for odd T), so padding keeps every row's result
+independent of its batch.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class StepInputs:
         self.scratch_block = scratch_block
         self.min_rows = min_rows
         self.device = device
-        sizes = {"input_ids": max(max_tokens, min_rows), "logits_indices": max(max_seqs, min_rows),
+        sizes = {"input_ids": max(max_tokens, min_rows) + min_rows,
+                 "logits_indices": max(max_seqs, min_rows),
                  "qo_indptr": max_seqs + min_rows + 1, "kv_indptr": max_seqs + min_rows + 1,
                  "kv_indices": max_pages + min_rows, "kv_last_page_len": max_seqs + min_rows}
         sizes["positions"] = sizes["slot_mapping"] = sizes["input_ids"]
@@ -60,7 +62,7 @@ class StepInputs:
     def prepare(self, chunks: list[SeqChunk], pad_to: int | None = None) -> StepBatch:
         """Pack the chunks; the logits rows are each chunk's last `num_logits` positions, chunk
         by chunk in the given order. `pad_to`: exactly this many rows (a decode step replaying a CUDA graph
-        captured for that batch size); else at least `min_rows`."""
+        captured for that batch size); else a multiple of `min_rows` (none when it is 0)."""
         bs = self.block_size
         order = sorted(range(len(chunks)),
                        key=lambda i: (len(chunks[i].token_ids), chunks[i].num_computed))
@@ -83,7 +85,12 @@ class StepInputs:
         logits = [r for i, c in enumerate(chunks)
                   for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
         num_logits = len(logits)
-        rows = self.min_rows if pad_to is None else pad_to
+        if pad_to is not None:
+            rows = pad_to
+        elif self.min_rows:  # CPU: a multiple of min_rows (elementwise kernels' tails)
+            rows = max(self.min_rows, -(-qo[-1] // self.min_rows) * self.min_rows)
+        else:
+            rows = 0
         pad = rows - qo[-1]
         if pad > 0:  # one-token dummy sequences writing into the scratch block
             ids += [0] * pad
@@ -92,8 +99,9 @@ class StepInputs:
             kv += range(kv[-1] + 1, kv[-1] + pad + 1)
             starts += [0] * pad
             lens += [1] * pad
-        if 0 < num_logits < rows:
-            logits += [logits[-1]] * (rows - num_logits)
+        logit_rows = self.min_rows if pad_to is None else pad_to
+        if 0 < num_logits < logit_rows:
+            logits += [logits[-1]] * (logit_rows - num_logits)
         return self._fill(ids, pages, qo, kv, starts, lens, logits, num_logits)
 
     def _fill(self, ids: list[int], pages: list[int], qo: list[int], kv: list[int],
