@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import ROW_ID, output_row, output_schema, row_params
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
-from batchgen.prompts import TokensPrompt
 
 if TYPE_CHECKING:
     import datasets
@@ -27,22 +27,6 @@ if TYPE_CHECKING:
     from batchgen.llm import LLM
 
 DEFAULT_ROWS_PER_SHARD = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class PromptSpec:
-    """Where a row's prompt comes from: a text or token-id column, or a chat messages column
-    rendered through the chat template."""
-
-    prompt_column: str | None = "prompt"
-    messages_column: str | None = None
-    chat_template: str | None = None
-    add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @property
-    def column(self) -> str:
-        return self.messages_column or self.prompt_column  # type: ignore[return-value]
 
 
 def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchParams | None = None,
@@ -135,21 +119,7 @@ class _Job:
                 continue
             self.inflight[index] = (row_id, row)
             index += 1
-            yield self._prompt(row_id, row), self._row_params(row_id)
-
-    def _prompt(self, row_id: int, row: dict[str, Any]) -> Any:
-        """The row's prompt: text, token ids, or its messages through the chat template."""
-        value = row.get(self.spec.column)
-        if self.spec.messages_column is not None:
-            return self.llm.requests.render_chat(
-                [value], self.spec.chat_template, self.spec.add_generation_prompt, False, None,
-                self.spec.chat_template_kwargs)[0]
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (list, tuple)) and value and all(isinstance(t, int) for t in value):
-            return TokensPrompt(prompt_token_ids=list(value))
-        raise ValueError(f"row {row_id}: prompt_column {self.spec.column!r} must hold a string "
-                         f"or a list of token ids, got {type(value).__name__}")
+            yield self.spec.prompt(self.llm, row_id, row), self._row_params(row_id)
 
     def _row_params(self, row_id: int) -> SamplingParams | BeamSearchParams:
         if isinstance(self.params, SamplingParams):

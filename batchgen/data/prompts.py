@@ -1,0 +1,41 @@
+"""Where a dataset row's prompt comes from: a text or token-id column, or chat messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from batchgen.prompts import TokensPrompt
+
+if TYPE_CHECKING:
+    from batchgen.llm import LLM
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """A text or token-id column, or a chat messages column rendered through the chat
+    template (shared by the local runner and the Ray processor)."""
+
+    prompt_column: str | None = "prompt"
+    messages_column: str | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def column(self) -> str:
+        return self.messages_column or self.prompt_column  # type: ignore[return-value]
+
+    def prompt(self, llm: LLM, row_id: int, row: dict[str, Any]) -> Any:
+        """The row's prompt: its text, its token ids, or its messages through the template."""
+        value = row.get(self.column)
+        if self.messages_column is not None:
+            return llm.requests.render_chat([value], self.chat_template,
+                                            self.add_generation_prompt, False, None,
+                                            self.chat_template_kwargs)[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (list, tuple)) and value and all(isinstance(t, int) for t in value):
+            return TokensPrompt(prompt_token_ids=list(value))
+        raise ValueError(f"row {row_id}: prompt_column {self.column!r} must hold a string or a "
+                         f"list of token ids, got {type(value).__name__}")
