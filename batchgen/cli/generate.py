@@ -74,6 +74,16 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default=None)
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    r = p.add_argument_group("Ray Data (the batchgen[ray] extra)")
+    r.add_argument("--ray", action="store_true",
+                   help="run the job on Ray Data: one LLM per actor, output written by Ray")
+    r.add_argument("--ray-address", default=None,
+                   help="an existing cluster ('auto', 'ray://host:10001'); default: a local Ray")
+    r.add_argument("--actors", type=int, default=1, help="LLM actors (default 1)")
+    r.add_argument("--gpus-per-actor", type=float, default=0.0,
+                   help="GPUs per actor: 1 on a GPU cluster (default 0: CPU actors)")
+    r.add_argument("--cpus-per-actor", type=float, default=1.0)
+    r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,6 +96,9 @@ def run(args: argparse.Namespace) -> int:
     params = _params(args)
     if args.rows_per_shard < 1:
         raise CliError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
+    if args.ray and args.resume:
+        raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
+                       "within the job; rerun a stopped Ray job into a new --output")
     check_output_dir(Path(args.output).expanduser(), args.resume)
     template = _chat_template(args.chat_template)
     source = open_source(args.input)
@@ -94,7 +107,15 @@ def run(args: argparse.Namespace) -> int:
         flag = "--messages-column" if args.messages_column else "--prompt-column"
         raise CliError(f"{flag} {column!r} is not a column of {args.input} (columns: "
                        f"{', '.join(source.column_names)})")
-    llm = _llm(args, None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory))
+    engine = _engine_kwargs(args, None if args.kv_cache_memory is None
+                            else parse_memory(args.kv_cache_memory))
+    if args.ray:
+        from batchgen.cli.ray_job import run_on_ray
+
+        return run_on_ray(args, params, template, source, engine)
+    from batchgen.llm import LLM
+
+    llm = LLM(args.model, **engine)
     start = time.perf_counter()
     try:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
@@ -134,16 +155,15 @@ def _chat_template(path: str | None) -> str | None:
         raise CliError(f"--chat-template {path!r} cannot be read: {e.strerror}") from e
 
 
-def _llm(args: argparse.Namespace, kv_cache_memory: int | None) -> Any:
-    from batchgen.llm import LLM
-
-    return LLM(args.model, tokenizer=args.tokenizer, block_size=args.block_size,
-               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               enable_prefix_caching=not args.no_prefix_caching,
-               kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-               num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
-               attention_backend=args.attention_backend, seed=args.seed)
+def _engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict[str, Any]:
+    """LLM's arguments from the engine flags."""
+    return dict(tokenizer=args.tokenizer, block_size=args.block_size,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=not args.no_prefix_caching,
+                kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
+                num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
+                attention_backend=args.attention_backend, seed=args.seed)
 
 
 def _summary(ds: Any, seconds: float, output: str) -> None:

@@ -1,0 +1,97 @@
+"""`batchgen generate|beam --ray`: the same dataset job on Ray Data. The input is read here
+(the driver), numbered with its row ids (its positions, as in a local job) and handed to Ray as
+Arrow blocks of `--batch-size` rows; the actors generate and Ray writes the Parquet output."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.cli import CliError
+from batchgen.data.prompts import PromptSpec
+from batchgen.data.rows import ADDED_COLUMNS, ROW_ID
+from batchgen.data.source import Source
+
+
+def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, source: Source,
+               engine: dict[str, Any]) -> int:
+    """Start (or join) Ray, run the processor over the input, write Parquet, print a summary."""
+    ray = _import_ray()
+    from batchgen.ray import BatchgenProcessorConfig, build_processor
+
+    if args.actors < 1 or args.batch_size < 1:
+        raise CliError(f"--actors and --batch-size must be >= 1, got {args.actors} and "
+                       f"{args.batch_size}")
+    if source.num_rows is None:
+        raise CliError("--ray needs an input of known length (a file, a folder or a saved "
+                       "dataset)")
+    clash = [c for c in ADDED_COLUMNS if c in (source.column_names or [])]
+    if clash:
+        raise CliError(f"{args.input} already has column(s) {clash}: batchgen adds "
+                       f"{list(ADDED_COLUMNS)}; rename them first")
+    spec = PromptSpec(None if args.messages_column else args.prompt_column or "prompt",
+                      args.messages_column, template)
+    config = BatchgenProcessorConfig(
+        model_source=str(Path(args.model).expanduser().resolve()) if Path(
+            args.model).expanduser().exists() else args.model,
+        sampling_params=params, engine_kwargs=engine, prompt_column=spec.prompt_column or "prompt",
+        messages_column=spec.messages_column, chat_template=template, seed=args.seed,
+        batch_size=args.batch_size, concurrency=args.actors, num_gpus=args.gpus_per_actor,
+        num_cpus=args.cpus_per_actor)
+    started = not ray.is_initialized()
+    if started:
+        # a local Ray gets a CPU beyond its actors' (reading and writing tasks need one)
+        cpus = None if args.ray_address else max(
+            os.cpu_count() or 1, math.ceil(args.actors * args.cpus_per_actor) + 1)
+        ray.init(address=args.ray_address, num_cpus=cpus, include_dashboard=False,
+                 log_to_driver=not args.quiet)
+    try:
+        start = time.perf_counter()
+        ds = ray.data.from_arrow(_blocks(source, args.batch_size))
+        build_processor(config)(ds).write_parquet(str(Path(args.output).expanduser()))
+        seconds = time.perf_counter() - start
+    finally:
+        if started:
+            ray.shutdown()
+    rows, samples = _count(Path(args.output).expanduser())
+    print(f"batchgen: {rows} rows, {samples} samples in {args.output} (Ray, {args.actors} "
+          f"actor{'s' if args.actors > 1 else ''}, {seconds:.1f} s)")
+    return 0
+
+
+def _blocks(source: Source, size: int) -> list[pa.Table]:
+    """The input as Arrow blocks of `size` rows (one actor call each), numbered with row ids."""
+    arrow = source.dataset.with_format("arrow")
+    blocks = []
+    for start in range(0, source.num_rows or 0, size):
+        block = arrow[start:start + size]
+        ids = pa.array(range(start, start + block.num_rows), pa.int64())
+        blocks.append(block.append_column(ROW_ID, ids))
+    return blocks
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+        import ray.data
+    except ImportError as e:
+        raise CliError("--ray needs Ray Data: pip install 'batchgen[ray]'") from e
+    return ray
+
+
+def _count(output: Path) -> tuple[int, int]:
+    """Rows and samples in the written Parquet files (read a batch at a time)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as pads
+
+    rows = samples = 0
+    for batch in pads.dataset(output, format="parquet").to_batches(columns=["outputs"]):
+        rows += batch.num_rows
+        samples += pc.sum(pc.list_value_length(batch.column("outputs"))).as_py() or 0
+    return rows, samples

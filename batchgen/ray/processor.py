@@ -1,0 +1,182 @@
+"""A Ray Data processor shaped like `ray.data.llm`'s: a config, `build_processor(config,
+preprocess, postprocess)`, and a processor that maps a Ray `Dataset` to one with the local dataset
+runner's output columns (`row_id`, `num_prompt_tokens`, `outputs` with all n samples or beams).
+
+The generation stage is `Dataset.map_batches` over an actor pool: each actor builds one `LLM`
+and runs each batch through `LLM.generate` (or `beam_search`) with the per-row seeds of
+`generate_dataset`, so a row's outputs do not depend on the actor or batch it landed in. Ray
+Data restarts an actor that dies and retries its batch, so a killed actor loses and duplicates
+no row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from batchgen.data.prompts import PromptSpec
+from batchgen.data.rows import ROW_ID, output_row, output_schema, row_params
+from batchgen.params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    import ray.data
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class BatchgenProcessorConfig:
+    """What `ray.data.llm.vLLMEngineProcessorConfig` holds, for batchgen: the model and its
+    engine kwargs, the params of every row, where prompts come from, and the actor pool."""
+
+    model_source: str  # a model folder every node can read (shared storage or a copy per node)
+    sampling_params: SamplingParams | BeamSearchParams = field(default_factory=SamplingParams)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)  # LLM(model_source, **kwargs)
+    prompt_column: str = "prompt"
+    messages_column: str | None = None  # chat messages, rendered through the chat template
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    seed: int | None = None  # the job seed (params.seed first), as in generate_dataset
+    batch_size: int = 64  # rows per map_batches call
+    concurrency: int | tuple[int, int] = 1  # actors: a fixed number or (min, max)
+    num_gpus: float = 0.0  # per actor: 1 on a GPU cluster (one LLM per GPU), 0 on CPUs
+    num_cpus: float = 1.0  # per actor
+    max_tasks_in_flight_per_actor: int | None = None
+    runtime_env: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def prompt_spec(self) -> PromptSpec:
+        return PromptSpec(None if self.messages_column else self.prompt_column,
+                          self.messages_column, self.chat_template, True,
+                          self.chat_template_kwargs)
+
+    @property
+    def job_seed(self) -> int:
+        p = self.sampling_params
+        if isinstance(p, SamplingParams) and p.seed is not None:
+            return p.seed
+        return 0 if self.seed is None else int(self.seed)
+
+
+def _check(c: BatchgenProcessorConfig) -> None:
+    """ValueErrors naming the field, before Ray starts anything."""
+    if not isinstance(c.sampling_params, (SamplingParams, BeamSearchParams)):
+        raise ValueError("sampling_params must be a SamplingParams or a BeamSearchParams, got "
+                         f"{type(c.sampling_params).__name__}")
+    if not isinstance(c.batch_size, int) or c.batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {c.batch_size!r}")
+    sizes = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,)
+    if not (1 <= len(sizes) <= 2 and all(isinstance(n, int) and n >= 1 for n in sizes)
+            and sizes == tuple(sorted(sizes))):
+        raise ValueError("concurrency must be an integer >= 1 or a (min, max) pair, got "
+                         f"{c.concurrency!r}")
+    if c.num_gpus < 0 or c.num_cpus < 0:
+        raise ValueError(f"num_gpus and num_cpus must be >= 0, got {c.num_gpus}, {c.num_cpus}")
+    if not isinstance(c.engine_kwargs, dict):
+        raise ValueError(f"engine_kwargs must be a dict of LLM arguments, got "
+                         f"{type(c.engine_kwargs).__name__}")
+
+
+class _Generate:
+    """The actor: one LLM, built once; each call generates for a batch of rows."""
+
+    def __init__(self, config: BatchgenProcessorConfig) -> None:
+        from batchgen.llm import LLM
+
+        self.config = config
+        self.spec = config.prompt_spec
+        self.llm = LLM(config.model_source, **config.engine_kwargs)
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        rows = batch.to_pylist()
+        ids = [int(r[ROW_ID]) for r in rows]
+        prompts = [self.spec.prompt(self.llm, i, r) for i, r in zip(ids, rows)]
+        p = self.config.sampling_params
+        if isinstance(p, BeamSearchParams):
+            outs: list[Any] = self.llm.beam_search(prompts, p, use_tqdm=False)
+        else:
+            seed = self.config.job_seed
+            outs = self.llm.generate(prompts, [row_params(p, seed, i) for i in ids],
+                                     use_tqdm=False)
+        schema = output_schema(_without(batch.schema, ROW_ID), p)
+        return pa.Table.from_pylist([output_row(r, i, o) for r, i, o in zip(rows, ids, outs)],
+                                    schema=schema)
+
+
+def _without(schema: pa.Schema, name: str) -> pa.Schema:
+    return schema.remove(schema.get_field_index(name))
+
+
+class Processor:
+    """Callable on a Ray Dataset: preprocess (a row map), row ids if missing, the actor-pool
+    generation stage, postprocess (a row map). Lazy, like any Ray Data transform."""
+
+    def __init__(self, config: BatchgenProcessorConfig,
+                 preprocess: Callable[[Row], Row] | None = None,
+                 postprocess: Callable[[Row], Row] | None = None) -> None:
+        self.config, self.preprocess, self.postprocess = config, preprocess, postprocess
+
+    def __call__(self, ds: ray.data.Dataset) -> ray.data.Dataset:
+        import ray.data
+
+        c = self.config
+        if self.preprocess is not None:
+            ds = ds.map(self.preprocess)
+        if ROW_ID not in ds.columns():
+            ds = with_row_ids(ds)
+        if c.prompt_spec.column not in ds.columns():
+            name = "messages_column" if c.messages_column else "prompt_column"
+            raise ValueError(f"{name} {c.prompt_spec.column!r} is not a column of the dataset "
+                             f"(columns: {ds.columns()})")
+        size = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,) * 2
+        compute = ray.data.ActorPoolStrategy(
+            min_size=size[0], max_size=size[1],
+            max_tasks_in_flight_per_actor=c.max_tasks_in_flight_per_actor)
+        remote: dict[str, Any] = {} if c.runtime_env is None else {"runtime_env": c.runtime_env}
+        ds = ds.map_batches(_Generate, fn_constructor_args=(c,), batch_size=c.batch_size,
+                            batch_format="pyarrow", compute=compute, num_gpus=c.num_gpus,
+                            num_cpus=c.num_cpus, **remote)
+        if self.postprocess is not None:
+            ds = ds.map(self.postprocess)
+        return ds
+
+
+def build_processor(config: BatchgenProcessorConfig,
+                    preprocess: Callable[[Row], Row] | None = None,
+                    postprocess: Callable[[Row], Row] | None = None) -> Processor:
+    """`ray.data.llm.build_processor` for batchgen: `build_processor(config)(ds)` is a Ray
+    Dataset of the input columns plus `row_id`, `num_prompt_tokens` and `outputs`."""
+    if not isinstance(config, BatchgenProcessorConfig):
+        raise ValueError(f"config must be a BatchgenProcessorConfig, got {type(config).__name__}")
+    try:
+        import ray.data  # noqa: F401
+    except ImportError as e:
+        raise ImportError("batchgen.ray needs Ray Data: pip install 'batchgen[ray]'") from e
+    return Processor(config, preprocess, postprocess)
+
+
+def with_row_ids(ds: ray.data.Dataset) -> ray.data.Dataset:
+    """`ds` with a `row_id` column: each row's position (what `generate_dataset` calls a row id,
+    and what seeds its samples), zipped from `ray.data.range`. Positions need a deterministic
+    order, so this turns on Ray Data's `preserve_order` for the run; a `row_id` column of
+    your own (stable ids from your data) needs neither."""
+    import warnings
+
+    import ray.data
+
+    if not hasattr(ds, "zip"):
+        raise ValueError("the dataset has no 'row_id' column and this Ray has no Dataset.zip "
+                         "to number rows: add a 'row_id' column of stable integer ids, e.g. "
+                         "ray.data.from_huggingface(hf.add_column('row_id', range(len(hf))))")
+    ray.data.DataContext.get_current().execution_options.preserve_order = True
+    ids = ray.data.range(ds.count()).rename_columns({"id": ROW_ID})
+    with warnings.catch_warnings():  # zip's deprecation note is about unordered execution
+        warnings.simplefilter("ignore")
+        return ds.zip(ids)
+

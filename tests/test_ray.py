@@ -1,0 +1,168 @@
+"""`batchgen.ray` on a local Ray (loopback, CPU actors): the same rows as the local dataset
+runner, every sample kept; an actor killed mid-job is restarted by Ray and no row is lost or
+duplicated; `batchgen generate --ray` writes what a local job writes; nothing of Ray is left
+running after shutdown. Skipped when Ray is not installed (the test extra installs it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from batchgen import LLM, BeamSearchParams, SamplingParams  # noqa: E402
+from batchgen.cli import main  # noqa: E402
+from batchgen.data import generate_dataset  # noqa: E402
+from batchgen.ray import BatchgenProcessorConfig, build_processor  # noqa: E402
+
+WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
+PARAMS = SamplingParams(n=4, temperature=1.0, max_tokens=8)
+ACTOR = "MapWorker(MapBatches(_Generate))"
+RAY_PROCESSES = ("raylet", "gcs_server", "ray::", "dashboard", "plasma_store")
+
+
+def rows(count: int) -> list[dict]:
+    return [{"prompt": " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(2 + i % 7)),
+             "k": i} for i in range(count)]
+
+
+def processes(*needles: str) -> list[int]:
+    """PIDs whose command line contains any of `needles` (this machine, this user)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(n in cmd for n in needles) and int(pid) != os.getpid():
+            found.append(int(pid))
+    return found
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray on loopback with 3 logical CPUs (2 actors + the read/write tasks); after
+    the module, shut down and check that none of its processes is left."""
+    assert not processes(*RAY_PROCESSES), "a Ray is already running on this machine"
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+             _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+    deadline = time.monotonic() + 30
+    while processes(*RAY_PROCESSES) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes(*RAY_PROCESSES), "Ray processes left after ray.shutdown()"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama", eos_boost=0.06)
+
+
+def blocks(data: datasets.Dataset, size: int) -> list[pa.Table]:
+    """Arrow blocks of `size` rows with their row ids."""
+    table = data.with_format("arrow")[:]
+    return [table.slice(i, size).append_column("row_id", pa.array(range(i, min(i + size, len(
+        data))), pa.int64())) for i in range(0, len(data), size)]
+
+
+def by_id(records: list[dict]) -> list[dict]:
+    return sorted(records, key=lambda r: r["row_id"])
+
+
+def config(model: Path, **kw) -> BatchgenProcessorConfig:
+    kw = {"sampling_params": PARAMS, "engine_kwargs": {"device": "cpu"}, "seed": 3,
+          "batch_size": 8, "concurrency": 2, **kw}
+    return BatchgenProcessorConfig(str(model), **kw)
+
+
+def test_two_actors_equal_the_local_runner(local_ray, model: Path) -> None:
+    data = datasets.Dataset.from_list(rows(48))
+    local = generate_dataset(LLM(str(model), device="cpu"), data, PARAMS, seed=3,
+                             use_tqdm=False).to_list()
+    got = by_id(build_processor(config(model))(ray.data.from_arrow(blocks(data, 8))).take_all())
+    assert got == local  # every column, every sample of every row
+    assert all(len(r["outputs"]) == 4 for r in got)
+    # without a row_id column the processor numbers rows by position
+    numbered = build_processor(config(model))(
+        ray.data.from_items(rows(48), override_num_blocks=6)).take_all()
+    assert by_id(numbered) == local
+
+
+def test_beams_pre_and_postprocess(local_ray, model: Path) -> None:
+    data = datasets.Dataset.from_list(rows(12))
+    bp = BeamSearchParams(beam_width=3, max_tokens=6)
+    local = generate_dataset(LLM(str(model), device="cpu"), data, bp, use_tqdm=False)
+    proc = build_processor(
+        config(model, sampling_params=bp, prompt_column="text"),
+        preprocess=lambda r: {**r, "text": r["prompt"]},
+        postprocess=lambda r: {"row_id": r["row_id"], "best": r["outputs"][0]["text"]})
+    got = by_id(proc(ray.data.from_arrow(blocks(data, 4))).take_all())
+    assert [r["best"] for r in got] == [o[0]["text"] for o in local["outputs"]]
+
+
+def test_killed_actor_is_retried_without_loss_or_duplicates(local_ray, model: Path,
+                                                            tmp_path: Path) -> None:
+    data = datasets.Dataset.from_list(rows(240))
+    out = tmp_path / "out"
+    ds = build_processor(config(model, batch_size=6))(ray.data.from_arrow(blocks(data, 6)))
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            ds.write_parquet(str(out))
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    deadline = time.monotonic() + 120
+    while not (out.is_dir() and any(out.iterdir())) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the first output block is written: the actors are mid-job
+    victims = processes(ACTOR)
+    assert victims and writer.is_alive(), "the job ended before an actor could be killed"
+    os.kill(victims[0], signal.SIGKILL)
+    writer.join(timeout=300)
+    assert not writer.is_alive() and not errors, errors
+    got = by_id(pq.read_table(out).to_pylist())
+    assert [r["row_id"] for r in got] == list(range(240))  # none lost, none twice
+    local = generate_dataset(LLM(str(model), device="cpu"), data, PARAMS, seed=3,
+                             use_tqdm=False).to_list()
+    assert got == local
+
+
+def test_cli_ray_equals_local_cli(local_ray, model: Path, tmp_path: Path, capsys) -> None:
+    data = tmp_path / "in.jsonl"
+    datasets.Dataset.from_list(rows(30)).to_json(data)
+    common = ["generate", "--model", str(model), "--input", str(data), "--n", "3",
+              "--max-tokens", "6", "--seed", "7", "--quiet"]
+    assert main([*common, "--output", str(tmp_path / "local")]) == 0
+    assert main([*common, "--output", str(tmp_path / "ray"), "--ray", "--actors", "2",
+                 "--batch-size", "4"]) == 0
+    assert "batchgen: 30 rows, 90 samples in" in capsys.readouterr().out
+    assert by_id(pq.read_table(tmp_path / "ray").to_pylist()) == by_id(
+        pq.read_table(tmp_path / "local").to_pylist())
+
+
+def test_bad_config_and_flags(local_ray, model: Path, tmp_path: Path, capsys) -> None:
+    with pytest.raises(ValueError, match="concurrency must be an integer >= 1 or a"):
+        config(model, concurrency=(3, 1))
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        config(model, batch_size=0)
+    with pytest.raises(ValueError, match="prompt_column 'question' is not a column"):
+        build_processor(config(model, prompt_column="question"))(
+            ray.data.from_items(rows(4)))
+    data = tmp_path / "in.jsonl"
+    datasets.Dataset.from_list(rows(3)).to_json(data)
+    code = main(["generate", "--model", str(model), "--input", str(data), "--output",
+                 str(tmp_path / "o"), "--ray", "--resume"])
+    assert code == 2 and "--resume is for local jobs" in capsys.readouterr().err
