@@ -24,6 +24,8 @@ RUNS = {
 ALONE = {  # scripts with their own small settings
     "gpu_bench.py": ["--device", "cpu", "--quick"],
     "kv_quality.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3"],
+    "ray_scaling.py": ["--model-size", "tiny", "--rows", "24", "--n", "2", "--max-tokens", "3",
+                       "--batch-size", "6"],
     "dataset.py": [*SMALL[:12], "--rows", "40", "--n", "2", "--max-tokens", "4",
                    "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
 }
@@ -31,6 +33,8 @@ ALONE = {  # scripts with their own small settings
 
 @pytest.mark.parametrize("script", sorted(RUNS) + sorted(ALONE))
 def test_benchmark_script_runs(script, tmp_path):
+    if script == "ray_scaling.py":
+        pytest.importorskip("ray")
     out = tmp_path / "result.json"
     argv = ALONE[script] if script in ALONE else [*SMALL, *RUNS[script]]
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", *argv,
