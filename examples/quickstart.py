@@ -1,9 +1,11 @@
 """Quickstart: greedy generation, n samples per prompt, a stop string and a chat turn from a
-local model."""
+local model. Argument: a model folder; without one, the demo model (SmolLM2-135M-Instruct, made
+once; else a tiny random model)."""
 
 import sys
 
 from batchgen import LLM, SamplingParams
+from batchgen.tools.demo_model import demo_model
 
 
 def main(model_dir: str) -> None:
@@ -30,4 +32,4 @@ def main(model_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "models/tiny-llama")
+    main(demo_model(sys.argv[1] if len(sys.argv) > 1 else None))

