@@ -26,6 +26,7 @@ def test_notebook_runs(notebook, tmp_path, monkeypatch):
     assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code"), (
         f"{notebook.name} has stored outputs: clear them before committing")
     plots = any("matplotlib" in src for src in code)
+    assert plots, f"{notebook.name} draws no plot"
     figures = 0
     if plots:
         pytest.importorskip("matplotlib")
@@ -39,6 +40,7 @@ def test_notebook_runs(notebook, tmp_path, monkeypatch):
         # Agg cannot show: keep the figures open so each cell's can be counted, then closed.
         monkeypatch.setattr(plt, "show", lambda *args, **kwargs: None)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the tiny models go here
+    monkeypatch.setenv("BATCHGEN_DEMO_MODEL", "tiny")  # tests stay on tiny random models
     namespace: dict = {"__name__": "__notebook__"}
     start = time.perf_counter()
     try:

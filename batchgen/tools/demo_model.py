@@ -57,10 +57,11 @@ def tiny_model() -> Path:
 
 def demo_model(path: str | None = None, *, real: bool = True) -> str:
     """`path` when given; else the real SmolLM2 folder if `real` and it exists or can be made;
-    else the tiny random model (saying why on stderr)."""
+    else the tiny random model (saying why on stderr). `BATCHGEN_DEMO_MODEL=tiny` picks the tiny
+    one (the tests run notebooks that way)."""
     if path:
         return path
-    if real:
+    if real and os.environ.get("BATCHGEN_DEMO_MODEL") != "tiny":
         try:
             from batchgen.tools.smollm2 import smollm2_folder
 
