@@ -391,13 +391,17 @@ class Runner:
                                                                         a.max_tokens)],
                      self.env(), self.logs, name)
 
-    def launch_timed_cli(self, data: Path, out: Path, name: str, n: int, max_tokens: int,
-                         profile: Path | None = None) -> tuple[Child, Path]:
+    def run_timed_cli(self, data: Path, out: Path, name: str, n: int, max_tokens: int,
+                      profile: Path | None = None) -> tuple[Child, dict[str, Any]]:
+        """Run the timed CLI to its end (checked); its process and the figures it wrote."""
         result = self.root / f"{name}.json"
         cfg = {"result": str(result), "profile": None if profile is None else str(profile)}
         argv = [sys.executable, str(self.timed_cli), json.dumps(cfg),
                 *self.cli_argv(data, out, n, max_tokens)]
-        return Child(argv, self.env(), self.logs, name), result
+        child = Child(argv, self.env(), self.logs, name)
+        wait_with_timeout(child, self.args.timeout)
+        child.check(self.args.verbose)
+        return child, read_json(result)
 
     def launch_minimal(self, data: Path, name: str, dump: bool) -> tuple[Child, Path]:
         a = self.args
@@ -513,11 +517,7 @@ def run_throughput(args: argparse.Namespace, runner: Runner, data: Path
                                                      "prompt_tokens")}})
         # 3. the CLI's main() with generate_dataset timed precisely
         tout = runner.root / f"out-timed-{r}"
-        tchild, tres = runner.launch_timed_cli(data, tout, f"timed-cli-{r}", args.n,
-                                               args.max_tokens)
-        wait_with_timeout(tchild, args.timeout)
-        tchild.check(args.verbose)
-        t = read_json(tres)
+        tchild, t = runner.run_timed_cli(data, tout, f"timed-cli-{r}", args.n, args.max_tokens)
         if t.get("calls") != 1:
             raise RuntimeError("the timed CLI did not go through batchgen.data.runner."
                                "generate_dataset: update TIMED_CLI_SCRIPT")
@@ -546,11 +546,8 @@ def run_rss(args: argparse.Namespace, runner: Runner) -> list[dict[str, Any]]:
         data = runner.root / f"rss-{rows}.jsonl"
         write_jsonl(data, rows, args, args.seed + 1)
         dest = runner.root / f"out-rss-{rows}"
-        child, res = runner.launch_timed_cli(data, dest, f"rss-{rows}", args.rss_n,
-                                             args.rss_max_tokens)
-        wait_with_timeout(child, args.timeout)
-        child.check(args.verbose)
-        t = read_json(res)
+        child, t = runner.run_timed_cli(data, dest, f"rss-{rows}", args.rss_n,
+                                        args.rss_max_tokens)
         summary = parse_summary(child.stdout)
         shards = len(list(dest.glob("part-*.parquet")))
         out.append({"rows": rows, "peak_rss_kib": child.maxrss_kib,
@@ -574,10 +571,8 @@ def run_profile(args: argparse.Namespace, runner: Runner, data: Path) -> list[st
     import pstats
 
     dest = runner.root / "out-profile"
-    child, _ = runner.launch_timed_cli(data, dest, "profile", args.n, args.max_tokens,
-                                       profile=args.profile.resolve())
-    wait_with_timeout(child, args.timeout)
-    child.check(args.verbose)
+    runner.run_timed_cli(data, dest, "profile", args.n, args.max_tokens,
+                         profile=args.profile.resolve())
     shutil.rmtree(dest)
     runner.drop_caches()
     buf = io.StringIO()

@@ -27,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import datasets  # noqa: E402
-import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
 from benchmarks.common import machine_info, machine_line, markdown_table, write_json  # noqa: E402
@@ -58,13 +57,6 @@ def make_rows(count: int) -> datasets.Dataset:
          "k": i} for i in range(count)])
 
 
-def blocks(data: datasets.Dataset, size: int) -> list[pa.Table]:
-    table = data.with_format("arrow")[:]
-    return [table.slice(i, size).append_column(
-        "row_id", pa.array(range(i, min(i + size, len(data))), pa.int64()))
-        for i in range(0, len(data), size)]
-
-
 def run_local(model: str, data: datasets.Dataset, params) -> tuple[float, float, list[dict]]:
     from batchgen import LLM
     from batchgen.data import generate_dataset
@@ -80,7 +72,7 @@ def run_ray(model: str, data: datasets.Dataset, params, actors: int, args
             ) -> tuple[float, float, list[dict]]:
     import ray
 
-    from batchgen.ray import BatchgenProcessorConfig, build_processor
+    from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
 
     t0 = time.perf_counter()
     cpus = max(os.cpu_count() or 1, int(actors * args.cpus_per_actor) + 1)
@@ -91,7 +83,8 @@ def run_ray(model: str, data: datasets.Dataset, params, actors: int, args
         config = BatchgenProcessorConfig(model, params, engine_kwargs={"device": "cpu"},
                                          seed=0, batch_size=args.batch_size, concurrency=actors,
                                          num_cpus=args.cpus_per_actor)
-        ds = build_processor(config)(ray.data.from_arrow(blocks(data, args.batch_size)))
+        blocks = numbered_blocks(data, args.batch_size)
+        ds = build_processor(config)(ray.data.from_arrow(blocks))
         out = sorted(ds.take_all(), key=lambda r: r["row_id"])
         return time.perf_counter() - t1, t1 - t0, out
     finally:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -22,7 +21,11 @@ pytest.importorskip("ray.data")
 from batchgen import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from batchgen.cli import main  # noqa: E402
 from batchgen.data import generate_dataset  # noqa: E402
-from batchgen.ray import BatchgenProcessorConfig, build_processor  # noqa: E402
+from batchgen.ray import (  # noqa: E402
+    BatchgenProcessorConfig,
+    build_processor,
+    numbered_blocks,
+)
 
 WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
 PARAMS = SamplingParams(n=4, temperature=1.0, max_tokens=8)
@@ -68,13 +71,6 @@ def model(tiny_model_factory) -> Path:
     return tiny_model_factory("llama", eos_boost=0.06)
 
 
-def blocks(data: datasets.Dataset, size: int) -> list[pa.Table]:
-    """Arrow blocks of `size` rows with their row ids."""
-    table = data.with_format("arrow")[:]
-    return [table.slice(i, size).append_column("row_id", pa.array(range(i, min(i + size, len(
-        data))), pa.int64())) for i in range(0, len(data), size)]
-
-
 def by_id(records: list[dict]) -> list[dict]:
     return sorted(records, key=lambda r: r["row_id"])
 
@@ -89,7 +85,8 @@ def test_two_actors_equal_the_local_runner(local_ray, model: Path) -> None:
     data = datasets.Dataset.from_list(rows(48))
     local = generate_dataset(LLM(str(model), device="cpu"), data, PARAMS, seed=3,
                              use_tqdm=False).to_list()
-    got = by_id(build_processor(config(model))(ray.data.from_arrow(blocks(data, 8))).take_all())
+    blocks = ray.data.from_arrow(numbered_blocks(data, 8))
+    got = by_id(build_processor(config(model))(blocks).take_all())
     assert got == local  # every column, every sample of every row
     assert all(len(r["outputs"]) == 4 for r in got)
     # without a row_id column the processor numbers rows by position
@@ -106,7 +103,7 @@ def test_beams_pre_and_postprocess(local_ray, model: Path) -> None:
         config(model, sampling_params=bp, prompt_column="text"),
         preprocess=lambda r: {**r, "text": r["prompt"]},
         postprocess=lambda r: {"row_id": r["row_id"], "best": r["outputs"][0]["text"]})
-    got = by_id(proc(ray.data.from_arrow(blocks(data, 4))).take_all())
+    got = by_id(proc(ray.data.from_arrow(numbered_blocks(data, 4))).take_all())
     assert [r["best"] for r in got] == [o[0]["text"] for o in local["outputs"]]
 
 
@@ -114,7 +111,8 @@ def test_killed_actor_is_retried_without_loss_or_duplicates(local_ray, model: Pa
                                                             tmp_path: Path) -> None:
     data = datasets.Dataset.from_list(rows(240))
     out = tmp_path / "out"
-    ds = build_processor(config(model, batch_size=6))(ray.data.from_arrow(blocks(data, 6)))
+    ds = build_processor(config(model, batch_size=6))(
+        ray.data.from_arrow(numbered_blocks(data, 6)))
     errors: list[BaseException] = []
 
     def write() -> None:
@@ -166,3 +164,9 @@ def test_bad_config_and_flags(local_ray, model: Path, tmp_path: Path, capsys) ->
     code = main(["generate", "--model", str(model), "--input", str(data), "--output",
                  str(tmp_path / "o"), "--ray", "--resume"])
     assert code == 2 and "--resume is for local jobs" in capsys.readouterr().err
+    clash = tmp_path / "clash.jsonl"
+    datasets.Dataset.from_list([{**r, "outputs": 1} for r in rows(3)]).to_json(clash)
+    code = main(["generate", "--model", str(model), "--input", str(clash), "--output",
+                 str(tmp_path / "o2"), "--ray"])
+    err = capsys.readouterr().err
+    assert code == 2 and "already has column(s) ['outputs']" in err, err

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.cache import cache_root
+
 logger = logging.getLogger("batchgen")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
@@ -105,12 +107,6 @@ def _compiler() -> str:
     raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("BATCHGEN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or (
-        Path.home() / ".cache")
-    return Path(root) / "batchgen" / "kernels"
-
-
 def _cpu_id() -> str:
     """What -march=native compiles for: a build is reused only on the same kind of CPU."""
     try:
@@ -126,7 +122,7 @@ def build(verbose: bool = False) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()])
                          .encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    target = cache_root() / "kernels" / f"paged_decode-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
-
 from batchgen.cli import CliError
 from batchgen.data.prompts import PromptSpec
-from batchgen.data.rows import ADDED_COLUMNS, ROW_ID
+from batchgen.data.rows import output_schema
 from batchgen.data.source import Source
 
 
@@ -23,7 +21,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
                engine: dict[str, Any]) -> int:
     """Start (or join) Ray, run the processor over the input, write Parquet, print a summary."""
     ray = _import_ray()
-    from batchgen.ray import BatchgenProcessorConfig, build_processor
+    from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
 
     if args.actors < 1 or args.batch_size < 1:
         raise CliError(f"--actors and --batch-size must be >= 1, got {args.actors} and "
@@ -31,10 +29,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     if source.num_rows is None:
         raise CliError("--ray needs an input of known length (a file, a folder or a saved "
                        "dataset)")
-    clash = [c for c in ADDED_COLUMNS if c in (source.column_names or [])]
-    if clash:
-        raise CliError(f"{args.input} already has column(s) {clash}: batchgen adds "
-                       f"{list(ADDED_COLUMNS)}; rename them first")
+    output_schema(source.schema, params)  # a ValueError for a column batchgen would add
     spec = PromptSpec(None if args.messages_column else args.prompt_column or "prompt",
                       args.messages_column, template)
     config = BatchgenProcessorConfig(
@@ -53,7 +48,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
                  log_to_driver=not args.quiet)
     try:
         start = time.perf_counter()
-        ds = ray.data.from_arrow(_blocks(source, args.batch_size))
+        ds = ray.data.from_arrow(numbered_blocks(source.dataset, args.batch_size))
         build_processor(config)(ds).write_parquet(str(Path(args.output).expanduser()))
         seconds = time.perf_counter() - start
     finally:
@@ -63,17 +58,6 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     print(f"batchgen: {rows} rows, {samples} samples in {args.output} (Ray, {args.actors} "
           f"actor{'s' if args.actors > 1 else ''}, {seconds:.1f} s)")
     return 0
-
-
-def _blocks(source: Source, size: int) -> list[pa.Table]:
-    """The input as Arrow blocks of `size` rows (one actor call each), numbered with row ids."""
-    arrow = source.dataset.with_format("arrow")
-    blocks = []
-    for start in range(0, source.num_rows or 0, size):
-        block = arrow[start:start + size]
-        ids = pa.array(range(start, start + block.num_rows), pa.int64())
-        blocks.append(block.append_column(ROW_ID, ids))
-    return blocks
 
 
 def _import_ray() -> Any:

@@ -28,6 +28,14 @@ def row_seed(seed: int, row_id: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def job_seed(params: SamplingParams | BeamSearchParams, seed: int | None) -> int:
+    """A job's seed: params.seed, else `seed`, else 0 (never random: a resume, or another
+    machine, must redo the same draws)."""
+    if isinstance(params, SamplingParams) and params.seed is not None:
+        return params.seed
+    return 0 if seed is None else int(seed)
+
+
 def row_params(params: SamplingParams, seed: int, row_id: int) -> SamplingParams:
     """The row's copy of `params`, seeded from (seed, row id)."""
     return dataclasses.replace(params, seed=row_seed(seed, row_id))

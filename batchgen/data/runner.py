@@ -15,7 +15,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from batchgen.data.prompts import PromptSpec
-from batchgen.data.rows import ROW_ID, output_row, output_schema, row_params
+from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
 from batchgen.outputs import BeamSearchOutput, RequestOutput
@@ -58,13 +58,13 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
         raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
                          f"{spec.column!r} is not a column of data (columns: "
                          f"{source.column_names})")
-    job_seed = _job_seed(params, seed)
+    seed = job_seed(params, seed)
     schema = output_schema(source.schema, params)
     store = None
     if output_dir is not None:
-        store = ShardStore(Path(output_dir).expanduser(), _job(llm, params, job_seed, spec,
+        store = ShardStore(Path(output_dir).expanduser(), _job(llm, params, seed, spec,
                                                                 source), resume)
-    job = _Job(llm, source, params, spec, job_seed, schema, store, rows_per_shard)
+    job = _Job(llm, source, params, spec, seed, schema, store, rows_per_shard)
     job.run(use_tqdm)
     return job.result()
 
@@ -197,14 +197,6 @@ def _check_args(params: Any, spec: PromptSpec, rows_per_shard: int, resume: bool
         raise ValueError(f"rows_per_shard must be an integer >= 1, got {rows_per_shard!r}")
     if resume and output_dir is None:
         raise ValueError("resume=True needs output_dir (the shards to resume from)")
-
-
-def _job_seed(params: Any, seed: int | None) -> int:
-    """The job's seed: params.seed, else `seed`, else 0 (never random: a resume must redo the
-    same draws)."""
-    if isinstance(params, SamplingParams) and params.seed is not None:
-        return params.seed
-    return 0 if seed is None else int(seed)
 
 
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source) -> dict[str, Any]:

@@ -2,6 +2,13 @@
 actor, every sample or beam of every row kept. Needs the `batchgen[ray]` extra; importing
 `batchgen` never needs Ray."""
 
-from batchgen.ray.processor import BatchgenProcessorConfig, Processor, build_processor, with_row_ids
+from batchgen.ray.processor import (
+    BatchgenProcessorConfig,
+    Processor,
+    build_processor,
+    numbered_blocks,
+    with_row_ids,
+)
 
-__all__ = ["BatchgenProcessorConfig", "Processor", "build_processor", "with_row_ids"]
+__all__ = ["BatchgenProcessorConfig", "Processor", "build_processor", "numbered_blocks",
+           "with_row_ids"]

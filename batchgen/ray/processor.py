@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchgen.data.prompts import PromptSpec
-from batchgen.data.rows import ROW_ID, output_row, output_schema, row_params
+from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
 from batchgen.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -56,12 +56,6 @@ class BatchgenProcessorConfig:
                           self.messages_column, self.chat_template, True,
                           self.chat_template_kwargs)
 
-    @property
-    def job_seed(self) -> int:
-        p = self.sampling_params
-        if isinstance(p, SamplingParams) and p.seed is not None:
-            return p.seed
-        return 0 if self.seed is None else int(self.seed)
 
 
 def _check(c: BatchgenProcessorConfig) -> None:
@@ -101,7 +95,7 @@ class _Generate:
         if isinstance(p, BeamSearchParams):
             outs: list[Any] = self.llm.beam_search(prompts, p, use_tqdm=False)
         else:
-            seed = self.config.job_seed
+            seed = job_seed(p, self.config.seed)
             outs = self.llm.generate(prompts, [row_params(p, seed, i) for i in ids],
                                      use_tqdm=False)
         schema = output_schema(_without(batch.schema, ROW_ID), p)
@@ -159,6 +153,19 @@ def build_processor(config: BatchgenProcessorConfig,
     except ImportError as e:
         raise ImportError("batchgen.ray needs Ray Data: pip install 'batchgen[ray]'") from e
     return Processor(config, preprocess, postprocess)
+
+
+def numbered_blocks(data: Any, size: int) -> list[pa.Table]:
+    """A `datasets.Dataset` as Arrow blocks of `size` rows (one actor call each) with a
+    `row_id` column of their positions, the ids a local job gives them; for
+    `ray.data.from_arrow`."""
+    arrow = data.with_format("arrow")
+    blocks = []
+    for start in range(0, len(data), size):
+        block = arrow[start:start + size]
+        ids = pa.array(range(start, start + block.num_rows), pa.int64())
+        blocks.append(block.append_column(ROW_ID, ids))
+    return blocks
 
 
 def with_row_ids(ds: ray.data.Dataset) -> ray.data.Dataset:

@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from batchgen.cache import cache_root
+
 TINY = "tiny-llama"
 REAL = "smollm2-135m-instruct"
 
@@ -19,9 +21,7 @@ REAL = "smollm2-135m-instruct"
 def models_dir() -> Path:
     """Where made model folders are kept (created on first use): next to the compiled CPU
     kernel, under `$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME`, else `~/.cache`."""
-    root = os.environ.get("BATCHGEN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME") or (
-        Path.home() / ".cache")
-    return Path(root) / "batchgen" / "models"
+    return cache_root() / "models"
 
 
 def tiny_model() -> Path:
