@@ -34,6 +34,22 @@ def check_int(value: object, name: str, minimum: int = 1, allow_none: bool = Fal
           f"an integer >= {minimum}{' or None' if allow_none else ''}", value)
 
 
+def check_number(value: object, name: str, minimum: float = 0) -> None:
+    """A finite number >= `minimum` (not a bool)."""
+    check(is_number(value) and value >= minimum, name, f"a number >= {minimum:g}", value)
+
+
+def check_type(value: object, name: str, types: type | tuple[type, ...],
+               allowed: str | None = None) -> None:
+    """An instance of `types`; the message names the allowed types ("a SamplingParams or a
+    BeamSearchParams", unless `allowed` words it) and the type that was given (an object's
+    repr can be long, or say nothing)."""
+    if not isinstance(value, types):
+        kinds = types if isinstance(types, tuple) else (types,)
+        allowed = allowed or " or ".join(f"a {t.__name__}" for t in kinds)
+        raise ValueError(f"{name} must be {allowed}, got {type(value).__name__}")
+
+
 def check_flag(value: object, name: str) -> None:
     """A real bool (a stray string or 1 would be truthy)."""
     check(isinstance(value, bool), name, "True or False", value)

@@ -25,6 +25,9 @@ from batchgen.kv.cache import num_blocks_for_memory
 DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 2048
+# The shortest useful sequence: one prompt token and one generated token. A max_model_len or a
+# pool under it could run no request at all.
+MIN_MODEL_LEN = 2
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -53,8 +56,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
         check_int(self.max_num_seqs, "max_num_seqs")
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory",
-                     "num_kv_blocks"):
+        check(self.max_model_len is None or (is_int(self.max_model_len)
+                                             and self.max_model_len >= MIN_MODEL_LEN),
+              "max_model_len", f"None or an integer >= {MIN_MODEL_LEN} (room for a prompt "
+              "token and a generated one)", self.max_model_len)
+        for name in ("max_num_batched_tokens", "kv_cache_memory", "num_kv_blocks"):
             check_int(getattr(self, name), name, allow_none=True)
         check(is_number(self.gpu_memory_utilization) and 0 < self.gpu_memory_utilization <= 1,
               "gpu_memory_utilization", "a number in (0, 1]", self.gpu_memory_utilization)
@@ -135,7 +141,7 @@ def fit_max_model_len(cfg: EngineConfig, target: int, capacity: int) -> int:
     if cfg.max_model_len is not None and cfg.max_model_len > capacity:
         raise ValueError(f"max_model_len ({cfg.max_model_len}) must fit the KV pool of "
                          f"{capacity} tokens; raise num_kv_blocks / kv_cache_memory")
-    if capacity < 2:
+    if capacity < MIN_MODEL_LEN:
         raise ValueError(f"the KV pool holds {capacity} token: too few for a prompt and one "
                          "generated token; raise num_kv_blocks / kv_cache_memory")
     return min(target, capacity)

@@ -269,6 +269,12 @@ def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> Non
     ({"rows_per_shard": 0}, "rows_per_shard must be an integer >= 1"),
     ({"resume": True}, "resume=True needs output_dir"),
     ({"params": "greedy"}, "params must be a SamplingParams or a BeamSearchParams"),
+    ({"rows_per_shard": True}, "rows_per_shard must be an integer >= 1, got True"),
+    ({"resume": "yes"}, "resume must be True or False, got 'yes'"),
+    ({"prompt_column": 3}, "prompt_column must be a column name"),
+    ({"messages_column": ""}, "messages_column must be None or a column name"),
+    ({"seed": 1.5}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
+    ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be None or a dict"),
 ])
 def test_bad_arguments(llm, data, kwargs, message) -> None:
     kwargs = {"params": PARAMS, **kwargs}

@@ -1,4 +1,4 @@
-"""`batchgen kv-plan` and `batchgen.kv.plan`: the chapter's worked example from a config.json
+"""`batchgen kv-plan` and `batchgen.kv_plan`: the chapter's worked example from a config.json
 without weights, exact agreement with the capacity line LLM logs, windowed layers, errors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from batchgen.attention.spec import probe_specs
 from batchgen.cli import main
 from batchgen.cli.kv_plan import parse_memory
 from batchgen.config import DEFAULT_CPU_KV_BYTES
-from batchgen.kv.plan import SlidingWindows, plan_kv, sliding_windows
+from batchgen.kv_plan import SlidingWindows, plan_kv, sliding_windows
 from batchgen.model import loader
 from batchgen.tools.make_tiny_model import make_config
 

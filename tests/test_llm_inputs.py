@@ -28,6 +28,8 @@ BAD_REQUESTS = [
     ("prompts\\[1\\]", lambda: ["fine", {"tokens": [1]}], None),
     ("prompt_token_ids", lambda: [{"prompt_token_ids": "abc"}], None),
     ("sampling_params", lambda: [ids(5), ids(6)], [SamplingParams()]),
+    (r"sampling_params\[1\] must be a SamplingParams, got str", lambda: [ids(5), ids(6)],
+     [SamplingParams(), "greedy"]),
     ("can never fit", lambda: [ids(100)], SamplingParams(n=8, max_tokens=27)),
     ("logprobs", lambda: [ids(5)], SamplingParams(logprobs=100000)),
 ]
@@ -59,6 +61,9 @@ BAD_ENGINE_ARGS = [
     ("gpu_memory_utilization", {"gpu_memory_utilization": True}),
     ("enable_prefix_caching", {"enable_prefix_caching": 1}),
     ("KV pool holds 1 token", {"block_size": 1, "num_kv_blocks": 1}),
+    (r"max_model_len must be None or an integer >= 2 \(room for a prompt token and a "
+     r"generated one\), got 1", {"max_model_len": 1}),
+    ("max_model_len must be None or an integer >= 2", {"max_model_len": True}),
     ("max_num_seqs", {"max_num_seqs": -1}),
     ("max_num_batched_tokens", {"max_num_batched_tokens": 0}),
     ("num_kv_blocks", {"num_kv_blocks": 0}),
@@ -110,6 +115,16 @@ def test_a_one_block_pool_serves_what_fits_it(tiny_model_factory):
     assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="needs 2 KV blocks"):
         llm.generate(ids(2), SamplingParams(n=2, max_tokens=2), use_tqdm=False)
+    assert llm.block_manager.num_free_blocks() == 1
+
+
+def test_the_smallest_pool_serves_the_smallest_request(tiny_model_factory):
+    """Two tokens (one prompt token, one generated) is the least a pool, or max_model_len,
+    may hold (less is refused above): a 1-token prompt with max_tokens=1 needs one block."""
+    llm = LLM(tiny_model_factory("llama"), block_size=2, num_kv_blocks=1)
+    assert llm.max_model_len == 2
+    out = llm.generate(ids(1), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
     assert llm.block_manager.num_free_blocks() == 1
 
 

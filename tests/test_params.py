@@ -116,7 +116,7 @@ def test_edge_values_are_accepted(kwargs: dict) -> None:
 def test_greedy_is_temperature_zero() -> None:
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=0.0).greedy
-    assert not SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def test_stop_normalisation() -> None:
@@ -153,13 +153,23 @@ def test_seed_range_is_what_torch_generators_take():
     assert SamplingParams(seed=-1).seed is None  # vLLM's "no seed"
 
 
-@pytest.mark.parametrize("t", [1e-40, 1e-30, 0.005])
-def test_near_zero_temperatures_are_raised_to_vllms_floor(t, caplog):
+@pytest.mark.parametrize("t", [1e-5, 5e-3, 0.009])
+def test_small_temperatures_are_raised_to_vllms_floor(t, caplog):
     with caplog.at_level("WARNING", logger="batchgen"):
         p = SamplingParams(temperature=t)
     assert p.temperature == 0.01 and not p.greedy
     assert "temperature" in caplog.text
     assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=0.01).temperature == 0.01
+
+
+@pytest.mark.parametrize("t", [1e-40, 1e-30, 1e-6, 9.99e-6])
+def test_temperatures_below_1e_5_are_greedy(t, caplog):
+    """Below vLLM's greedy threshold (_SAMPLING_EPS = 1e-5) a temperature means greedy: it
+    becomes 0, not 0.01, so the request samples nothing."""
+    with caplog.at_level("WARNING", logger="batchgen"):
+        p = SamplingParams(temperature=t, top_p=0.5)
+    assert p.temperature == 0 and p.greedy
+    assert "greedy" in caplog.text
 
 
 def test_logprobs_true_means_one_as_in_vllm() -> None:

@@ -156,6 +156,8 @@ def test_bad_config_and_flags(local_ray, model: Path, tmp_path: Path, capsys) ->
         config(model, concurrency=(3, 1))
     with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
         config(model, batch_size=0)
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1, got True"):
+        config(model, batch_size=True)  # more cases, without Ray: test_ray_config.py
     with pytest.raises(ValueError, match="prompt_column 'question' is not a column"):
         build_processor(config(model, prompt_column="question"))(
             ray.data.from_items(rows(4)))

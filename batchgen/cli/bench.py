@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from batchgen.checks import check
 from batchgen.cli import CliError
 from batchgen.cli.kv_plan import MODEL_DTYPES
 
@@ -111,11 +112,10 @@ def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """A CliError naming the flag for a workload that cannot run."""
+    """A ValueError (or CliError) naming the flag for a workload that cannot run."""
     for flag, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
                         ("--n", args.n), ("--repeats", args.repeats)):
-        if value < 1:
-            raise CliError(f"{flag} must be >= 1, got {value}")
+        check(value >= 1, flag, ">= 1", value)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         raise CliError(f"need 1 <= --min-prompt-len <= --max-prompt-len, got "
                        f"{args.min_prompt_len} and {args.max_prompt_len}")

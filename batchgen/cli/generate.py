@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen.checks import check
 from batchgen.cli import EXIT_INTERRUPTED, CliError
 
 
@@ -94,8 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from batchgen.data.source import open_source
 
     params = _params(args)
-    if args.rows_per_shard < 1:
-        raise CliError(f"--rows-per-shard must be >= 1, got {args.rows_per_shard}")
+    check(args.rows_per_shard >= 1, "--rows-per-shard", ">= 1", args.rows_per_shard)
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")

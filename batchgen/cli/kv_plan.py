@@ -1,7 +1,7 @@
 """`batchgen kv-plan`: how many tokens and sequences a KV budget holds, from config.json alone.
 
 No weights are read: the folder needs only its config.json. The figures are the ones `LLM`
-sizes its pool with (see `batchgen.kv.plan`), down to the capacity line it logs.
+sizes its pool with (see `batchgen.kv_plan`), down to the capacity line it logs.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from decimal import Decimal
 
 from batchgen.cli import CliError
 from batchgen.config import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES
-from batchgen.kv.plan import KvPlan, format_bytes, plan_kv
+from batchgen.kv_plan import KvPlan, format_bytes, plan_kv
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from batchgen.checks import check
 from batchgen.cli import CliError
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import output_schema
@@ -23,9 +24,10 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     ray = _import_ray()
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
 
-    if args.actors < 1 or args.batch_size < 1:
-        raise CliError(f"--actors and --batch-size must be >= 1, got {args.actors} and "
-                       f"{args.batch_size}")
+    check(args.actors >= 1, "--actors", ">= 1", args.actors)
+    check(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
+    check(args.gpus_per_actor >= 0, "--gpus-per-actor", ">= 0", args.gpus_per_actor)
+    check(args.cpus_per_actor >= 0, "--cpus-per-actor", ">= 0", args.cpus_per_actor)
     if source.num_rows is None:
         raise CliError("--ray needs an input of known length (a file, a folder or a saved "
                        "dataset)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from batchgen.checks import check, check_flag, check_type
 from batchgen.prompts import TokensPrompt
 
 if TYPE_CHECKING:
@@ -21,6 +22,21 @@ class PromptSpec:
     chat_template: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        """ValueErrors naming the argument (the messages column overrides the prompt column)."""
+        if self.messages_column is None:
+            check(_is_name(self.prompt_column), "prompt_column",
+                  "a column name (a non-empty string)", self.prompt_column)
+        else:
+            check(_is_name(self.messages_column), "messages_column",
+                  "None or a column name (a non-empty string)", self.messages_column)
+        check(self.chat_template is None or isinstance(self.chat_template, str),
+              "chat_template", "None or a Jinja template string", self.chat_template)
+        check_flag(self.add_generation_prompt, "add_generation_prompt")
+        if self.chat_template_kwargs is not None:
+            check_type(self.chat_template_kwargs, "chat_template_kwargs", dict,
+                       "None or a dict of template variables")
 
     @property
     def column(self) -> str:
@@ -39,3 +55,7 @@ class PromptSpec:
             return TokensPrompt(prompt_token_ids=list(value))
         raise ValueError(f"row {row_id}: prompt_column {self.column!r} must hold a string or a "
                          f"list of token ids, got {type(value).__name__}")
+
+
+def _is_name(column: object) -> bool:
+    return isinstance(column, str) and bool(column)

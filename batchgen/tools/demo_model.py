@@ -12,16 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from batchgen.cache import cache_root
+from batchgen.cache import models_dir
+from batchgen.tools import smollm2
+from batchgen.tools.smollm2 import REAL, is_converted
+
+__all__ = ["REAL", "TINY", "demo_model", "models_dir", "tiny_model"]
 
 TINY = "tiny-llama"
-REAL = "smollm2-135m-instruct"
-
-
-def models_dir() -> Path:
-    """Where made model folders are kept (created on first use): next to the compiled CPU
-    kernel, under `$BATCHGEN_CACHE_DIR`, else `$XDG_CACHE_HOME`, else `~/.cache`."""
-    return cache_root() / "models"
 
 
 def tiny_model() -> Path:
@@ -30,7 +27,6 @@ def tiny_model() -> Path:
     from transformers.utils import logging as hf_logging
 
     from batchgen.tools.make_tiny_model import make_tiny_model
-    from batchgen.tools.smollm2 import is_converted
 
     path = models_dir() / TINY
     if is_converted(path):
@@ -63,9 +59,7 @@ def demo_model(path: str | None = None, *, real: bool = True) -> str:
         return path
     if real and os.environ.get("BATCHGEN_DEMO_MODEL") != "tiny":
         try:
-            from batchgen.tools.smollm2 import smollm2_folder
-
-            return str(smollm2_folder(models_dir() / REAL))
+            return str(smollm2.smollm2_folder(smollm2.default_folder()))
         except Exception as e:  # a missing extra, no GGUF, a failed conversion: say why
             why = " ".join(str(e).split()) or type(e).__name__  # one line
             print(f"[batchgen] using the tiny random model (it prints gibberish): the real model "

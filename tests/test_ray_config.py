@@ -1,0 +1,65 @@
+"""`BatchgenProcessorConfig` checks its fields when it is built, before Ray starts anything:
+these tests need neither Ray nor a model (tests/test_ray.py runs the processor on Ray)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from batchgen import BeamSearchParams, SamplingParams
+from batchgen.ray import BatchgenProcessorConfig
+
+
+def config(**kw) -> BatchgenProcessorConfig:
+    return BatchgenProcessorConfig("some/model", **kw)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"batch_size": True}, "batch_size must be an integer >= 1, got True"),
+    ({"batch_size": 0}, "batch_size must be an integer >= 1, got 0"),
+    ({"batch_size": 8.0}, "batch_size must be an integer >= 1, got 8.0"),
+    ({"concurrency": (3, 1)}, r"concurrency must be an integer >= 1 or a \(min, max\) pair"),
+    ({"concurrency": True}, "concurrency must be an integer >= 1 .*, got True"),
+    ({"concurrency": (1, 2, 3)}, "concurrency must be"),
+    ({"concurrency": ("1", 2)}, "concurrency must be"),
+    ({"num_gpus": -1}, "num_gpus must be a number >= 0, got -1"),
+    ({"num_gpus": "1"}, "num_gpus must be a number >= 0, got '1'"),
+    ({"num_cpus": None}, "num_cpus must be a number >= 0, got None"),
+    ({"num_cpus": float("nan")}, "num_cpus must be a number >= 0, got nan"),
+    ({"sampling_params": "greedy"},
+     "sampling_params must be a SamplingParams or a BeamSearchParams, got str"),
+    ({"engine_kwargs": [("device", "cpu")]}, "engine_kwargs must be a dict of LLM arguments, "
+                                             "got list"),
+    ({"prompt_column": ""}, "prompt_column must be a column name"),
+    ({"messages_column": 3}, "messages_column must be None or a column name"),
+    ({"chat_template": 3}, "chat_template must be None or a Jinja template string"),
+    ({"seed": "7"}, "seed must be None or an integer"),
+    ({"max_tasks_in_flight_per_actor": 0},
+     "max_tasks_in_flight_per_actor must be an integer >= 1 or None, got 0"),
+    ({"runtime_env": ["pip"]}, "runtime_env must be None or a Ray runtime_env dict, got list"),
+])
+def test_bad_fields_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**kwargs)
+
+
+def test_model_source_must_be_a_path() -> None:
+    with pytest.raises(ValueError, match="model_source must be a model folder"):
+        BatchgenProcessorConfig("")
+    with pytest.raises(ValueError, match="model_source must be a model folder"):
+        BatchgenProcessorConfig(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"batch_size": 1, "concurrency": (1, 4), "num_gpus": 1, "num_cpus": 0.5},
+    {"concurrency": (2, 2), "seed": -1, "max_tasks_in_flight_per_actor": 2,
+     "runtime_env": {"env_vars": {}}},
+    {"sampling_params": BeamSearchParams(beam_width=2, max_tokens=4),
+     "messages_column": "messages", "prompt_column": "", "chat_template": "{{ x }}",
+     "chat_template_kwargs": {"a": 1}},
+    {"sampling_params": SamplingParams(n=2), "engine_kwargs": {"device": "cpu"}},
+])
+def test_good_fields_are_accepted(kwargs: dict) -> None:
+    config(**kwargs)
+    BatchgenProcessorConfig(Path("some/model"), **kwargs)  # type: ignore[arg-type]
