@@ -6,16 +6,24 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PretrainedConfig
 
 from batchgen import cpu_allocator
 from batchgen.attention import flashinfer_backend
 from batchgen.attention.backend import AttentionBackend
-from batchgen.attention.registry import BackendQuery, backend_candidates, build_backend
-from batchgen.attention.spec import probe_specs
+from batchgen.attention.registry import (
+    BackendFactory,
+    BackendQuery,
+    backend_candidates,
+    build_backend,
+)
+from batchgen.attention.spec import AttentionSpec, probe_specs
 from batchgen.config import (
     CacheConfig,
     EngineConfig,
@@ -24,15 +32,18 @@ from batchgen.config import (
     pool_blocks,
     target_max_model_len,
 )
+from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.engine import Engine
 from batchgen.engine.scheduler import Scheduler, StepStats
 from batchgen.engine.sequence import SequenceGroup
+from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
 from batchgen.log import configure_logging, logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import CudaGraphCapturer, capture_sizes
 from batchgen.model.inputs import StepInputs
+from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import activation_peak_bytes, gpu_kv_budget
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
@@ -50,6 +61,21 @@ CPU_MIN_BATCH_ROWS = 16
 # A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
 # requests finish, few enough that a dataset of any size needs bounded memory.
 STREAM_WINDOW = 2
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What LLM.__init__ settles before the weights load."""
+
+    path: Path
+    tokenizer_path: Path
+    config: PretrainedConfig
+    geo: KVGeometry
+    kv_dtype: torch.dtype
+    backends: list[tuple[str, BackendFactory]]  # best first
+    target_len: int  # max_model_len wanted (the pool may cap it)
+    beta: int  # KV bytes per token
+    num_blocks: int | None  # None: a GPU pool sized once the weights are in
 
 
 class LLM:
@@ -70,20 +96,36 @@ class LLM:
                  enforce_eager: bool = True, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False) -> None:
         configure_logging()
-        if kv_cache_memory is not None and kv_cache_memory_bytes is not None:
-            raise ValueError("pass kv_cache_memory or kv_cache_memory_bytes (vLLM's name for "
-                             "it), not both")
-        cfg = EngineConfig(block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
-                           enable_prefix_caching, kv_cache_dtype, gpu_memory_utilization,
-                           kv_cache_memory if kv_cache_memory is not None
-                           else kv_cache_memory_bytes, num_kv_blocks, attention_backend, seed,
-                           enforce_eager, tensor_parallel_size, trust_remote_code)
+        cfg = EngineConfig(
+            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory=_kv_cache_memory(kv_cache_memory, kv_cache_memory_bytes),
+            num_kv_blocks=num_kv_blocks, attention_backend=attention_backend, seed=seed,
+            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+            trust_remote_code=trust_remote_code)
         # Everything that can be checked is checked before the weights load.
+        plan = self._check_before_loading(model, tokenizer, dtype, device, cfg)
+        specs = self._load(plan, cfg)
+        backend = self._allocate(cfg, plan, specs)
+        self._assemble(cfg, backend)
+        if not cfg.enforce_eager:
+            self._capture_graphs(cfg)
+        logger.info(self.cache_config.capacity_line(self.max_model_len))
+        logger.info("attention backend: %s", self.attention_backend)
+
+    def _check_before_loading(self, model: str | os.PathLike,
+                              tokenizer: str | os.PathLike | None, dtype: str | torch.dtype,
+                              device: str | torch.device | None, cfg: EngineConfig) -> _Plan:
+        """Everything the weights are not needed for: the folders, the config, the weights'
+        headers, device, dtypes, attention backend, max_model_len and (unless it is sized
+        from the GPU memory left once the weights are in) the pool."""
         path = loader.resolve_model_dir(model)
         tok_path = (path if tokenizer is None else
                     loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
         self.model_path = path
-        config = loader.load_config(path, trust_remote_code)
+        config = loader.load_config(path, cfg.trust_remote_code)
         loader.check_weights(path)
         self.device = _resolve_device(device)
         self.dtype = loader.resolve_dtype(dtype, config)
@@ -95,52 +137,65 @@ class LLM:
         beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
                               torch.empty((), dtype=kv_dtype).element_size())
         sized_later = self.device.type == "cuda" and cfg.num_kv_blocks is None and (
-            cfg.kv_cache_memory is None)  # from the memory left once the weights are in
-        if not sized_later:
-            num_blocks = self._size_pool(cfg, beta, target_len, None)
+            cfg.kv_cache_memory is None)
+        num_blocks = None if sized_later else self._size_pool(cfg, beta, target_len, None)
+        return _Plan(path, tok_path, config, geo, kv_dtype, backends, target_len, beta,
+                     num_blocks)
 
+    def _load(self, plan: _Plan, cfg: EngineConfig) -> list[AttentionSpec]:
+        """Tokenizer, weights, generation config and EOS ids; returns the attention specs
+        probed from the loaded model."""
         if self.device.type == "cpu":
             cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
-        self.tokenizer = loader.load_tokenizer(tok_path, trust_remote_code)
-        self.model = loader.load_model(path, config, self.dtype, self.device, trust_remote_code)
-        self.config = config
+        self.tokenizer = loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
+        self.model = loader.load_model(plan.path, plan.config, self.dtype, self.device,
+                                       cfg.trust_remote_code)
+        self.config = plan.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.generation_config = loader.load_generation_config(path)
-        self.eos_token_ids = _eos_ids(config, self.generation_config, self.tokenizer)
-        specs = probe_specs(self.model, geo.num_layers, self.device)
-        if sized_later:
-            other = flashinfer_backend.RESERVED_BYTES if backends[0][0] == "flashinfer" else 0
-            num_blocks = self._size_pool(cfg, beta, target_len, self._gpu_budget(cfg, other))
-        self.cache_config = CacheConfig(cfg.block_size, num_blocks, beta)
+        self.generation_config = loader.load_generation_config(plan.path)
+        self.eos_token_ids = _eos_ids(plan.config, self.generation_config, self.tokenizer)
+        return probe_specs(self.model, plan.geo.num_layers, self.device)
+
+    def _allocate(self, cfg: EngineConfig, plan: _Plan, specs: list[AttentionSpec]
+                  ) -> AttentionBackend:
+        """The pool (a GPU one sized now, from the memory the weights left) and the attention
+        backend over it."""
+        num_blocks = plan.num_blocks
+        if num_blocks is None:
+            other = flashinfer_backend.RESERVED_BYTES if plan.backends[0][0] == "flashinfer" else 0
+            num_blocks = self._size_pool(cfg, plan.beta, plan.target_len,
+                                         self._gpu_budget(cfg, other))
+        geo = plan.geo
+        self.cache_config = CacheConfig(cfg.block_size, num_blocks, plan.beta)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
-                             geo.head_dim, kv_dtype, self.device)
+                             geo.head_dim, plan.kv_dtype, self.device)
         self.attention_backend, backend = build_backend(
-            backends, specs, self.cache, self._max_step_tokens(cfg),
+            plan.backends, specs, self.cache, self._max_step_tokens(cfg),
             insisted=cfg.attention_backend is not None)
-        self._assemble(cfg, backend)
-        if not cfg.enforce_eager:
-            self._capture_graphs(cfg)
-        logger.info(self.cache_config.capacity_line(self.max_model_len))
-        logger.info("attention backend: %s", self.attention_backend)
+        return backend
 
     def _assemble(self, cfg: EngineConfig, backend: AttentionBackend) -> None:
         """The engine around the loaded model and the allocated pool: block manager,
-        scheduler, runner with its step buffers, sampler, request builder."""
+        persistent batch, scheduler, runner with its step buffers, sampler, request
+        builder."""
         num_blocks, bs = self.cache.num_blocks, cfg.block_size
+        max_blocks = blocks_for(self.max_model_len, bs)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs,
+        batch = PersistentBatch(cfg.max_num_seqs, self.vocab_size, max_blocks,
+                                self.eos_token_ids, self.device)
+        self.scheduler = Scheduler(self.block_manager, batch, cfg.max_num_seqs,
                                    cfg.max_num_batched_tokens)
         inputs = StepInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                            cfg.max_num_seqs * blocks_for(self.max_model_len, bs), bs,
-                            self.cache.scratch_block, self._min_rows(), self.device)
+                            cfg.max_num_seqs * max_blocks, bs, self.cache.scratch_block,
+                            self._min_rows(), self.device)
         runner = ModelRunner(self.model, self.cache, backend, inputs)
-        self.engine = Engine(self.scheduler, runner, Sampler(cfg.seed), self.eos_token_ids)
+        self.engine = Engine(self.scheduler, runner, Sampler())
         stops = StopFactory(self.tokenizer, self.eos_token_ids)
         self.requests = RequestBuilder(
             self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
-            stops, self.eos_token_ids)
+            stops, self.eos_token_ids, cfg.seed)
         self.results = ResultBuilder(self.tokenizer, stops)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
         self._busy = False
@@ -193,9 +248,7 @@ class LLM:
         `sampling_params`, the model's generation_config.json defaults apply (as in vLLM)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        groups = self._run(self.requests.build(prompts, sampling_params, SamplingParams),
-                           use_tqdm)
-        return [self.results.request_output(g) for g in groups]
+        return self._run(prompts, sampling_params, SAMPLES, use_tqdm)
 
     def generate_stream(self, prompts: PromptType | Iterable[PromptType],
                         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
@@ -209,8 +262,7 @@ class LLM:
         already yielded stay valid. Closing the stream early frees every block."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        for g in self._stream_prompts(prompts, sampling_params, SamplingParams, use_tqdm):
-            yield g.index, self.results.request_output(g)
+        return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm)
 
     def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
                            params: BeamSearchParams | Iterable[BeamSearchParams],
@@ -218,16 +270,14 @@ class LLM:
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
         """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
         `generate_stream`."""
-        for g in self._stream_prompts(prompts, params, BeamSearchParams, use_tqdm):
-            yield g.index, self.results.beam_output(g)
+        return self._run_stream(prompts, params, BEAMS, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
                     use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
         prompts run at once under continuous batching and beams share prefix blocks."""
-        groups = self._run(self.requests.build(prompts, params, BeamSearchParams), use_tqdm)
-        return [self.results.beam_output(g) for g in groups]
+        return self._run(prompts, params, BEAMS, use_tqdm)
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -272,18 +322,21 @@ class LLM:
                 f"({self.cache.dtype}), max_model_len={self.max_model_len})")
 
     # ---- running a call -----------------------------------------------------------------------
-    def _run(self, groups: list[SequenceGroup], use_tqdm: bool | Callable[..., tqdm]
-             ) -> list[SequenceGroup]:
-        """Run validated groups to completion (the batch calls); returns them."""
+    def _run(self, prompts: Any, params: Any, kind: RequestKind,
+             use_tqdm: bool | Callable[..., tqdm]) -> list[Any]:
+        """A batch call: every prompt validated first, all run, outputs in input order."""
+        groups = self.requests.build(prompts, params, kind)
         for _ in self._stream(groups, len(groups), use_tqdm):
             pass
-        return groups
+        return [kind.output(self.results, g) for g in groups]
 
-    def _stream_prompts(self, prompts: Any, params: Any, kind: type,
-                        use_tqdm: bool | Callable[..., tqdm]) -> Iterator[SequenceGroup]:
-        """Groups built lazily from any iterable of prompts, yielded as they finish."""
+    def _run_stream(self, prompts: Any, params: Any, kind: RequestKind,
+                    use_tqdm: bool | Callable[..., tqdm]) -> Iterator[tuple[int, Any]]:
+        """A stream call: groups built lazily from any iterable of prompts; (input index,
+        output) as each finishes."""
         groups = self.requests.stream(prompts, params, kind, self.scheduler.max_num_seqs)
-        return self._stream(groups, _length(prompts), use_tqdm)
+        for g in self._stream(groups, _length(prompts), use_tqdm):
+            yield g.index, kind.output(self.results, g)
 
     def _stream(self, groups: Iterable[SequenceGroup], total: int | None,
                 use_tqdm: bool | Callable[..., tqdm]) -> Iterator[SequenceGroup]:
@@ -340,6 +393,15 @@ def _progress(bar: tqdm):
                                 f"output: {counts[1] / el:,.0f} tok/s", refresh=False)
             counts[2] = now
     return on_step
+
+
+def _kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | None
+                     ) -> int | None:
+    """The KV byte budget, given under either name (kv_cache_memory_bytes is vLLM's)."""
+    if kv_cache_memory is not None and kv_cache_memory_bytes is not None:
+        raise ValueError("pass kv_cache_memory or kv_cache_memory_bytes (vLLM's name for "
+                         "it), not both")
+    return kv_cache_memory if kv_cache_memory is not None else kv_cache_memory_bytes
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:

@@ -15,8 +15,12 @@ LogitsProcessor = Callable[..., Any]
 
 logger = logging.getLogger("batchgen")
 
-# vLLM raises temperatures in (0, 0.01) to 0.01: below it logits / temperature overflows float32
-# (1e-40 gives NaN probabilities) and the result is greedy anyway.
+# Temperatures below GREEDY_TEMPERATURE (vLLM's _SAMPLING_EPS, its greedy threshold) mean greedy:
+# they become 0. Those in [GREEDY_TEMPERATURE, MIN_TEMPERATURE) are raised to MIN_TEMPERATURE
+# (vLLM's _MAX_TEMP): below it logits / temperature can overflow float32 (1e-40 gives NaN
+# probabilities). vLLM raises every temperature in (0, 0.01) to 0.01, so a near-zero one samples
+# at 0.01 there; here one under 1e-5 is taken at its word, as greedy.
+GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
 
 
@@ -98,7 +102,11 @@ class SamplingParams(_Stops):
         check(is_int(self.n) and self.n >= 1, "n", "an integer >= 1", self.n)
         check(is_number(self.temperature) and self.temperature >= 0, "temperature",
               "a number >= 0 (0 means greedy)", self.temperature)
-        if 0 < self.temperature < MIN_TEMPERATURE:
+        if 0 < self.temperature < GREEDY_TEMPERATURE:
+            logger.warning("temperature %s is below %s: greedy (temperature 0)",
+                           self.temperature, GREEDY_TEMPERATURE)
+            self.temperature = 0.0
+        elif 0 < self.temperature < MIN_TEMPERATURE:
             logger.warning("temperature %s is below %s, which overflows the logits; using %s "
                            "(as vLLM does)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
             self.temperature = MIN_TEMPERATURE
@@ -200,3 +208,18 @@ class BeamSearchParams(_Stops):
     def width(self) -> int:
         """Sequences one request runs at once."""
         return self.beam_width
+
+    # What beams always do where SamplingParams has a choice (read by the stop rules, the
+    # results and the request builder, so they need not ask which params they hold).
+    detokenize = property(lambda self: True, doc="Beams always have text.")
+    skip_special_tokens = property(lambda self: True, doc="Special tokens' text is skipped.")
+    include_stop_str_in_output = property(lambda self: False,
+                                          doc="A stop string or token is cut from the text.")
+    min_tokens = property(lambda self: 0, doc="EOS may end a beam from the first token.")
+    prompt_logprobs = property(lambda self: None, doc="Beams score no prompt tokens.")
+    truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
+    bad_words = property(lambda self: None, doc="Beams take no logit controls.")
+    allowed_token_ids = property(lambda self: None, doc="Beams take no logit controls.")
+    logit_bias = property(lambda self: None, doc="Beams take no logit controls.")
+    logprobs = property(lambda self: None,
+                        doc="Each hypothesis carries its tokens' own logprobs, no top-k.")

@@ -4,18 +4,17 @@ every prompt is checked and tokenized, and every request bounded, before the fir
 from __future__ import annotations
 
 import numbers
+import random
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
 
-import torch
-
-from batchgen.engine.beam import BeamSearchState
-from batchgen.engine.policy import BeamPolicy, SamplePolicy
+from batchgen.checks import check, check_type
 from batchgen.engine.scheduler import request_peak_blocks
-from batchgen.engine.sequence import Sequence, SequenceGroup, sample_seed
+from batchgen.engine.sequence import SequenceGroup, sample_seed
+from batchgen.kinds import RequestKind
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.prompts import Conversation, PromptType, TokensPrompt
 from batchgen.sampling.stop import StopFactory
@@ -39,21 +38,24 @@ class RequestBuilder:
     """Turns one call's prompts and params into SequenceGroups with their policies."""
 
     def __init__(self, tokenizer: Any, limits: Limits, stops: StopFactory,
-                 eos_token_ids: list[int]) -> None:
+                 eos_token_ids: list[int], seed: int | None = 0) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.stops = stops
         self.eos_token_ids = eos_token_ids
+        # unseeded samples draw their seeds here: reproducible under the LLM's seed, in the
+        # order requests are built (seed None: from the OS)
+        self._rng = random.Random(seed)
 
-    def build(self, prompts: PromptType | Iterable[PromptType], params: Any, kind: type
+    def build(self, prompts: PromptType | Iterable[PromptType], params: Any, kind: RequestKind
               ) -> list[SequenceGroup]:
         """Validate and tokenize everything, then make the groups (ValueError on any bad
         input, naming it, before anything is queued)."""
         prompts = as_prompt_list(prompts)
-        return self._build(prompts, _params_per_prompt(params, len(prompts), kind), 0)
+        return self._build(prompts, _params_per_prompt(params, len(prompts), kind), 0, kind)
 
-    def stream(self, prompts: PromptType | Iterable[PromptType], params: Any, kind: type,
-               chunk: int) -> Iterator[SequenceGroup]:
+    def stream(self, prompts: PromptType | Iterable[PromptType], params: Any,
+               kind: RequestKind, chunk: int) -> Iterator[SequenceGroup]:
         """The groups of any iterable of prompts (a generator of unknown length too), built
         lazily: `chunk` prompts at a time are pulled, validated and tokenized as one batch. A
         bad prompt raises when its chunk is reached, naming its input index."""
@@ -61,17 +63,18 @@ class RequestBuilder:
             prompts = [prompts]
         start = 0
         for batch in _batched(_paired(prompts, params, kind), chunk):
-            yield from self._build([pr for pr, _ in batch], [pa for _, pa in batch], start)
+            yield from self._build([pr for pr, _ in batch], [pa for _, pa in batch], start,
+                                   kind)
             start += len(batch)
 
-    def _build(self, prompts: list[Any], per_prompt: list[Any], start: int
+    def _build(self, prompts: list[Any], per_prompt: list[Any], start: int, kind: RequestKind
                ) -> list[SequenceGroup]:
         """Groups for prompts `start`, `start + 1`, ... (all checked before any is made)."""
         texts, token_ids = self._tokenize(prompts, start)
         token_ids = [self._truncate(ids, p) for ids, p in zip(token_ids, per_prompt)]
-        limits = [self._check(start + i, ids, p)
+        limits = [self._check(start + i, ids, p, kind)
                   for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
-        return [self._group(start + i, text, ids, p, t)
+        return [kind.group(self, start + i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
 
     def render_chat(self, conversations: Conversation | Seq[Conversation],
@@ -107,7 +110,7 @@ class RequestBuilder:
     def _truncate(self, ids: list[int], p: Params) -> list[int]:
         """truncate_prompt_tokens=k keeps the last k tokens (-1: as many as max_model_len
         leaves room for, with one token to generate)."""
-        k = getattr(p, "truncate_prompt_tokens", None)
+        k = p.truncate_prompt_tokens
         if k is None:
             return ids
         return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
@@ -145,7 +148,7 @@ class RequestBuilder:
                 ids[i] = list(e)
         return texts, ids  # type: ignore[return-value]
 
-    def _check(self, i: int, ids: list[int], p: Params) -> int:
+    def _check(self, i: int, ids: list[int], p: Params, kind: RequestKind) -> int:
         """Refuse a request that could never run, naming the argument and the limit; returns
         its max_tokens capped by max_model_len."""
         lim = self.limits
@@ -164,11 +167,8 @@ class RequestBuilder:
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
-        name = "beam_width" if isinstance(p, BeamSearchParams) else "n"
-        step_limit = min(lim.max_num_seqs, lim.max_num_batched_tokens)
-        if name == "beam_width" and p.width > step_limit:
-            raise ValueError(f"beam_width ({p.width}) must be <= max_num_seqs and "
-                             f"max_num_batched_tokens ({step_limit}): all beams decode together")
+        name = kind.width_arg
+        kind.check(p, min(lim.max_num_seqs, lim.max_num_batched_tokens))
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
         if need > lim.num_blocks:
             raise ValueError(
@@ -181,18 +181,17 @@ class RequestBuilder:
         """Token ids and counts a request names must fit the vocabulary."""
         vocab = self.limits.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name, None)
-            if k is not None and k > vocab:
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
+            k = getattr(p, name)
+            check(k is None or k <= vocab, name, f"<= the vocabulary size {vocab}", k)
         for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
-            ids = list(getattr(p, name, None) or ())
+            ids = list(getattr(p, name) or ())
             if any(t >= vocab for t in ids):
                 raise ValueError(f"{name} has token id {max(ids)} outside the model's "
                                  f"vocabulary [0, {vocab})")
-        if getattr(p, "bad_words", None) and self.tokenizer is None:
+        if p.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; the model folder has none")
 
-    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's rule: each word's ids, and those of " word" when that is as long but starts
         with another token."""
         out: list[list[int]] = []
@@ -204,35 +203,14 @@ class RequestBuilder:
                 out.append(spaced)
         return out
 
-    def _group(self, i: int, text: str | None, ids: list[int], p: Params, max_tokens: int
-               ) -> SequenceGroup:
-        """The group with its policy and its sequences: n samples (each with its own stop
-        state and, when seeded, generator), or one beam leader."""
-        if isinstance(p, SamplingParams):
-            group = SequenceGroup(i, text, ids, p, max_tokens, SamplePolicy())
-            if p.bad_words:
-                group.bad_word_ids = self._bad_word_ids(p.bad_words)
-            group.seqs = [self._sample(group, k) for k in range(p.n)]
-            return group
-        state = BeamSearchState(
-            p.beam_width, max_tokens, p.length_penalty,
-            True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-            eos_token_ids=[] if p.ignore_eos else self.eos_token_ids,
-            num_return_sequences=p.num_return_sequences, vocab_size=self.limits.vocab_size,
-            stop_token_ids=p.stop_ids)
-        group = SequenceGroup(i, text, ids, p, max_tokens, BeamPolicy(state))
-        stop = self.stops(p, ids, max_tokens) if p.stop_strings else None
-        group.seqs = [Sequence(group, 0, list(ids), stop)]
-        return group
+    @property
+    def vocab_size(self) -> int:
+        return self.limits.vocab_size
 
-    def _sample(self, group: SequenceGroup, k: int) -> Sequence:
-        p = group.params
-        gen = None
-        if p.seed is not None:
-            gen = torch.Generator().manual_seed(sample_seed(p.seed, k))
-        return Sequence(group, k, list(group.prompt_token_ids),
-                        self.stops(p, group.prompt_token_ids, group.max_tokens), gen,
-                        logprobs=[] if p.logprobs is not None else None)
+    def seed_of(self, seed: int | None, index: int) -> int:
+        """The seed of sample `index`: from (seed, index) when the request is seeded, else a
+        fresh draw from this builder's generator (seeded by the LLM's seed)."""
+        return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:
@@ -246,26 +224,24 @@ def as_prompt_list(prompts: Any) -> list[Any]:
     return list(prompts)
 
 
-def _paired(prompts: Iterable[Any], params: Any, kind: type) -> Iterator[tuple[Any, Any]]:
+def _paired(prompts: Iterable[Any], params: Any, kind: RequestKind
+            ) -> Iterator[tuple[Any, Any]]:
     """(prompt, params) pairs: one params object for every prompt, or an iterable of them
     aligned with the prompts (the two must end together)."""
-    name = "sampling_params" if kind is SamplingParams else "params"
-    if params is None and kind is SamplingParams:
-        params = SamplingParams()
-    if isinstance(params, kind):
+    name, cls = kind.params_arg, kind.params_type
+    if isinstance(params, cls):
         for prompt in prompts:
             yield prompt, params
         return
     if isinstance(params, (str, bytes, dict)) or not isinstance(params, Iterable):
-        raise ValueError(f"{name} must be a {kind.__name__} or an iterable of them aligned "
+        raise ValueError(f"{name} must be a {cls.__name__} or an iterable of them aligned "
                          f"with the prompts, got {type(params).__name__}")
     done = object()
     for i, (prompt, p) in enumerate(zip_longest(prompts, params, fillvalue=done)):
         if prompt is done or p is done:
             raise ValueError(f"{name} and prompts must have the same length: one ended at "
                              f"item {i}")
-        if not isinstance(p, kind):
-            raise ValueError(f"{name}[{i}] must be a {kind.__name__}, got {type(p).__name__}")
+        check_type(p, f"{name}[{i}]", cls)
         yield prompt, p
 
 
@@ -276,18 +252,16 @@ def _batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield batch
 
 
-def _params_per_prompt(sp: Any, n: int, kind: type) -> list[Any]:
+def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     """One params object per prompt (a single one applies to all)."""
-    name = "sampling_params" if kind is SamplingParams else "params"
-    if sp is None and kind is SamplingParams:
-        return [SamplingParams()] * n
-    if isinstance(sp, kind):
+    name, cls = kind.params_arg, kind.params_type
+    if isinstance(sp, cls):
         return [sp] * n
-    if not isinstance(sp, (list, tuple)):
-        raise ValueError(f"{name} must be a {kind.__name__} or a list of {n}, "
-                         f"got {type(sp).__name__}")
+    check_type(sp, name, (list, tuple), f"a {cls.__name__} or a list of {n}")
     sp = list(sp)
-    if len(sp) != n or not all(isinstance(p, kind) for p in sp):
-        raise ValueError(f"{name} must be one {kind.__name__} or a list of {n} "
+    if len(sp) != n:
+        raise ValueError(f"{name} must be one {cls.__name__} or a list of {n} "
                          f"(one per prompt), got {len(sp)} items")
+    for i, p in enumerate(sp):
+        check_type(p, f"{name}[{i}]", cls)
     return sp

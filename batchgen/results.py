@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.engine.policy import BeamPolicy
-from batchgen.engine.sequence import SequenceGroup
+from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.outputs import (
     BeamSearchOutput,
     BeamSequence,
@@ -28,12 +28,14 @@ class ResultBuilder:
         self.stops = stops
 
     def request_output(self, group: SequenceGroup) -> RequestOutput:
-        p = group.params
-        decode = self._decoder(getattr(p, "detokenize", True))
+        """The finished group's samples: text decoded once (or a stop-string checker's), the
+        Logprob objects built now from the steps' top-logprob records."""
+        decode = self._decoder(group.params.detokenize)
         outs = [CompletionOutput(
-            index=s.index, text=s.stop.final_text(s.output_token_ids),
-            token_ids=s.output_token_ids, cumulative_logprob=s.cumulative_logprob,
-            logprobs=None if s.logprobs is None else [_logprobs(e, decode) for e in s.logprobs],
+            index=s.index, text=self._text(s), token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob,
+            logprobs=None if s.logprobs is None else [_logprobs(top.entry(j), decode)
+                                                      for top, j in s.logprobs],
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.seqs]
         prompt_lps = None
         if group.prompt_logprobs is not None:
@@ -44,12 +46,20 @@ class ResultBuilder:
                              num_cached_tokens=group.num_cached_tokens or 0,
                              prompt_logprobs=prompt_lps)
 
+    def _text(self, seq: Sequence) -> str:
+        """A sample's output text: its checker's (stop strings cut it), else one decode."""
+        if seq.stop is not None:
+            return seq.stop.final_text(seq.output_token_ids)
+        g = seq.group
+        return self.stops.output_text(g.params, g.prompt_token_ids, seq.output_token_ids,
+                                      seq.stop_token)
+
     def beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
         assert isinstance(group.policy, BeamPolicy)
         decode = self._decoder(True)
         seqs = [BeamSequence(
             token_ids=h.token_ids,
-            text=self.stops.text(group.params, group.prompt_token_ids, h.token_ids),
+            text=self._beam_text(group, h.token_ids, h.finish_reason),
             cumulative_logprob=h.sum_logprobs, score=h.score, finish_reason=h.finish_reason,
             logprobs=[_logprobs({t: lp}, decode) for t, lp in zip(h.token_ids,
                                                                   h.token_logprobs)],
@@ -57,6 +67,14 @@ class ResultBuilder:
             for h in group.policy.state.finalize()]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                                 sequences=seqs)
+
+    def _beam_text(self, group: SequenceGroup, token_ids: list[int], reason: str) -> str:
+        """A hypothesis's text: replayed through a checker with stop strings, else decoded
+        once (a final EOS / stop id dropped)."""
+        p, prompt = group.params, group.prompt_token_ids
+        if p.stop_strings:
+            return self.stops.text(p, prompt, token_ids)
+        return self.stops.output_text(p, prompt, token_ids, reason == "stop")
 
     def _decoder(self, detokenize: bool):
         """token id -> its text (memoised for one output), or None without text."""

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for a GPU host (the `device` tool), under 8 minutes: FlashInfer from the
-# offline bundle when the host lacks it, the GPU tests, then the GPU benchmark (issue 9's bar),
-# printing a short table. Full logs go to $OUT when it is set. Exits non-zero if a step fails.
+# offline bundle when the host lacks it, the GPU tests, then the GPU benchmark (issue 9's bar)
+# and the host overhead per decode step on CUDA (issue 17), printing short tables. Full logs go to $OUT when it is set. Exits non-zero if a step fails.
 #
 # Here, once (the folder stays out of git):
 #   bash ../shared/tools/flashinfer-offline-bundle.sh flashinfer-bundle 0.7.4 312
@@ -35,5 +35,8 @@ tail -20 "$logs/gpu_tests.log"
 timeout 230 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" \
   > "$logs/gpu_bench.log" 2>&1 || status=1
 sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log" || tail -30 "$logs/gpu_bench.log"
+timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 \
+  --json "$logs/host_overhead.json" > "$logs/host_overhead.log" 2>&1 || status=1
+sed -n '/^| system/,$p' "$logs/host_overhead.log" || tail -20 "$logs/host_overhead.log"
 [ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: $logs)"
 exit "$status"

@@ -15,18 +15,22 @@ import random
 
 import torch
 
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import StepRows
+from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.beam import BeamSearchState
 from batchgen.engine.engine import Engine
 from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import sample_seed
+from batchgen.kinds import BEAMS, SAMPLES
 from batchgen.kv import BlockManager, blocks_for
 from batchgen.model.inputs import StepInputs
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
-from batchgen.sampling.sampler import Sampler, SamplingRow
+from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
+from tests.helpers import check_batch
+from tests.sampling_rows import Row, columns
 
 VOCAB = 48
 EOS = 2
@@ -61,9 +65,9 @@ class FakeRunner:
             self.pool[dst * b:(dst + 1) * b] = self.pool[src * b:(src + 1) * b]
         self.copies += len(copies)
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        self.step_tokens.append(sum(c.num_new for c in chunks))
-        batch = self.inputs.prepare(chunks)
+    def execute(self, rows: StepRows) -> torch.Tensor:
+        self.step_tokens.append(int(rows.num_new.sum()))
+        batch = self.inputs.prepare(rows)
         self.pool[batch.slot_mapping] = batch.input_ids
         qo, kv_lens, pages = batch.meta.as_lists()
         b = self.block_size
@@ -84,27 +88,37 @@ class FakeLLM:
                  max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
                  max_model_len: int = 256, min_rows: int = 0) -> None:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens)
+        self.batch = PersistentBatch(max_num_seqs, VOCAB, blocks_for(max_model_len, block_size),
+                                     [EOS], torch.device("cpu"))
+        self.scheduler = Scheduler(self.block_manager, self.batch, max_num_seqs,
+                                   max_num_batched_tokens)
         self.runner = FakeRunner(num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
                                  max_model_len, min_rows)
-        self.engine = Engine(self.scheduler, self.runner, Sampler(0), [EOS])
+        self.engine = Engine(self.scheduler, self.runner, Sampler())
+        step = self.engine.step
+
+        def checked_step(out):  # the persistent batch mirrors the sequences after every step
+            stats = step(out)
+            check_batch(self.scheduler)
+            return stats
+
+        self.engine.step = checked_step
         self.requests = RequestBuilder(
             None, Limits(max_model_len, VOCAB, block_size, num_blocks, max_num_seqs,
                          max_num_batched_tokens), StopFactory(None, [EOS]), [EOS])
         self.results = ResultBuilder(None, StopFactory(None, [EOS]))
 
     def generate(self, prompts: list[list[int]], params):
-        return self._run(prompts, params, SamplingParams)
+        return self._run(prompts, params, SAMPLES)
 
     def beam_search(self, prompts: list[list[int]], params):
-        return self._run(prompts, params, BeamSearchParams)
+        return self._run(prompts, params, BEAMS)
 
     def _run(self, prompts, params, kind):
         groups = self.requests.build([{"prompt_token_ids": p} for p in prompts], params, kind)
         self.block_manager.reset_stats()
         self.engine.run(groups)
-        return [self.results.beam_output(g) if kind is BeamSearchParams
-                else self.results.request_output(g) for g in groups]
+        return [kind.output(self.results, g) for g in groups]
 
 
 def reference_samples(prompt: list[int], p: SamplingParams, max_tokens: int
@@ -113,11 +127,11 @@ def reference_samples(prompt: list[int], p: SamplingParams, max_tokens: int
     stops = StopFactory(None, [EOS])
     outs = []
     for k in range(p.n):
-        gen = torch.Generator().manual_seed(sample_seed(p.seed, k)) if p.seed is not None else None
+        seed = sample_seed(p.seed, k) if p.seed is not None else 0
         tokens, checker = list(prompt), stops(p, prompt, max_tokens)
         while True:
-            row = SamplingRow(p, tokens, len(prompt), gen, [EOS])
-            tok = Sampler(0)(fake_logits(tokens)[None], [row]).token_ids[0]
+            cols = columns([Row(p, tokens, len(prompt), seed)], VOCAB, [EOS])
+            tok = int(Sampler()(fake_logits(tokens)[None], cols).token_ids[0])
             tokens.append(tok)
             if checker.append(tok, len(tokens) - len(prompt))[0] is not None:
                 break

@@ -101,7 +101,7 @@ def check_pool_invariants(bm: Any) -> None:
     evictable."""
     from collections import Counter
 
-    refs = Counter(b for table in bm.block_tables.values() for b in table)
+    refs = Counter(b for table in (t for _, t in bm.tables()) for b in table)
     for blk in range(bm.num_blocks):
         assert bm.ref_count[blk] == refs.get(blk, 0), f"ref_count of block {blk}"
     free, evictable = set(bm.free), set(bm.evictable)
@@ -115,12 +115,37 @@ def check_pool_invariants(bm: Any) -> None:
     assert evictable <= hashed and not free & hashed
 
 
+def check_batch(scheduler: Any) -> None:
+    """The persistent batch mirrors the running sequences exactly: one dense slot per
+    sequence holding a block table, each slot's counters equal to its sequence's, its
+    block-table row equal to the BlockManager's table."""
+    batch, bm = scheduler.batch, scheduler.bm
+    seqs = [s for g in scheduler.running for s in g.seqs if bm.has_table(s)]
+    assert sorted(id(s) for s in batch.seqs) == sorted(id(s) for s in seqs)
+    assert bm.num_tables() == len(batch.seqs)
+    c = batch.cols
+    for slot, seq in enumerate(batch.seqs):
+        assert seq.slot == slot and seq.batch is batch
+        table = bm.table(seq)
+        assert c["num_blocks"][slot] == len(table)
+        assert batch.block_table[slot, :len(table)].tolist() == table
+        assert c["num_tokens"][slot] == len(seq.token_ids)
+        assert c["last_token"][slot] == seq.token_ids[-1]
+        assert c["num_prompt"][slot] == seq.group.num_prompt_tokens
+        assert 0 <= c["num_computed"][slot] <= len(seq.token_ids)
+        assert c["fork_pending"][slot] == (seq.group.fork_pending and seq is seq.group.leader)
+        pos = int(c["num_computed"][slot])
+        if not c["cow_check"][slot] and pos // bm.block_size < len(table):
+            # a sequence not forked since its last reservation owns the block it writes next
+            assert pos % bm.block_size == 0 or bm.ref_count[table[pos // bm.block_size]] == 1
+
+
 def assert_pool_whole(llm: Any) -> None:
     """After a call (finished or aborted): no block tables, every block free or evictable."""
     bm = llm.block_manager
     check_pool_invariants(bm)
-    assert not bm.block_tables and bm.num_free_blocks() == bm.num_blocks
-    assert not llm.scheduler.has_unfinished()
+    assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
+    assert not llm.scheduler.has_unfinished() and not llm.scheduler.batch.num_seqs
 
 
 def cpu_kernel_or_skip() -> Any:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from batchgen.attention.kernel_backend import CpuKernelBackend
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
 from batchgen.kv import BlockManager, KVCache, kv_cache_bytes
@@ -20,7 +20,7 @@ def prepare(chunks, block_size, cache=None, min_rows=0):
     pages = sum(len(c.block_table) for c in chunks)
     scratch = cache.scratch_block if cache is not None else 10**6
     return StepInputs(sum(c.num_new for c in chunks), len(chunks), pages, block_size, scratch,
-                      min_rows, torch.device("cpu")).prepare(chunks)
+                      min_rows, torch.device("cpu")).prepare(StepRows.from_chunks(chunks))
 
 
 def make_backend(kernel, cache, hq, hkv, d, scale, window, softcap, sinks):
@@ -98,7 +98,7 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
         if cached:  # the prefix was written in an earlier step
             slots = torch.tensor([bm.slot_index(sid, p) for p in range(cached)])
             cache.write(0, k[:cached], v[:cached], slots)
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
+        chunks.append(SeqChunk([0] * new, bm.table(sid), cached, 1))
     batch = prepare(chunks, block_size)
     meta = batch.meta
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
@@ -124,9 +124,9 @@ def test_step_inputs_match_block_tables():
     bm.allocate("a", 10)
     bm.allocate("b", 8)  # exact block multiple
     bm.allocate("c", 1)
-    chunks = [SeqChunk([5, 6, 7], bm.block_tables["a"], 7, 1),
-              SeqChunk(list(range(10, 18)), bm.block_tables["b"], 0, 1),
-              SeqChunk([9], bm.block_tables["c"], 0, 0)]
+    chunks = [SeqChunk([5, 6, 7], bm.table("a"), 7, 1),
+              SeqChunk(list(range(10, 18)), bm.table("b"), 0, 1),
+              SeqChunk([9], bm.table("c"), 0, 0)]
     batch = prepare(chunks, 4)
     m = batch.meta
     for t in (m.qo_indptr, m.kv_indptr, m.kv_indices, m.kv_last_page_len):
@@ -137,7 +137,7 @@ def test_step_inputs_match_block_tables():
     assert batch.input_ids.tolist() == [9, 5, 6, 7, *range(10, 18)]
     assert m.qo_indptr.tolist() == [0, 1, 4, 12]
     assert m.kv_indptr.tolist() == [0, 1, 4, 6]
-    assert m.kv_indices.tolist() == bm.block_tables["c"] + bm.block_tables["a"] + bm.block_tables["b"]
+    assert m.kv_indices.tolist() == bm.table("c") + bm.table("a") + bm.table("b")
     assert m.kv_last_page_len.tolist() == [1, 2, 4]  # 1..block_size, never 0
     assert m.kv_lens().tolist() == [1, 10, 8]
     expect = ([bm.slot_index("c", 0)] + [bm.slot_index("a", p) for p in (7, 8, 9)]
@@ -151,7 +151,7 @@ def test_tiny_steps_are_padded_in_the_scratch_block():
     bm = BlockManager(8, 4)
     bm.allocate("a", 6)
     cache = KVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
-    batch = prepare([SeqChunk([3, 4], bm.block_tables["a"], 4, 1)], 4, cache, min_rows=16)
+    batch = prepare([SeqChunk([3, 4], bm.table("a"), 4, 1)], 4, cache, min_rows=16)
     m = batch.meta
     assert m.num_tokens == 16 and m.num_seqs == 15  # the chunk + 14 one-token dummies
     assert batch.input_ids.tolist() == [3, 4] + [0] * 14  # dummies after the real rows
@@ -196,18 +196,17 @@ def test_cascade_decode_of_forked_siblings_matches_dense(window, softcap, sinks,
         sid = f"c{c}"
         bm.fork("p", sid, num_tokens=prompt)
         n = prompt + extra
-        copy = bm.append_slots(sid, prompt, extra)
-        cache.copy_blocks([copy])
+        cache.copy_blocks(bm.reserve([(sid, prompt, extra)]))
         k_own, v_own = torch.randn(extra, hkv, d), torch.randn(extra, hkv, d)
         cache.write(0, k_own, v_own,
                     torch.tensor([bm.slot_index(sid, i) for i in range(prompt, n)]))
         full_k.append(torch.cat([k_prompt, k_own]))
         full_v.append(torch.cat([v_prompt, v_own]))
-        chunks.append(SeqChunk([0], bm.block_tables[sid], n - 1, 1))
+        chunks.append(SeqChunk([0], bm.table(sid), n - 1, 1))
     bm.allocate("x", 20)  # an unrelated decode row in the same step
     kx, vx = torch.randn(20, hkv, d), torch.randn(20, hkv, d)
     cache.write(0, kx, vx, torch.tensor([bm.slot_index("x", i) for i in range(20)]))
-    other.append(SeqChunk([0], bm.block_tables["x"], 19, 1))
+    other.append(SeqChunk([0], bm.table("x"), 19, 1))
     q = torch.randn(5, hq, d)
     sink_t = torch.randn(hq) if sinks else None
     meta = prepare(chunks + other, bs).meta  # rows sorted by length: find each by its length
@@ -251,10 +250,10 @@ def test_fp8_pools_are_read_back_with_their_scales(kernel):
         bm.allocate(sid, cached + new)
         k, v = torch.randn(cached + new, hkv, d), torch.randn(cached + new, hkv, d)
         cache.write(0, k, v, torch.tensor([bm.slot_index(sid, p) for p in range(cached + new)]))
-        stored = [cache.pool[0, j][bm.block_tables[sid]].reshape(-1, hkv, d)[:cached + new]
+        stored = [cache.pool[0, j][bm.table(sid)].reshape(-1, hkv, d)[:cached + new]
                   .float() * s for j, s in ((0, 0.5), (1, 2.0))]
         keys.append(stored)
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
+        chunks.append(SeqChunk([0] * new, bm.table(sid), cached, 1))
     shapes_order = sorted(range(3), key=lambda i: (shapes[i][1], shapes[i][0]))
     batch = prepare([chunks[i] for i in shapes_order], bs)
     q = torch.randn(batch.meta.num_tokens, hq, d)

@@ -14,7 +14,7 @@ def test_block_boundary():
     mgr = BlockManager(num_blocks=8, block_size=B)
     prompt_len = 32                         # EXACT multiple of B -> the tricky case
     mgr.allocate("s", prompt_len)           # reserves ceil(32/16) = 2 blocks (pos 0..31)
-    assert len(mgr.block_tables["s"]) == 2
+    assert len(mgr.table("s")) == 2
 
     # emulate serve_step's write ordering for three decode steps (pos 32, 33, 34)
     for cur_len in range(prompt_len, prompt_len + 3):
@@ -24,7 +24,7 @@ def test_block_boundary():
         assert off == cur_len % B           # offset within the physical block
 
     # writing positions 32..34 needed exactly one new block beyond prefill's two
-    assert len(mgr.block_tables["s"]) == 3
+    assert len(mgr.table("s")) == 3
     print("boundary case OK")
 
 
@@ -39,11 +39,11 @@ def test_fork_and_cow_copy_only_the_written_block():
     mgr = BlockManager(num_blocks=16, block_size=4)
     mgr.allocate("p", 10)  # 3 blocks, last one partial
     mgr.fork("p", "c")
-    assert all(mgr.ref_count[b] == 2 for b in mgr.block_tables["p"])
+    assert all(mgr.ref_count[b] == 2 for b in mgr.table("p"))
     src, dst = mgr.cow_append("c", 2)
-    assert src != dst and src == mgr.block_tables["p"][2] and dst == mgr.block_tables["c"][2]
+    assert src != dst and src == mgr.table("p")[2] and dst == mgr.table("c")[2]
     assert mgr.ref_count[src] == 1 and mgr.ref_count[dst] == 1
-    assert mgr.block_tables["c"][:2] == mgr.block_tables["p"][:2]
+    assert mgr.table("c")[:2] == mgr.table("p")[:2]
     assert mgr.cow_append("p", 2) == (src, src)  # the parent now owns it alone: no copy
     assert mgr.cow_copies == 1
     mgr.free_seq("p")
@@ -56,12 +56,13 @@ def test_exhaustion_raises_dedicated_error_and_takes_nothing():
     mgr.allocate("a", 8)
     with pytest.raises(PoolExhausted):
         mgr.allocate("b", 8)
-    assert "b" not in mgr.block_tables and mgr.num_free_blocks() == 1
+    assert not mgr.has_table("b") and mgr.num_free_blocks() == 1
+    mgr.append_token("a", 8)  # the last free block
     with pytest.raises(PoolExhausted):
-        mgr.append_token("a", 8, 8)
+        mgr.append_token("a", 12)
     with pytest.raises(PoolExhausted):
-        mgr.append_slots("a", 8, 8)
-    assert len(mgr.block_tables["a"]) == 2 and mgr.num_free_blocks() == 1
+        mgr.reserve([("a", 12, 8)])
+    assert len(mgr.table("a")) == 3 and mgr.num_free_blocks() == 0
     assert issubclass(PoolExhausted, MemoryError)
 
 
@@ -91,27 +92,31 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
     lengths: dict[int, int] = {}
     contents: dict[int, list[int]] = {}  # token ids per sequence, to hash its full blocks
     for op, a, b, n in ops:
-        before = (list(mgr.free), {k: list(v) for k, v in mgr.block_tables.items()},
+        before = (list(mgr.free), {k: list(v) for k, v in mgr.tables()},
                   list(mgr.ref_count))
         try:
             if op == "alloc" and a not in lengths:
                 mgr.allocate(a, n)
                 lengths[a], contents[a] = n, [a * 1000 + i for i in range(n)]
             elif op == "grow" and a in lengths:
-                mgr.append_token(a, lengths[a], n)
-                lengths[a] += n
-                contents[a] += [a * 1000 + 500 + i for i in range(n)]
+                mgr.append_token(a, lengths[a])
+                lengths[a] += 1
+                contents[a] += [a * 1000 + 500]
             elif op == "append" and a in lengths:
-                mgr.append_slots(a, lengths[a], n)
+                others = [(s, lengths[s], 1) for s in sorted(lengths) if s != a][:b]
+                mgr.reserve([(a, lengths[a], n), *others])
                 lengths[a] += n
                 contents[a] += [a * 1000 + 700 + i for i in range(n)]
+                for s, _, _ in others:
+                    lengths[s] += 1
+                    contents[s] += [s * 1000 + 900]
             elif op == "fork" and a in lengths and b not in lengths:
                 mgr.fork(a, b)
                 lengths[b], contents[b] = lengths[a], list(contents[a])
-            elif op == "cow" and a in lengths and mgr.block_tables[a]:
-                idx = n % len(mgr.block_tables[a])
+            elif op == "cow" and a in lengths and mgr.table(a):
+                idx = n % len(mgr.table(a))
                 src, dst = mgr.cow_append(a, idx)
-                assert mgr.block_tables[a][idx] == dst
+                assert mgr.table(a)[idx] == dst
             elif op == "free" and a in lengths:
                 mgr.free_seq(a)
                 del lengths[a], contents[a]
@@ -127,11 +132,11 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 lengths.clear()
                 contents.clear()
         except PoolExhausted:  # all or nothing
-            assert (mgr.free, mgr.block_tables, mgr.ref_count) == (before[0], before[1],
-                                                                   before[2])
+            assert (mgr.free, dict(mgr.tables()), mgr.ref_count) == (before[0], before[1],
+                                                                     before[2])
         check_pool_invariants(mgr)
         for sid, length in lengths.items():
-            assert len(mgr.block_tables[sid]) * block_size >= length
+            assert len(mgr.table(sid)) * block_size >= length
     for sid in list(lengths):
         mgr.free_seq(sid)
     assert mgr.num_free_blocks() == num_blocks
@@ -144,7 +149,7 @@ def test_free_all_repairs_a_half_done_registration():
     mgr.allocate("a", 6)
     hashes = chain_hashes([1, 2, 3, 4, 5, 6], 2, [])
     mgr.register("a", hashes[:2])
-    blk = mgr.block_tables["a"][2]
+    blk = mgr.table("a")[2]
     mgr.cached[hashes[2]] = blk  # ...interrupted before block_hash[blk] was set
     mgr.free_all()
     check_pool_invariants(mgr)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from batchgen import LLM, SamplingParams
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
 from batchgen.kv import BlockManager, KVCache
@@ -48,8 +48,7 @@ def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
     for sid, (cached, new) in enumerate(lens):
         if kind == "shared" and sid:
             bm.fork(0, sid, num_tokens=cached)
-            copy = bm.append_slots(sid, cached, new)
-            cache.copy_blocks([copy] if copy else [])
+            cache.copy_blocks(bm.reserve([(sid, cached, new)]))
         else:
             bm.allocate(sid, cached + new)
         n = cached + new
@@ -60,10 +59,10 @@ def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
         else:  # each sibling's own last token
             cache.write(0, torch.randn(1, hkv, d, device=dev), torch.randn(1, hkv, d, device=dev),
                         slots[-1:])
-        chunks.append(SeqChunk([0] * new, bm.block_tables[sid], cached, 1))
+        chunks.append(SeqChunk([0] * new, bm.table(sid), cached, 1))
     chunks.sort(key=lambda c: (c.num_new, c.num_computed))
     pages = sum(len(c.block_table) for c in chunks)
-    batch = StepInputs(4096, 16, pages, bs, cache.scratch_block, 0, dev).prepare(chunks)
+    batch = StepInputs(4096, 16, pages, bs, cache.scratch_block, 0, dev).prepare(StepRows.from_chunks(chunks))
     spec = AttentionSpec(hq, hkv, d, d, d ** -0.5, window, softcap, torch.bfloat16)
     q = torch.randn(batch.meta.num_tokens, hq, d, device=dev, dtype=torch.bfloat16)
     outs = []

@@ -8,7 +8,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from batchgen import LLM, SamplingParams
 from batchgen.attention.interface import StepContext
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import make_prompt_token_ids, strip_after_eos
 
@@ -53,8 +53,8 @@ def test_fp8_prefill_logits_equal_hf_with_fp8_rounded_kv(setup):
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("p", i), len(p))
-        chunks.append(SeqChunk(p, bm.block_tables[("p", i)], 0, 1))
-    step = runner.inputs.prepare(chunks)
+        chunks.append(SeqChunk(p, bm.table(("p", i)), 0, 1))
+    step = runner.inputs.prepare(StepRows.from_chunks(chunks))
     runner.backend.plan(step.meta)
     with torch.inference_mode():
         got = runner.model(input_ids=step.input_ids[None], position_ids=step.positions[None],

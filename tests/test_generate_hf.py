@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from batchgen import LLM, SamplingParams
 from batchgen.attention.interface import StepContext
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import hf_greedy, make_prompt_token_ids
 
@@ -67,9 +67,9 @@ def test_packed_prefill_logits_equal_hf(tiny_model_factory, prompts, family):
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("packed", i), len(p))
-        chunks.append(SeqChunk(p, bm.block_tables[("packed", i)], 0, 1))
+        chunks.append(SeqChunk(p, bm.table(("packed", i)), 0, 1))
     runner = llm.engine.runner
-    step = runner.inputs.prepare(chunks)
+    step = runner.inputs.prepare(StepRows.from_chunks(chunks))
     meta = step.meta
     runner.backend.plan(meta)
     with torch.inference_mode():  # every position's logits, not only the sampled rows

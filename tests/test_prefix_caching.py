@@ -52,7 +52,7 @@ def _same(a, b, bits=True):
 
 def _no_leak(llm):
     bm = llm.block_manager
-    assert bm.num_free_blocks() == bm.num_blocks and not bm.block_tables
+    assert bm.num_free_blocks() == bm.num_blocks and not bm.num_tables()
     assert all(r == 0 for r in bm.ref_count)
 
 

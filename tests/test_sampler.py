@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 from transformers.generation.logits_process import (
@@ -18,40 +20,47 @@ from transformers.generation.logits_process import (
 from batchgen.params import SamplingParams
 from batchgen.sampling.sampler import (
     Sampler,
-    SamplingRow,
+    apply_min_tokens,
     apply_penalties,
     apply_warpers,
+    uniforms,
 )
+from tests.sampling_rows import Row, columns
 
 V = 200
 EOS = 2
 
 
-def processed_logprobs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def sample(logits: torch.Tensor, rows: list[Row]):
+    """The sampler on these rows, as the engine calls it."""
+    return Sampler()(logits, columns(rows, logits.shape[1], [EOS]))
+
+
+def processed_logprobs(logits: torch.Tensor, rows: list[Row]) -> torch.Tensor:
     """The [N, V] fp32 log-distribution each row is drawn from (greedy rows: a point mass),
     from the sampler's own stages: what the tests compare with HF's processors."""
-    scores = apply_penalties(logits.float(), rows)
+    cols = columns(rows, logits.shape[1], [EOS])
+    params = torch.from_numpy(cols.params)
+    scores = apply_min_tokens(apply_penalties(logits.float(), cols, params), cols)
     out = torch.full_like(scores, float("-inf"))
     for i, row in enumerate(rows):
         if row.params.greedy:
             out[i, scores[i].argmax()] = 0.0
         else:
-            out[i] = torch.log_softmax(apply_warpers(scores[i:i + 1], [row.params])[0], dim=-1)
+            warped = apply_warpers(scores[i:i + 1], cols.params[i:i + 1], params[i:i + 1])
+            out[i] = torch.log_softmax(warped[0], dim=-1)
     return out
 
 
-def _row(history: list[int] | None = None, num_prompt: int | None = None, seed: int | None = None,
-         **kw) -> SamplingRow:
-    """A row with the given params; ``seed`` gives it its own generator."""
+def _row(history: list[int] | None = None, num_prompt: int | None = None, seed: int = 0,
+         **kw) -> Row:
+    """A row with the given params, history and seed."""
     history = [1, 5, 9] if history is None else history
-    gen = None
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-    return SamplingRow(SamplingParams(**kw), list(history),
-                       len(history) if num_prompt is None else num_prompt, gen, EOS)
+    return Row(SamplingParams(**kw), list(history),
+               len(history) if num_prompt is None else num_prompt, seed)
 
 
-def _hf_logprobs(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+def _hf_logprobs(logits: torch.Tensor, row: Row) -> torch.Tensor:
     """log_softmax of HF's processors, in HF generate order, on one row."""
     p = row.params
     procs = LogitsProcessorList()
@@ -152,17 +161,18 @@ def _chi_square_bound(df: int) -> float:
 
 @pytest.mark.parametrize("seeded", [False, True])
 def test_empirical_frequencies_match_processed_probabilities(seeded: bool) -> None:
+    """Many sequences drawing once: consecutive user seeds (seeded) or the random 64-bit seeds
+    unseeded requests get."""
     vocab = 40
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     kw = {"temperature": 0.8, "top_k": 15, "top_p": 0.97, "min_p": 0.02, "repetition_penalty": 1.3}
     n = 5000 if seeded else 20000
-    if seeded:
-        rows = [_row([3, 7, 11], seed=1000 + i, **kw) for i in range(n)]
-    else:
-        rows = [_row([3, 7, 11], **kw)] * n
+    rng = random.Random(7)
+    seeds = range(1000, 1000 + n) if seeded else [rng.getrandbits(64) for _ in range(n)]
+    rows = [_row([3, 7, 11], seed=s, **kw) for s in seeds]
     probs = processed_logprobs(logits, rows[:1])[0].exp()
-    out = Sampler(seed=7)(logits.expand(n, vocab), rows)
-    counts = torch.bincount(torch.tensor(out.token_ids), minlength=vocab).float()
+    out = sample(logits.expand(n, vocab), rows)
+    counts = torch.bincount(torch.from_numpy(out.token_ids), minlength=vocab).float()
     assert counts[probs == 0].sum() == 0  # masked tokens never drawn
     support = int((probs > 0).sum())
     assert support >= 6
@@ -179,26 +189,29 @@ def test_greedy_is_argmax_of_penalised_logits_and_uses_no_randomness() -> None:
     logits = torch.randn(3, V, generator=gen)
     top = int(logits[1].argmax())
     logits[1, top] = 10.0
-    rows = [_row(temperature=0), _row([top], temperature=0, repetition_penalty=100.0),
-            _row(temperature=0, top_k=3)]
-    sampler = Sampler(seed=0)
-    state = sampler.generator(torch.device("cpu")).get_state()
-    out = sampler(logits, rows)
+
+    def rows(seed: int) -> list[Row]:
+        return [_row(temperature=0, seed=seed),
+                _row([top], temperature=0, repetition_penalty=100.0, seed=seed + 1),
+                _row(temperature=0, top_k=3, seed=seed + 2)]
+
+    out = sample(logits, rows(0))
     penalised = logits[1].clone()
     penalised[top] /= 100.0
-    assert out.token_ids == [int(logits[0].argmax()), int(penalised.argmax()), int(logits[2].argmax())]
-    assert torch.equal(sampler.generator(torch.device("cpu")).get_state(), state)
-    point_mass = processed_logprobs(logits, rows)
+    want = [int(logits[0].argmax()), int(penalised.argmax()), int(logits[2].argmax())]
+    assert out.token_ids.tolist() == want
+    assert sample(logits, rows(12345)).token_ids.tolist() == want  # no draw involved
+    point_mass = processed_logprobs(logits, rows(0))
     assert point_mass.exp().sum(-1).tolist() == [1.0, 1.0, 1.0]
-    assert point_mass.argmax(-1).tolist() == out.token_ids
+    assert point_mass.argmax(-1).tolist() == want
 
 
 def test_fast_path_all_greedy_and_half_precision_input() -> None:
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    out = Sampler()(logits, [_row(temperature=0) for _ in range(5)])
-    assert out.token_ids == logits.float().argmax(-1).tolist()
-    want = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(out.token_ids)[:, None])
-    assert out.logprobs == pytest.approx(want[:, 0].tolist(), abs=1e-6)
+    out = sample(logits, [_row(temperature=0) for _ in range(5)])
+    assert out.token_ids.tolist() == logits.float().argmax(-1).tolist()
+    want = torch.log_softmax(logits.float(), -1).gather(1, torch.from_numpy(out.token_ids)[:, None])
+    assert out.logprobs.tolist() == pytest.approx(want[:, 0].tolist(), abs=1e-6)
 
 
 def test_seeded_row_does_not_depend_on_its_batch() -> None:
@@ -206,40 +219,55 @@ def test_seeded_row_does_not_depend_on_its_batch() -> None:
     steps = [torch.randn(4, V, generator=gen) for _ in range(6)]
     kw = {"temperature": 1.2, "top_p": 0.95}
 
-    def run(position: int, others: list[SamplingRow]) -> list[int]:
+    def run(position: int, others: list[Row]) -> list[int]:
         """Sample 6 steps of the seed-123 row placed at ``position`` among ``others``."""
-        target = _row(seed=123, **kw)
-        sampler = Sampler(seed=len(others))
-        tokens = []
+        tokens: list[int] = []
         for logits in steps:
+            target = _row([1, 5, 9, *tokens], 3, seed=123, **kw)
             rows = others[:position] + [target] + others[position:]
             batch = torch.cat([logits[3:4] if j == position else logits[j % 3:j % 3 + 1]
                                for j in range(len(rows))])
-            tokens.append(sampler(batch, rows).token_ids[position])
+            tokens.append(int(sample(batch, rows).token_ids[position]))
         return tokens
 
     alone = run(0, [])
     mixed = run(2, [_row(seed=5, **kw), _row(top_k=5), _row(temperature=0), _row(min_p=0.3)])
-    other = run(1, [_row(), _row(seed=9, repetition_penalty=1.4, top_k=10)])
+    other = run(1, [_row(seed=77), _row(seed=9, repetition_penalty=1.4, top_k=10)])
     assert alone == mixed == other
+    assert len(set(alone)) > 1  # the draws move on with each generated token
 
 
 def test_different_seeds_differ_and_same_seed_repeats() -> None:
     logits = torch.zeros(1, V)  # uniform: every draw is pure noise
 
     def draws(seed: int) -> list[int]:
-        row = _row(seed=seed)
-        return [Sampler()(logits, [row]).token_ids[0] for _ in range(10)]
+        """Ten successive draws of one sequence (its history grows by each token)."""
+        tokens: list[int] = []
+        for _ in range(10):
+            tokens.append(int(sample(logits, [_row([1, 5, 9, *tokens], 3, seed=seed)]).token_ids[0]))
+        return tokens
 
     assert draws(1) == draws(1)
     assert draws(1) != draws(2)
 
 
-def test_unseeded_rows_follow_the_sampler_seed() -> None:
-    logits = torch.zeros(4, V)
-    rows = [_row() for _ in range(4)]
-    assert Sampler(seed=3)(logits, rows).token_ids == Sampler(seed=3)(logits, rows).token_ids
-    assert Sampler(seed=3)(logits, rows).token_ids != Sampler(seed=4)(logits, rows).token_ids
+def test_successive_draws_of_one_sequence_are_uniform() -> None:
+    """The counter-based draws: one sequence's 20,000 successive uniforms (its key, counters
+    0..n-1) and 20,000 sequences' first ones fill [0, 1) evenly, and they are uncorrelated
+    between neighbouring counters."""
+    from batchgen.sampling.sampler import mix_seeds
+
+    n, bins = 20000, 50
+    key = mix_seeds(np.array([123], np.uint64))
+    along = uniforms(np.repeat(key, n), np.arange(n))
+    across = uniforms(mix_seeds(np.arange(n, dtype=np.uint64)), np.zeros(n, np.int64))
+    uniform = torch.full((bins,), 1.0 / bins)
+    bound = _chi_square_bound(bins - 1)
+    for u in (along, across):
+        assert 0.0 <= u.min() and u.max() < 1.0
+        counts = torch.from_numpy(np.bincount((u * bins).astype(np.int64), minlength=bins))
+        assert _chi_square(counts.float(), uniform) < bound
+    assert abs(np.corrcoef(along[:-1], along[1:])[0, 1]) < 0.03
 
 
 @pytest.mark.parametrize("temperature", [0, 1.0])
@@ -252,8 +280,8 @@ def test_min_tokens_bans_eos_and_stop_ids(temperature: float) -> None:
     rows = [_row([1, 4, 5], 2, **kw),  # 1 generated < 3: EOS and 7 banned
             _row([1, 4, 5, 6], 1, **kw),  # 3 generated: nothing banned
             _row([1, 4], 2, ignore_eos=True, **kw)]  # EOS is no stop token with ignore_eos
-    out = Sampler()(logits, rows)
-    assert out.token_ids == [11, EOS, EOS]
+    out = sample(logits, rows)
+    assert out.token_ids.tolist() == [11, EOS, EOS]
     lp = processed_logprobs(logits, rows)
     assert torch.isinf(lp[0, [EOS, 7]]).all()
     if temperature:
@@ -267,16 +295,17 @@ def test_logprobs_are_raw_with_top_k_and_chosen() -> None:
             _row(logprobs=0),
             _row(),
             _row(logprobs=3, top_k=50, temperature=3.0)]
-    out = Sampler(seed=1)(logits, rows)
+    out = sample(logits, rows)
     raw = torch.log_softmax(logits, -1)
-    for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+    for i, (tok, lp) in enumerate(zip(out.token_ids.tolist(), out.logprobs.tolist())):
         assert lp == pytest.approx(raw[i, tok].item(), abs=1e-5)
-    assert out.top_logprobs[2] is None
-    ((tok1, (lp1, rank1)),) = out.top_logprobs[1].items()
+    top = {int(r): out.top.entry(j) for j, r in enumerate(out.top.rows)}
+    assert sorted(top) == [0, 1, 3]  # row 2 asked for none
+    ((tok1, (lp1, rank1)),) = top[1].items()
     assert tok1 == out.token_ids[1] and lp1 == pytest.approx(out.logprobs[1])
     assert rank1 == int((raw[1] > raw[1, tok1]).sum()) + 1  # its true rank
     for i, k in ((0, 5), (3, 3)):
-        d = out.top_logprobs[i]
+        d = top[i]
         order = raw[i].argsort(descending=True).tolist()
         assert set(d) == set(order[:k]) | {out.token_ids[i]}
         assert len(d) in (k, k + 1)
@@ -287,14 +316,14 @@ def test_logprobs_are_raw_with_top_k_and_chosen() -> None:
 
 def test_top_k_one_is_always_argmax_and_history_ids_beyond_vocab_are_ignored() -> None:
     logits = torch.randn(64, V, generator=torch.Generator().manual_seed(9))
-    rows = [_row([V + 5, 3], 1, top_k=1, repetition_penalty=1.3, frequency_penalty=0.5)
-            for _ in range(64)]
-    assert Sampler()(logits, rows).token_ids == logits.argmax(-1).tolist()
+    rows = [_row([V + 5, 3], 1, top_k=1, repetition_penalty=1.3, frequency_penalty=0.5,
+                 seed=i) for i in range(64)]
+    assert sample(logits, rows).token_ids.tolist() == logits.argmax(-1).tolist()
 
 
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits must be"):
-        Sampler()(torch.zeros(2, V), [_row()])
+        sample(torch.zeros(2, V), [_row()])
 
 
 def test_inverse_cdf_never_picks_a_masked_token():
@@ -307,3 +336,56 @@ def test_inverse_cdf_never_picks_a_masked_token():
         assert all(probs[r, i] > 0 for r, i in enumerate(idx.tolist()))
     assert _inverse_cdf(probs, torch.tensor([0.0, 0.0], dtype=torch.float64)).tolist() == [1, 0]
     assert _inverse_cdf(probs, torch.tensor([0.99, 0.99], dtype=torch.float64)).tolist() == [3, 2]
+
+
+@pytest.mark.parametrize("kind", ["continuous", "bfloat16", "few values", "masked"])
+def test_cpu_top_p_by_value_equals_the_sorting_warper(kind: str) -> None:
+    """The CPU top-p sorts values only (numpy) and falls back to torch's sort for rows whose
+    cut splits a run of tied tokens: its result is bit for bit the sorting warper's (HF's
+    TopPLogitsWarper), ties included."""
+    from batchgen.sampling.sampler import _top_p_by_value, _top_p_sorted
+
+    gen = torch.Generator().manual_seed(11)
+    scores = torch.randn(300, 500, generator=gen) * 3
+    if kind == "bfloat16":
+        scores = scores.to(torch.bfloat16).float()
+    elif kind == "few values":
+        scores = torch.randint(0, 6, (300, 500), generator=gen).float()
+    elif kind == "masked":
+        scores[torch.rand(300, 500, generator=gen) < 0.7] = float("-inf")
+    top_p = torch.rand(300, 1, generator=gen).clamp(0.01, 0.999)
+    cut = torch.where(torch.rand(300, 1, generator=gen) < 0.1, torch.tensor(-1.0), 1.0 - top_p)
+    got, want = _top_p_by_value(scores, cut), _top_p_sorted(scores, cut)
+    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got, want)
+
+
+def test_unpenalised_rows_beside_penalised_ones_are_untouched() -> None:
+    """A slot a penalised sequence left, reused by an unpenalised one, subtracts nothing."""
+    import numpy as np
+
+    from batchgen.engine.batch import PersistentBatch
+    from batchgen.engine.policy import SamplePolicy
+    from batchgen.engine.sequence import Sequence, SequenceGroup
+    from batchgen.kinds import sample_spec
+
+    batch = PersistentBatch(2, V, 1, [EOS], torch.device("cpu"))
+
+    def enter(params: SamplingParams, tokens: list[int]) -> Sequence:
+        group = SequenceGroup(0, None, tokens[:2], params, 50, SamplePolicy(),
+                              sample_spec(params, 50, False))
+        seq = Sequence(group, 0, list(tokens), None, 1)
+        batch.enter(seq, [0])
+        return seq
+
+    penalised = SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=1.0,
+                               repetition_penalty=2.0)
+    first = enter(penalised, [5, 6, 7, 7, 8])
+    enter(penalised, [9, 10, 11])
+    batch.remove(first)  # its slot 0 takes the second sequence; slot 1 is free again
+    plain = enter(SamplingParams(temperature=0), [5, 6, 7, 7, 8])
+    logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3))
+    cols = batch.sampling_columns(np.array([plain.slot, 0]))
+    assert plain.slot == 1 and cols.offsets is not None  # the step has a penalised row
+    penalised_scores = apply_penalties(logits, cols, torch.from_numpy(cols.params))
+    assert torch.equal(penalised_scores[0], logits[0])  # the slot's old offsets are gone
+    assert not torch.equal(penalised_scores[1], logits[1])

@@ -27,8 +27,8 @@ from tests.helpers import check_pool_invariants, interrupt_tracer
 def _assert_whole(llm: FakeLLM) -> None:
     bm = llm.block_manager
     check_pool_invariants(bm)
-    assert not bm.block_tables and bm.num_free_blocks() == bm.num_blocks
-    assert not llm.scheduler.has_unfinished()
+    assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
+    assert not llm.scheduler.has_unfinished() and not llm.batch.num_seqs
 
 
 def _prompts(rng: random.Random, n: int, shared: int, lo: int, hi: int) -> list[list[int]]:
@@ -220,3 +220,21 @@ def test_an_interrupt_anywhere_leaves_every_block_free():
         _assert_whole(llm)
     assert _interrupted_workload(llm, None)[0] == want
     assert llm.scheduler.num_preemptions > 0  # the workload preempts, so those paths were hit
+
+
+def test_penalty_state_follows_each_sequence_through_forks_moves_growth_and_preemption():
+    """Penalised samples (counts kept per slot, added to per token) in a batch that forks,
+    moves slots as rows finish, grows past max_num_seqs and preempts: every sample equals
+    the reference, whose counts are rebuilt from the token history at every step."""
+    rng = random.Random(20)
+    prompts = _prompts(rng, 6, 4, 2, 9)
+    params = [SamplingParams(n=rng.randint(2, 6), seed=i, temperature=0.9, max_tokens=14,
+                             ignore_eos=i % 2 == 0, repetition_penalty=1.3,
+                             frequency_penalty=0.4, presence_penalty=0.3, min_tokens=3,
+                             stop_token_ids=[7]) for i in range(6)]
+    need = max(request_peak_blocks(len(q), p.n, 14, 2) for q, p in zip(prompts, params))
+    llm = FakeLLM(num_blocks=need, block_size=2, max_num_seqs=6, max_num_batched_tokens=16)
+    _check_samples(llm, prompts, params)
+    assert llm.scheduler.num_preemptions > 0 and llm.batch.capacity > 3
+    assert llm.batch.penalties is not None
+    _assert_whole(llm)

@@ -249,3 +249,49 @@ def test_would_stop_peeks_and_forks_are_independent(tok: Any) -> None:
     assert twin.append(ids[n - 1], n) == ("stop", "own fo")
     assert checker.finish_reason is None and not checker.would_stop(ids[0], n)
     assert checker.append(ids[0], n) == (None, None)  # the original goes on unaffected
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_stop_codes_and_one_decode_equal_the_checker(tok: Any, seed: int) -> None:
+    """Rows without stop strings stop by `stop_codes` on a whole batch and get their text by
+    one decode at the end (`output_text`): the same finish reasons, stop reasons and text as
+    feeding each row's tokens through its own StopChecker."""
+    import numpy as np
+
+    from batchgen.sampling.stop import StopFactory, finish_of, stop_codes
+
+    rng = random.Random(seed)
+    eos_ids = [EOS, 7]
+    stops = StopFactory(tok, eos_ids)
+    rows = []
+    for _ in range(24):
+        max_tokens = rng.randint(1, 12)
+        params = SamplingParams(
+            max_tokens=max_tokens, min_tokens=min(rng.choice([0, 0, 2, 5]), max_tokens),
+            ignore_eos=rng.random() < 0.3, include_stop_str_in_output=rng.random() < 0.3,
+            stop_token_ids=rng.sample(range(3, 60), rng.randint(0, 3)))
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randint(1, 6))]
+        rows.append((params, prompt, [], stops(params, prompt, params.max_tokens), None))
+    width = max(len(p.stop_ids) for p, *_ in rows) or 1
+    for step in range(1, 13):
+        live = [r for r in rows if r[4] is None]
+        if not live:
+            break
+        tokens = np.array([rng.choice([EOS, 7, 9, *p.stop_ids, *range(3, 80)])
+                           for p, *_ in live], np.int64)
+        stop_ids = np.full((len(live), width), -1, np.int64)
+        for i, (p, *_) in enumerate(live):
+            stop_ids[i, :len(p.stop_ids)] = p.stop_ids
+        codes = stop_codes(tokens, np.full(len(live), step),
+                           np.array([p.min_tokens for p, *_ in live]),
+                           np.array([p.max_tokens for p, *_ in live]), stop_ids,
+                           np.array([p.ignore_eos for p, *_ in live]), np.array(eos_ids))
+        for (p, _q, out, checker, _), t, code in zip(live, tokens.tolist(), codes.tolist()):
+            out.append(t)
+            want = checker.append(t, step)
+            got = finish_of(code, t) if code else (None, None)
+            assert got == want, (p, out)
+        rows = [(p, q, o, c, c.finish_reason) for p, q, o, c, _ in rows]
+    for params, prompt, out, checker, _ in rows:
+        stop_token = checker.finish_reason == "stop"
+        assert stops.output_text(params, prompt, out, stop_token) == checker.final_text(out)

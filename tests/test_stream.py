@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.kinds import SAMPLES
 from batchgen.llm import STREAM_WINDOW
 from tests.fake_engine import FakeLLM
 
@@ -109,15 +110,15 @@ def test_stream_keeps_the_batch_full_with_a_bounded_window() -> None:
 
     window = STREAM_WINDOW * max_seqs
     groups = fake.requests.stream(prompts(), SamplingParams(max_tokens=6, seed=0),
-                                  SamplingParams, max_seqs)
+                                  SAMPLES, max_seqs)
     running: list[int] = []  # sequences in each step's batch
     exhausted: list[bool] = []  # whether the input had run out by that step
     execute = fake.runner.execute
 
-    def counting_execute(chunks):
-        running.append(len(chunks))
+    def counting_execute(rows):
+        running.append(rows.num_rows)
         exhausted.append(pulled == total)
-        return execute(chunks)
+        return execute(rows)
 
     fake.runner.execute = counting_execute
     finished = 0
@@ -139,7 +140,7 @@ def test_engine_stream_abort_on_error_frees_everything() -> None:
         raise KeyboardInterrupt
 
     groups = fake.requests.stream(prompts(), SamplingParams(max_tokens=30, n=2, seed=0),
-                                  SamplingParams, 8)
+                                  SAMPLES, 8)
     with pytest.raises(KeyboardInterrupt):
         for _ in fake.engine.stream(groups, 16):
             pass

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from batchgen.attention.cpu_kernel import PagedDecodeKernel
@@ -41,12 +42,19 @@ class CpuKernelBackend(TiledBackend):
         self.rows: _KernelRows | None = None
 
     def plan(self, meta: StepMetadata) -> None:
-        qo, kv_lens, pages = meta.as_lists()
-        seqs = range(len(kv_lens))
-        decode = [i for i in seqs if qo[i + 1] - qo[i] == 1]
-        self.rows = _kernel_rows(decode, qo, kv_lens, pages) if decode else None
-        self.tiles.plan(qo, kv_lens, pages, (i for i in seqs if qo[i + 1] - qo[i] > 1),
-                        meta.block_size)
+        """Decode rows to the kernel (vector ops over the step's page lists, no Python per row
+        or page), prefill rows to SDPA tiles."""
+        qo = meta.qo_indptr.numpy()
+        kv_ptr = meta.kv_indptr.numpy()
+        q_len = np.diff(qo)
+        kv_lens = (np.diff(kv_ptr) - 1) * meta.block_size + meta.kv_last_page_len.numpy()
+        decode = np.flatnonzero(q_len == 1)
+        self.rows = (_kernel_rows(decode, qo, kv_ptr, meta.kv_indices, kv_lens)
+                     if decode.size else None)
+        prefill = np.flatnonzero(q_len > 1).tolist()
+        pages = {i: meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].tolist() for i in prefill}
+        self.tiles.plan(qo.tolist() if prefill else [], kv_lens.tolist() if prefill else [],
+                        pages, prefill, meta.block_size)
 
     def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
                  spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
@@ -67,18 +75,19 @@ class CpuKernelBackend(TiledBackend):
             out[kr.rows] = (res * scales[1] if scales[1] != 1.0 else res).to(out.dtype)
 
 
-def _kernel_rows(seqs: list[int], qo: list[int], kv_lens: list[int], pages: list[list[int]]
-                 ) -> _KernelRows:
+def _kernel_rows(seqs: np.ndarray, qo: np.ndarray, kv_ptr: np.ndarray,
+                 kv_indices: torch.Tensor, kv_lens: np.ndarray) -> _KernelRows:
     """Page tables of the decode rows the kernel takes (their query rows, in order)."""
-    rows = [qo[i] for i in seqs]
-    indptr = [0]
-    indices: list[int] = []
-    for i in seqs:
-        indices.extend(pages[i])
-        indptr.append(len(indices))
-    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-    i32 = torch.int32
+    rows = qo[seqs]
+    first, count = kv_ptr[seqs], kv_ptr[seqs + 1] - kv_ptr[seqs]
+    indptr = np.concatenate(([0], np.cumsum(count))).astype(np.int32)
+    if seqs[-1] - seqs[0] + 1 == len(seqs):  # one run of rows: their pages are one run too
+        indices = kv_indices[int(first[0]):int(first[0]) + int(indptr[-1])]
+    else:
+        at = np.repeat(first - indptr[:-1], count) + np.arange(int(indptr[-1]))
+        indices = kv_indices[torch.from_numpy(at)]
+    contiguous = rows[-1] - rows[0] + 1 == len(rows)
     return _KernelRows(
-        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows),
-        kv_indptr=torch.tensor(indptr, dtype=i32), kv_indices=torch.tensor(indices, dtype=i32),
-        kv_len=torch.tensor([kv_lens[i] for i in seqs], dtype=i32))
+        rows=slice(int(rows[0]), int(rows[-1]) + 1) if contiguous else torch.from_numpy(rows),
+        kv_indptr=torch.from_numpy(indptr), kv_indices=indices.contiguous(),
+        kv_len=torch.from_numpy(kv_lens[seqs].astype(np.int32)))

@@ -8,12 +8,50 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
 @dataclass
+class StepRows:
+    """One step's work as the scheduler hands it to the runner, one entry per row (a scheduled
+    sequence): its row of `block_tables`, the tokens it has cached (`starts`), its query length
+    and how many of its last positions' logits to keep; `token_ids` holds every row's query
+    tokens, row after row. The arrays are the scheduler's; `block_tables` is the persistent
+    batch's (read only here)."""
+
+    slots: np.ndarray  # [R] int64: rows of block_tables
+    starts: np.ndarray  # [R] int64
+    num_new: np.ndarray  # [R] int64
+    num_logits: np.ndarray  # [R] int64: 1 where the row's last logits are sampled, all of a
+    # prompt chunk's for prompt logprobs, else 0
+    token_ids: np.ndarray  # [sum(num_new)] int64
+    block_tables: np.ndarray  # [slots, max_blocks] int32
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.slots)
+
+    @classmethod
+    def from_chunks(cls, chunks: list[SeqChunk]) -> StepRows:
+        """The rows of explicit chunks (each with its own block table): for tests, and for the
+        dummy rows of CUDA-graph capture."""
+        width = max([len(c.block_table) for c in chunks] + [1])
+        tables = np.zeros((max(len(chunks), 1), width), np.int32)
+        for i, c in enumerate(chunks):
+            tables[i, :len(c.block_table)] = c.block_table
+        ids = [t for c in chunks for t in c.token_ids]
+        return cls(np.arange(len(chunks), dtype=np.int64),
+                   np.array([c.num_computed for c in chunks], np.int64),
+                   np.array([c.num_new for c in chunks], np.int64),
+                   np.array([c.num_logits for c in chunks], np.int64),
+                   np.array(ids, np.int64), tables)
+
+
+@dataclass
 class SeqChunk:
-    """One sequence's share of a step, as the scheduler hands it to the runner."""
+    """One sequence's share of a step written out in full (tests and graph capture build
+    steps this way; the scheduler hands the runner StepRows)."""
 
     token_ids: list[int]  # the query tokens of this step (1 while decoding)
     block_table: list[int]  # covers every position up to num_computed + len(token_ids)

@@ -11,7 +11,7 @@ cached (batch invariance). There is no Python loop over tokens.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -98,8 +98,10 @@ class SdpaTiles:
         self.device = device
         self.groups: list[_Group] = []
 
-    def plan(self, qo: list[int], kv_lens: list[int], pages: list[list[int]],
-             seqs: Iterable[int], block_size: int) -> None:
+    def plan(self, qo: list[int], kv_lens: list[int],
+             pages: Sequence[list[int]] | Mapping[int, list[int]], seqs: Iterable[int],
+             block_size: int) -> None:
+        """Tiles of the sequences `seqs` (indices into qo / kv_lens / pages), grouped by shape."""
         buckets: dict[tuple[int, int], list[tuple[_Tile, list[int]]]] = {}
         for i in seqs:  # tiles of one (rows, width) shape share an SDPA call
             for t in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):

@@ -3,13 +3,13 @@ one fixed Arrow schema so every shard reads back as one table."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any
 
 import pyarrow as pa
 
-from batchgen.outputs import BeamSearchOutput, RequestOutput, TokenLogprobs
+from batchgen.kinds import BEAMS, SAMPLES, RequestKind, kind_of
+from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
 ROW_ID = "row_id"
@@ -29,30 +29,31 @@ def row_seed(seed: int, row_id: int) -> int:
 
 
 def job_seed(params: SamplingParams | BeamSearchParams, seed: int | None) -> int:
-    """A job's seed: params.seed, else `seed`, else 0 (never random: a resume, or another
-    machine, must redo the same draws)."""
-    if isinstance(params, SamplingParams) and params.seed is not None:
-        return params.seed
-    return 0 if seed is None else int(seed)
+    """A job's seed: params.seed (samples), else `seed`, else 0 (never random: a resume, or
+    another machine, must redo the same draws)."""
+    return kind_of(params).job_seed(params, seed)
 
 
-def row_params(params: SamplingParams, seed: int, row_id: int) -> SamplingParams:
-    """The row's copy of `params`, seeded from (seed, row id)."""
-    return dataclasses.replace(params, seed=row_seed(seed, row_id))
+def row_params(params: SamplingParams | BeamSearchParams, seed: int, row_id: int
+               ) -> SamplingParams | BeamSearchParams:
+    """The row's copy of `params`: samples seeded from (seed, row id); beams unchanged."""
+    return kind_of(params).row_params(params, row_seed(seed, row_id))
+
+
+_COMPLETION = [("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
+               ("cumulative_logprob", pa.float64()), ("finish_reason", pa.string()),
+               ("stop_reason", pa.string())]
+_BEAM = [("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
+         ("cumulative_logprob", pa.float64()), ("score", pa.float64()),
+         ("finish_reason", pa.string())]
+_FIELDS = {SAMPLES.name: _COMPLETION, BEAMS.name: _BEAM}  # one list item of `outputs`
 
 
 def output_type(params: SamplingParams | BeamSearchParams) -> pa.DataType:
     """The Arrow type of the `outputs` column: a list of completions (or beam hypotheses)."""
-    if isinstance(params, BeamSearchParams):
-        fields = [("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
-                  ("cumulative_logprob", pa.float64()), ("score", pa.float64()),
-                  ("finish_reason", pa.string())]
-    else:
-        fields = [("index", pa.int32()), ("text", pa.string()),
-                  ("token_ids", pa.list_(pa.int32())), ("cumulative_logprob", pa.float64()),
-                  ("finish_reason", pa.string()), ("stop_reason", pa.string())]
-        if params.logprobs is not None:
-            fields.append(("logprobs", pa.list_(pa.list_(_LOGPROB))))
+    fields = list(_FIELDS[kind_of(params).name])
+    if params.logprobs is not None:
+        fields.append(("logprobs", pa.list_(pa.list_(_LOGPROB))))
     return pa.list_(pa.struct(fields))
 
 
@@ -71,28 +72,8 @@ def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamS
     return pa.schema(list(input_schema.remove_metadata()) + added)
 
 
-def output_row(row: dict[str, Any], row_id: int, out: RequestOutput | BeamSearchOutput
-               ) -> dict[str, Any]:
-    """The input row plus its id and completions."""
-    if isinstance(out, BeamSearchOutput):
-        outputs = [{"text": s.text, "token_ids": s.token_ids,
-                    "cumulative_logprob": s.cumulative_logprob, "score": s.score,
-                    "finish_reason": s.finish_reason} for s in out.sequences]
-    else:
-        outputs = [_completion(c) for c in out.outputs]
+def output_row(row: dict[str, Any], row_id: int, out: RequestOutput | BeamSearchOutput,
+               kind: RequestKind) -> dict[str, Any]:
+    """The input row plus its id and completions (the kind's records of `out`)."""
     return {**row, ROW_ID: row_id, NUM_PROMPT_TOKENS: len(out.prompt_token_ids),
-            OUTPUTS: outputs}
-
-
-def _completion(c: Any) -> dict[str, Any]:
-    d = {"index": c.index, "text": c.text, "token_ids": c.token_ids,
-         "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason,
-         "stop_reason": None if c.stop_reason is None else str(c.stop_reason)}
-    if c.logprobs is not None:
-        d["logprobs"] = [_position(e) for e in c.logprobs]
-    return d
-
-
-def _position(entry: TokenLogprobs) -> list[dict[str, Any]]:
-    return [{"token_id": t, "logprob": v.logprob, "rank": v.rank,
-             "decoded_token": v.decoded_token} for t, v in entry.items()]
+            OUTPUTS: kind.records(out)}

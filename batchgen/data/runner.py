@@ -14,10 +14,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from batchgen.checks import check_flag, check_int, check_seed, check_type
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
+from batchgen.kinds import kind_of
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
@@ -52,7 +54,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     params = llm.get_default_sampling_params() if params is None else params
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
                       chat_template, add_generation_prompt, chat_template_kwargs)
-    _check_args(params, spec, rows_per_shard, resume, output_dir)
+    _check_args(params, rows_per_shard, resume, output_dir, seed)
     source = open_source(data)
     if source.column_names is not None and spec.column not in source.column_names:
         raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
@@ -79,6 +81,7 @@ class _Job:
         self.llm, self.source, self.params, self.spec = llm, source, params, spec
         self.seed, self.schema, self.store = seed, schema, store
         self.rows_per_shard = rows_per_shard
+        self.kind = kind_of(params)
         self.inflight: dict[int, tuple[int, dict[str, Any]]] = {}  # stream index -> row
         self.buffer: list[dict[str, Any]] = []  # finished rows not yet in a shard
         self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
@@ -107,9 +110,7 @@ class _Job:
         pairs_a, pairs_b = tee(self._requests(done))
         prompts = (p for p, _ in pairs_a)
         params = (q for _, q in pairs_b)
-        if isinstance(self.params, BeamSearchParams):
-            return self.llm.beam_search_stream(prompts, params, use_tqdm=False)
-        return self.llm.generate_stream(prompts, params, use_tqdm=False)
+        return self.kind.stream(self.llm, prompts, params)
 
     def _requests(self, done: set[int]) -> Iterator[tuple[Any, Any]]:
         """(prompt, params) of every row not done, recording which stream index is which row."""
@@ -119,17 +120,13 @@ class _Job:
                 continue
             self.inflight[index] = (row_id, row)
             index += 1
-            yield self.spec.prompt(self.llm, row_id, row), self._row_params(row_id)
-
-    def _row_params(self, row_id: int) -> SamplingParams | BeamSearchParams:
-        if isinstance(self.params, SamplingParams):
-            return row_params(self.params, self.seed, row_id)
-        return self.params
+            yield self.spec.prompt(self.llm, row_id, row), row_params(self.params, self.seed,
+                                                                      row_id)
 
     def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:
         """File one finished request's row (and write a shard when one is full)."""
         row_id, row = self.inflight.pop(index)
-        self.buffer.append(output_row(row, row_id, out))
+        self.buffer.append(output_row(row, row_id, out, self.kind))
         if len(self.buffer) >= self.rows_per_shard:
             self._flush()
 
@@ -186,17 +183,15 @@ class _Rate:
         self.shown = now
 
 
-def _check_args(params: Any, spec: PromptSpec, rows_per_shard: int, resume: bool,
-                output_dir: Any) -> None:
-    if not isinstance(params, (SamplingParams, BeamSearchParams)):
-        raise ValueError("params must be a SamplingParams or a BeamSearchParams, got "
-                         f"{type(params).__name__}")
-    if not isinstance(spec.column, str) or not spec.column:
-        raise ValueError("prompt_column / messages_column must be a column name")
-    if isinstance(rows_per_shard, bool) or not isinstance(rows_per_shard, int) or rows_per_shard < 1:
-        raise ValueError(f"rows_per_shard must be an integer >= 1, got {rows_per_shard!r}")
+def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any, seed: Any
+                ) -> None:
+    """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
+    check_type(params, "params", (SamplingParams, BeamSearchParams))
+    check_int(rows_per_shard, "rows_per_shard")
+    check_flag(resume, "resume")
     if resume and output_dir is None:
         raise ValueError("resume=True needs output_dir (the shards to resume from)")
+    check_seed(seed)  # the job seed: validated only (-1 stays -1, as the manifest has it)
 
 
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source) -> dict[str, Any]:

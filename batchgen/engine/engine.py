@@ -1,4 +1,4 @@
-"""The step loop: schedule → copy blocks → run → sample → update."""
+"""The step loop: schedule → copy blocks → run → advance → sample → update."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Protocol
 
 import torch
 
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import StepRows
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput, StepStats
 from batchgen.engine.sequence import SequenceGroup
-from batchgen.sampling.sampler import RankedLogprobs, Sampler, SamplingRow, ranked_logprobs
+from batchgen.sampling.sampler import RankedLogprobs, Sampler, ranked_logprobs
 
 
 class Runner(Protocol):
@@ -18,19 +18,19 @@ class Runner(Protocol):
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
 
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor: ...
+    def execute(self, rows: StepRows) -> torch.Tensor: ...
 
 
 class Engine:
     """Runs sequence groups to completion: the scheduler decides and applies, the runner
-    computes, the sampler draws. It holds no request state of its own."""
+    computes, the sampler draws. Results reach the scheduler keyed by sequence (sampled
+    tokens) or by group (beams' log-probabilities): it never sees logits. The engine holds
+    no request state of its own."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler,
-                 eos_token_ids: list[int]) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
-        self.eos_token_ids = eos_token_ids  # banned with stop ids while below min_tokens
 
     def run(self, groups: list[SequenceGroup],
             on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -72,7 +72,10 @@ class Engine:
     def _top_up(self, source: Iterator[SequenceGroup], max_waiting_seqs: int) -> bool:
         """Queue groups from `source` until `max_waiting_seqs` sequences wait (at least one
         group when none does); False once `source` is exhausted."""
-        waiting = sum(len(g.seqs) for g in self.scheduler.waiting)
+        queue = self.scheduler.waiting
+        if len(queue) >= max_waiting_seqs:  # enough already, without counting (every step)
+            return True
+        waiting = sum(len(g.seqs) for g in queue)
         while waiting < max_waiting_seqs or not self.scheduler.has_unfinished():
             group = next(source, None)
             if group is None:
@@ -84,15 +87,18 @@ class Engine:
     def step(self, out: SchedulerOutput) -> StepStats:
         """Execute one scheduled step and hand its results back to the scheduler."""
         self.runner.copy_blocks(out.copies)
-        logits = self.runner.execute(out.chunks)
-        sampled = []
+        logits = self.runner.execute(out.rows)
+        self.scheduler.computed(out)
+        sampled = None
         if out.samplers:
-            rows = [SamplingRow(s.group.params, s.token_ids, s.num_prompt_tokens, s.generator,
-                                self.eos_token_ids, s.group.bad_word_ids) for s in out.samplers]
-            res = self.sampler(logits[out.sample_rows], rows)
-            sampled = list(zip(res.token_ids, res.logprobs, res.top_logprobs))
+            rows = logits
+            if out.sample_rows is not None:
+                rows = logits[torch.from_numpy(out.sample_rows).to(logits.device)]
+            sampled = self.sampler(rows, self.scheduler.batch.sampling_columns(out.sample_slots))
+        beams = {g: torch.log_softmax(logits[[rows[s] for s in g.seqs]].float(), dim=-1)
+                 for g, rows in out.beam_rows.items()}
         prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []
-        return self.scheduler.update_from_output(out, logits, sampled, prompt)
+        return self.scheduler.update(out, sampled, beams, prompt)
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[SequenceGroup, int, int, int]]

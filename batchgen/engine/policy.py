@@ -1,8 +1,10 @@
-"""Group policies: how one request turns its logits into plain operations on its sequences.
+"""Group policies: what one request's sequences compute and, for beams, how a step's
+log-probabilities become plain operations on them.
 
 The Scheduler owns every sequence and applies the operations; a policy only decides. Two
-policies: n samples (each sample draws its own tokens and finishes on its own) and beams (the
-group's W beams advance together through HF's beam selection).
+policies: n samples (each sample draws its own token from the sampler and finishes on its own;
+the scheduler applies those tokens for the whole batch at once) and beams (the group's W beams
+advance together through HF's beam selection, on log-probabilities the engine hands over).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import torch
 
 from batchgen.engine.beam import BeamSearchState, StopFn
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.sampling.sampler import RankedLogprobs
 
 
 @dataclass
@@ -27,12 +28,10 @@ class Fork:
 
 @dataclass
 class Append:
-    """`token` is `seq`'s next token; its stop conditions may finish it."""
+    """`token` is beam `seq`'s next token (the beam state decided its stop)."""
 
     seq: Sequence
     token: int
-    logprob: float
-    top_logprobs: RankedLogprobs | None = None
 
 
 @dataclass
@@ -51,7 +50,6 @@ class SetSeqs:
 
 
 Op = Fork | Append | Free | SetSeqs
-Sample = tuple[int, float, RankedLogprobs | None]  # token, raw logprob, top logprobs
 
 
 def ready(seqs: list[Sequence]) -> list[Sequence]:
@@ -78,9 +76,6 @@ class SamplePolicy:
         return [seq, *(s for s in group.seqs
                        if s is not seq and not s.finished and len(s.token_ids) == p)]
 
-    def update(self, group: SequenceGroup, samples: list[tuple[Sequence, Sample]]) -> list[Op]:
-        return [Append(seq, *sample) for seq, sample in samples]
-
     def finished(self, group: SequenceGroup) -> bool:
         return all(s.finished for s in group.seqs)
 
@@ -104,10 +99,9 @@ class BeamPolicy:
     def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
         return []  # beams read their logits rows directly
 
-    def update(self, group: SequenceGroup, logits: torch.Tensor) -> list[Op]:
-        """One beam step over the live beams' logits rows (in beam order)."""
+    def update(self, group: SequenceGroup, logprobs: torch.Tensor) -> list[Op]:
+        """One beam step over the live beams' float32 log-probabilities (rows in beam order)."""
         beams = group.seqs
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
         step = self.state.step(logprobs, self._stop_fn(beams))
         if step.done:
             return [Free(b) for b in beams]
@@ -125,7 +119,7 @@ class BeamPolicy:
                 nxt.append(parent)
         ops += [Free(b) for p, b in enumerate(beams) if p not in taken]
         ops.append(SetSeqs(group, nxt))
-        ops += [Append(c, t, lp) for c, t, (lp, _) in zip(nxt, step.tokens, step.token_logprobs)]
+        ops += [Append(c, t) for c, t in zip(nxt, step.tokens)]
         return ops
 
     def _stop_fn(self, beams: list[Sequence]) -> StopFn | None:

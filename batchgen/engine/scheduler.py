@@ -1,14 +1,22 @@
 """Continuous batching: the Scheduler owns every request from admission to finish.
 
 Each step it picks which sequences run and how many query tokens each: decodes first (a beam
-group's live beams all together or not at all, since one beam step needs all their logits),
+group's live beams all together or not at all, since one beam step needs all their rows),
 then chunked prefills, within `max_num_seqs` and `max_num_batched_tokens`; then it admits
 waiting groups in input order while free blocks allow. When a running sequence cannot get a
 block, the newest running group is preempted by recompute (its blocks freed, its tokens
-recomputed later), which never changes outputs. After the step it applies the results
-(`update_from_output`): progress, prefix-cache publishing, forks, and the operations the
-groups' policies return. It is the only writer of Sequence state and the only caller of the
-BlockManager.
+recomputed later), which never changes outputs.
+
+Decoding samples, the bulk of every step, are found, reserved and described by vector ops
+over the persistent batch's columns (a block only for rows that open one or may share one
+after a fork); Python runs per group or row only for beams, prefill chunks, admissions,
+preemption, and when the decodes do not all fit the step (then the groups' order decides).
+
+After the forward, `computed` advances the rows (vector ops), publishes full blocks to the
+prefix cache and forks waiting siblings; `update` applies the sampler's tokens to the whole
+batch at once (stop checks on columns, per-row Python only for stop strings and finished
+rows) and the beam groups' operations. It is the only writer of Sequence state, of the
+persistent batch's membership and of the BlockManager.
 """
 
 from __future__ import annotations
@@ -16,13 +24,16 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from batchgen.attention.metadata import SeqChunk
-from batchgen.engine.policy import Append, Fork, Free, Op, Sample, SetSeqs
+from batchgen.attention.metadata import StepRows
+from batchgen.engine.batch import PersistentBatch
+from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
-from batchgen.sampling.sampler import RankedLogprobs
+from batchgen.kv.block_manager import BlockManager, PoolExhausted, blocks_for, chain_hashes
+from batchgen.sampling.sampler import RankedLogprobs, SamplerOutput
+from batchgen.sampling.stop import EOS_STOP, ID_STOP, finish_of
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -40,30 +51,34 @@ def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
 
 
 @dataclass
-class ScheduledSeq:
-    seq: Sequence
-    num_new: int  # query tokens this step
-
-
-@dataclass
 class SchedulerOutput:
-    """The step's work: sequences with their query lengths, the COW block copies to make first,
-    and (once scheduling is done) the runner's chunks and who reads which logits row."""
+    """The step's work: scheduled sequences with their query lengths (row order), the COW block
+    copies to make first, and (once scheduling is done) the runner's rows and who reads which
+    logits row."""
 
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
-    chunks: list[SeqChunk] = field(default_factory=list)
+    rows: StepRows | None = None
     samplers: list[Sequence] = field(default_factory=list)  # sequences that draw a token...
-    sample_rows: list[int] = field(default_factory=list)  # ...from these logits rows
+    sample_rows: np.ndarray | None = None  # ...from these logits rows (None: row i ↔ i)
+    sample_slots: np.ndarray | None = None  # their batch slots (known after forks)
     beam_rows: dict[SequenceGroup, dict[Sequence, int]] = field(default_factory=dict)
     # prompt logprobs: (group, first position scored, its logits row, how many rows)
     prompt_rows: list[tuple[SequenceGroup, int, int, int]] = field(default_factory=list)
     num_prompt_tokens: int = 0
+    decode_rows: int = 0  # the leading rows scheduled by vector ops: one sample decode each
+    decode_slots: np.ndarray | None = None  # their slots, valid while the batch's `moves`...
+    moves: int = -1  # ...is still this
+
+    @property
+    def scheduled(self) -> bool:
+        return bool(self.seqs)
 
 
 @dataclass
 class StepStats:
-    """Tokens computed in one step, for the progress bar."""
+    """Tokens computed in one step, for the progress bar, and the groups it finished."""
 
     prompt_tokens: int
     output_tokens: int
@@ -82,17 +97,20 @@ class _Budget:
 
     def take(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         """Schedule `n` query tokens of `seq` in this step."""
-        out.scheduled.append(ScheduledSeq(seq, n))
+        out.seqs.append(seq)
+        out.num_new.append(n)
         self.tokens -= n
         self.seqs -= 1
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list (admission order) and their sequences."""
+    """Owns the waiting queue, the running list (admission order), their sequences and the
+    persistent batch's membership."""
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+    def __init__(self, block_manager: BlockManager, batch: PersistentBatch, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
         self.bm = block_manager
+        self.batch = batch
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -101,6 +119,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prompt_tokens_computed = 0  # prompt positions the model ran (recomputes too)
         self._preempted_now: set[SequenceGroup] = set()
+        self._order = 0  # admissions so far: a group's place in the running order
         # Admission leaves a little room so running sequences can grow without preemption.
         self.watermark_blocks = max(1, block_manager.num_blocks // 100)
 
@@ -113,29 +132,74 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort_all(self) -> None:
-        """Drop every group (a failed or interrupted call) and free every block table the
-        block manager holds, so the next call starts from a whole pool."""
+        """Drop every group (a failed or interrupted call), empty the batch and free every
+        block table, so the next call starts from a whole pool."""
         self.running.clear()
         self.waiting.clear()
+        self.batch.clear()
         self.bm.free_all()
 
     # ---- one step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """The next step: decodes, then prefill chunks, then admission. Decoding samples are
+        selected and reserved by vector ops over the batch's columns when they all fit the
+        step; beams, and every decode when they do not, go through the groups in order."""
         out = SchedulerOutput()
         budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
         self._preempted_now = set()
-        preempted = self._schedule_decodes(out, budget)
+        beams = [g for g in self.running if g.spec.beam]
+        if self._decode_samples(out, budget, beams):
+            preempted = self._schedule_decodes(out, budget, beams)
+        else:
+            preempted = self._schedule_decodes(out, budget, list(self.running))
         preempted |= self._schedule_prefills(out, budget)
         if not preempted:  # a preemption just freed room: admit nothing over it this step
             self._admit(out, budget)
         self._describe(out)
         return out
 
-    def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget) -> bool:
-        """One token for every sequence that is decoding; returns whether any group was
-        preempted for room."""
+    def _decode_samples(self, out: SchedulerOutput, budget: _Budget,
+                        beams: list[SequenceGroup]) -> bool:
+        """Every decoding sample at once, when all of them and the beams' decodes fit the
+        step: candidates from the columns, a block reserved only for rows that open one or
+        may share one (after a fork), in the groups' order. False (nothing scheduled; the
+        copies made stay in `out`) to go through the groups instead."""
+        b, c, n = self.batch, self.batch.cols, self.batch.num_seqs
+        computed = c["num_computed"][:n]
+        ready = (c["num_tokens"][:n] - computed == 1) & ~c["beam"][:n] & ~c["fork_pending"][:n]
+        rows = np.flatnonzero(ready)
+        units = sum(len(u) for g in beams for u in g.policy.decode_units(g))
+        if not budget.fits(len(rows) + units, len(rows) + units):
+            return False
+        needy = rows[(computed[rows] // self.block_size >= c["num_blocks"][rows])
+                     | c["cow_check"][rows]]
+        seqs = sorted((b.seqs[i] for i in needy.tolist()),
+                      key=lambda s: (s.group.order, s.index))
+        for seq in seqs:
+            pos, slot = seq.num_computed_tokens, seq.slot
+            try:
+                if c["cow_check"][slot]:
+                    out.copies += self.bm.reserve([(seq, pos, 1)])
+                else:  # only a new block: the chapter's append_token
+                    self.bm.append_token(seq, pos)
+            except PoolExhausted:
+                return False
+            self.batch.write_table(seq, self.bm.table(seq), pos // self.block_size)
+            c["cow_check"][slot] = False
+        out.seqs += [b.seqs[i] for i in rows.tolist()]
+        out.decode_slots, out.moves = rows, b.moves
+        out.num_new += [1] * len(rows)
+        out.decode_rows = len(rows)
+        budget.tokens -= len(rows)
+        budget.seqs -= len(rows)
+        return True
+
+    def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget,
+                          groups: list[SequenceGroup]) -> bool:
+        """One token for every sequence of these groups that is decoding (a beam group's
+        live beams together), in order; returns whether any group was preempted for room."""
         preempted = False
-        for group in list(self.running):
+        for group in groups:
             if group in self._preempted_now or group.fork_pending:
                 continue
             for unit in group.policy.decode_units(group):
@@ -148,19 +212,29 @@ class Scheduler:
         return preempted
 
     def _schedule_prefills(self, out: SchedulerOutput, budget: _Budget) -> bool:
-        """Chunks of running sequences with several tokens to compute (prompts, recomputes)."""
+        """Chunks of running sequences with several tokens to compute (prompts, recomputes,
+        a leader before its fork), in the groups' order; returns whether any group was
+        preempted for room."""
         preempted = False
-        for group in list(self.running):
-            for seq in group.seqs:
-                if group in self._preempted_now or budget.tokens == 0 or budget.seqs == 0:
-                    break
-                if seq.status is not SequenceStatus.RUNNING or (
-                        not group.fork_pending and seq.num_uncomputed <= 1):
-                    continue  # waiting for a fork, or decoding (scheduled above)
-                n = self._chunk_size(self._chunk_limit(group, seq), budget.tokens)
-                if n > 0:
-                    preempted |= self._schedule_unit(group, [seq], [n], out, budget)[1]
+        for seq in self._prefilling():
+            group = seq.group
+            if (group in self._preempted_now or budget.tokens == 0 or budget.seqs == 0
+                    or seq.status is not SequenceStatus.RUNNING):
+                continue
+            n = self._chunk_size(self._chunk_limit(group, seq), budget.tokens)
+            if n > 0:
+                preempted |= self._schedule_unit(group, [seq], [n], out, budget)[1]
         return preempted
+
+    def _prefilling(self) -> list[Sequence]:
+        """Running sequences with more than one token to compute, or leading a pending fork,
+        in the groups' order (found on the columns: no Python per decoding row)."""
+        c, n = self.batch.cols, self.batch.num_seqs
+        rows = np.flatnonzero((c["num_tokens"][:n] - c["num_computed"][:n] > 1)
+                              | c["fork_pending"][:n])
+        seqs = [self.batch.seqs[i] for i in rows.tolist()]
+        seqs.sort(key=lambda s: (s.group.order, s.index))
+        return seqs
 
     def _chunk_limit(self, group: SequenceGroup, seq: Sequence, computed: int | None = None
                      ) -> int:
@@ -188,81 +262,111 @@ class Scheduler:
 
     def _schedule_unit(self, group: SequenceGroup, seqs: list[Sequence], counts: list[int],
                        out: SchedulerOutput, budget: _Budget) -> tuple[bool, bool]:
-        """Reserve blocks for the sequences' next tokens (all or none) and schedule them,
-        preempting the newest groups while the blocks are not there. Returns (scheduled,
+        """Reserve the sequences' next slots (all or none; copy-on-write included) and schedule
+        them, preempting the newest groups while the blocks are not there. Returns (scheduled,
         preempted anything)."""
-        if len(seqs) == 1 and self.bm.writable(seqs[0], seqs[0].num_computed_tokens, counts[0]):
-            budget.take(out, seqs[0], counts[0])  # the decode fast path: nothing to reserve
-            return True, False
-        preempted = False
         appends = [(s, s.num_computed_tokens, n) for s, n in zip(seqs, counts)]
-        while (need := self.bm.blocks_needed(appends)) > self.bm.num_free_blocks():
-            victim = self.running[-1]
-            if victim is group and len(self.running) == 1:
-                raise RuntimeError(
-                    f"request {group.index} needs {need} more KV blocks while running alone "
-                    f"and only {self.bm.num_free_blocks()} of {self.bm.num_blocks} are free: "
-                    "it would preempt itself forever (its admission bound is wrong)")
-            self._preempt(victim, out, budget)
-            preempted = True
-            if victim is group:
-                return False, True
-        for seq, n in zip(seqs, counts):
-            if need:
-                copy = self.bm.append_slots(seq, seq.num_computed_tokens, n)
-                if copy is not None:
-                    out.copies.append(copy)
+        preempted = False
+        while True:
+            try:
+                copies = self.bm.reserve(appends)
+                break
+            except PoolExhausted:
+                victim = self.running[-1]
+                if victim is group and len(self.running) == 1:
+                    raise RuntimeError(
+                        f"request {group.index} needs {self.bm.blocks_needed(appends)} more KV "
+                        f"blocks while running alone and only {self.bm.num_free_blocks()} of "
+                        f"{self.bm.num_blocks} are free: it would preempt itself forever (its "
+                        "admission bound is wrong)") from None
+                self._preempt(victim, out, budget)
+                preempted = True
+                if victim is group:
+                    return False, True
+        out.copies += copies
+        for seq, cur, n in appends:
+            self.batch.write_table(seq, self.bm.table(seq), cur // self.block_size)
+            self.batch.cols["cow_check"][seq.slot] = False
             budget.take(out, seq, n)
         return True, preempted
 
     def _admit(self, out: SchedulerOutput, budget: _Budget) -> None:
         """Admit waiting groups in order while tokens, sequence slots and blocks allow: the
-        leader starts, from its cached prefix blocks if prefix caching has them. A group waits
-        one step when the next block it needs is being computed by a group admitted before."""
-        inflight = self._inflight_hashes()
+        leader starts, from its cached prefix blocks if prefix caching has them."""
+        inflight: set[bytes] | None = None
         while self.waiting and budget.tokens > 0 and budget.seqs > 0:
+            if inflight is None:
+                inflight = self._inflight_hashes()
             group = self.waiting[0]
-            leader = group.leader
-            limit = self._chunk_limit(group, leader, computed=0)
-            hashes, hit = self._prefix_hit(leader, limit)
-            if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
-                return  # computed this step by an earlier request: hit it next step instead
-            start = len(hit) * self.block_size
-            n = self._chunk_size(limit - start, budget.tokens)
-            if n == 0:
-                return
-            headroom = self.watermark_blocks if self.running else 0
-            if not self.bm.can_allocate(start + n, hit, headroom):
-                return
+            plan = self._admission(group, budget, inflight)
+            if plan is None:
+                break
+            hashes, hit, start, n = plan
             self.waiting.popleft()
             self.running.append(group)
+            group.order, self._order = self._order, self._order + 1
+            leader = group.leader
             self.bm.allocate(leader, start + n, hit)
             if group.num_cached_tokens is None:
                 group.num_cached_tokens = start
             leader.status = SequenceStatus.RUNNING
             leader.num_computed_tokens = start
             leader.cached_blocks = len(hit)
+            self.batch.enter(leader, self.bm.table(leader))
             inflight.update(hashes[len(hit):])
             budget.take(out, leader, n)
 
+    def _admission(self, group: SequenceGroup, budget: _Budget, inflight: set[bytes]
+                   ) -> tuple[list[bytes], list[int], int, int] | None:
+        """Whether the group's leader can start now: (its block hashes, its prefix-cache hit,
+        its first position, its first chunk's length), or None. A group waits one step when
+        the next block it needs is being computed by a group admitted before."""
+        if budget.tokens <= 0 or budget.seqs <= 0:
+            return None
+        leader = group.leader
+        limit = self._chunk_limit(group, leader, computed=0)
+        hashes, hit = self._prefix_hit(leader, limit)
+        if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
+            return None  # computed this step by an earlier request: hit it next step instead
+        start = len(hit) * self.block_size
+        n = self._chunk_size(limit - start, budget.tokens)
+        headroom = self.watermark_blocks if self.running else 0
+        if n == 0 or not self.bm.can_allocate(start + n, hit, headroom):
+            return None
+        return hashes, hit, start, n
+
     def _describe(self, out: SchedulerOutput) -> None:
-        """The runner's chunks and who reads each logits row: samplers draw from a chunk's last
-        row (an n > 1 leader's last prompt row serves every sample), beams hand theirs to their
-        policy, and a request with prompt logprobs keeps every row of its prompt chunks."""
-        row = 0
-        tables = self.bm.block_tables
-        for item in out.scheduled:
-            seq, n = item.seq, item.num_new
-            group, tokens = seq.group, seq.token_ids
+        """The runner's rows and who reads each logits row: the leading decode rows by vector
+        ops (each samples its own row); for the others, samplers draw from a row's last
+        logits (an n > 1 leader's last prompt row serves every sample), beams hand theirs to
+        their policy, and a request with prompt logprobs keeps every row of its prompt
+        chunks."""
+        k, c = out.decode_rows, self.batch.cols
+        fresh = out.moves == self.batch.moves  # no slot moved since the decodes were found
+        first = k if fresh else 0
+        slots = np.fromiter((s.slot for s in out.seqs[first:]), np.int64, len(out.seqs) - first)
+        if fresh:
+            slots = np.concatenate((out.decode_slots, slots)) if len(slots) else out.decode_slots
+        head = slots[:k]
+        starts, num_logits = [c["num_computed"][head]], [np.ones(k, np.int64)]
+        tokens = [c["last_token"][head]]
+        out.num_prompt_tokens = int(np.count_nonzero(starts[0] < c["num_prompt"][head]))
+        out.samplers = out.seqs[:k]
+        sample_rows = list(range(k))
+        row = k
+        for seq, n in zip(out.seqs[k:], out.num_new[k:]):
+            group, token_ids = seq.group, seq.token_ids
             start = seq.num_computed_tokens
             end = start + n
-            want = end == len(tokens)
+            want = end == len(token_ids)
             p = group.num_prompt_tokens
             rows = int(want)
             if group.prompt_logprobs is not None and start < p - 1:
                 rows = n  # every position scores the next prompt token
                 out.prompt_rows.append((group, start + 1, row, min(end, p - 1) - start))
-            out.chunks.append(SeqChunk(tokens[start:end], tables[seq], start, rows))
+            starts.append([start])
+            num_logits.append([rows])
+            tokens.append(token_ids[start:end])
             if start < p:
                 out.num_prompt_tokens += min(end, p) - start
             row += rows
@@ -271,56 +375,110 @@ class Scheduler:
             samplers = group.policy.samples_from(group, seq)
             if samplers:
                 out.samplers += samplers
-                out.sample_rows += [row - 1] * len(samplers)
+                sample_rows += [row - 1] * len(samplers)
             else:
                 out.beam_rows.setdefault(group, {})[seq] = row - 1
-        self.prompt_tokens_computed += out.num_prompt_tokens
+        out.rows = StepRows(slots, np.concatenate(starts).astype(np.int64, copy=False),
+                            np.array(out.num_new, np.int64),
+                            np.concatenate(num_logits).astype(np.int64, copy=False),
+                            np.concatenate(tokens).astype(np.int64, copy=False),
+                            self.batch.block_table)
+        identity = len(sample_rows) == row and (row == k or sample_rows == list(range(row)))
+        out.sample_rows = None if identity else np.array(sample_rows, np.int64)
 
-    # ---- after the step -------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, logits: torch.Tensor,
-                           sampled: list[Sample],
-                           prompt_logprobs: list[RankedLogprobs | None] = ()) -> StepStats:
-        """Apply one step's results: progress and prefix-cache publishing, prompt logprobs
-        (`prompt_logprobs`: the entries of `out.prompt_rows`, in order), pending forks, then
-        each group's policy operations; finished groups leave the running list."""
+    # ---- after the forward ----------------------------------------------------------------------
+    def computed(self, out: SchedulerOutput) -> None:
+        """The step's forward ran: advance the rows' computed tokens (one vector op), publish
+        the full blocks they completed to the prefix cache, fork the siblings of leaders that
+        finished their prompt, and find the sample rows' slots."""
+        rows, k = out.rows, out.decode_rows
+        self.batch.cols["num_computed"][self.batch.rows(rows.slots)] += rows.num_new
+        self.prompt_tokens_computed += out.num_prompt_tokens
+        if self.bm.enable_prefix_caching:  # only rows that completed a block
+            ends, bs = rows.starts + rows.num_new, self.block_size
+            for j in np.flatnonzero(ends // bs > rows.starts // bs).tolist():
+                self._publish(out.seqs[j])
+        forking = {s.group: None for s in out.seqs[k:] if s.group.fork_pending
+                   and s.group.leader.num_computed_tokens >= s.group.num_prompt_tokens}
+        for group in forking:
+            self._fork_siblings(group)
+        rest = np.fromiter((s.slot for s in out.samplers[k:]), np.int64,
+                           len(out.samplers) - k)
+        out.sample_slots = rows.slots[:k] if not len(rest) else np.concatenate(
+            (rows.slots[:k], rest))
+
+    def update(self, out: SchedulerOutput, sampled: SamplerOutput | None,
+               beam_logprobs: dict[SequenceGroup, torch.Tensor],
+               prompt_logprobs: list[RankedLogprobs | None]) -> StepStats:
+        """Apply one step's results: prompt logprobs (the entries of `out.prompt_rows`, in
+        order), the samplers' tokens, then each beam group's operations; finished groups
+        leave the running list."""
+        self._store_prompt_logprobs(out, prompt_logprobs)
+        done: dict[SequenceGroup, None] = {}
+        new_tokens = 0
+        if sampled is not None and out.samplers:
+            new_tokens = self._apply_samples(out, sampled, done)
+        for group, lps in beam_logprobs.items():
+            new_tokens += self._apply(group.policy.update(group, lps))
+            done[group] = None
+        finished = [g for g in done if g.finished]
+        if finished:
+            gone = set(finished)
+            self.running = [g for g in self.running if g not in gone]
+        return StepStats(out.num_prompt_tokens, new_tokens, finished)
+
+    def _store_prompt_logprobs(self, out: SchedulerOutput,
+                               prompt_logprobs: list[RankedLogprobs | None]) -> None:
         entries = iter(prompt_logprobs)
         for group, first, _, count in out.prompt_rows:
             for pos in range(first, first + count):
                 entry = next(entries)
                 if group.prompt_logprobs[pos] is None:  # a recompute scores them again
                     group.prompt_logprobs[pos] = entry
-        touched: dict[SequenceGroup, None] = {}
-        for item in out.scheduled:
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new
-            self._publish(seq)
-            touched[seq.group] = None
-        for group in touched:
-            if group.fork_pending and group.leader.num_computed_tokens >= group.num_prompt_tokens:
-                self._fork_siblings(group)
-        ops: list[Op] = []
-        samples: dict[SequenceGroup, list[tuple[Sequence, Sample]]] = {}
-        for seq, sample in zip(out.samplers, sampled):
-            samples.setdefault(seq.group, []).append((seq, sample))
-        for group, rows in samples.items():
-            ops += group.policy.update(group, rows)
-        for group, rows in out.beam_rows.items():  # the rows in the group's beam order
-            ops += group.policy.update(group, logits[[rows[s] for s in group.seqs]])
-        new_tokens = self._apply(ops)
-        finished = [g for g in touched if g.finished]
-        if finished:
-            done = set(finished)
-            self.running = [g for g in self.running if g not in done]
-        return StepStats(out.num_prompt_tokens, new_tokens, finished)
+
+    def _apply_samples(self, out: SchedulerOutput, res: SamplerOutput,
+                       done: dict[SequenceGroup, None]) -> int:
+        """Every sampler's new token at once: the batch's columns by vector ops, the token
+        lists in one loop, stop checks on columns (stop-string rows through their checkers);
+        per-row Python for rows that finish or asked for logprobs. Returns the tokens added."""
+        slots, tokens = out.sample_slots, res.token_ids
+        seqs = out.samplers
+        self.batch.append(slots, tokens, res.logprobs)
+        token_list = tokens.tolist()
+        for seq, t in zip(seqs, token_list):
+            seq.token_ids.append(t)
+        codes = self.batch.stop_codes(slots, tokens)
+        reasons: dict[int, tuple[str, int | str | None]] = {}
+        strings = self.batch.cols["stop_strings"][self.batch.rows(slots)]
+        for j in np.flatnonzero(strings).tolist():  # the checker decides these rows alone
+            reason = seqs[j].stop.append(token_list[j], seqs[j].num_generated)
+            codes[j] = 0
+            if reason[0] is not None:
+                reasons[j] = reason
+        if res.top is not None:
+            for j, row in enumerate(res.top.rows.tolist()):
+                seqs[row].logprobs.append((res.top, j))
+        for j in sorted([*np.flatnonzero(codes).tolist(), *reasons]):
+            seq = seqs[j]
+            if j in reasons:
+                self._finish(seq, *reasons[j])
+            else:
+                seq.stop_token = int(codes[j]) in (EOS_STOP, ID_STOP)
+                self._finish(seq, *finish_of(int(codes[j]), token_list[j]))
+            done[seq.group] = None
+        return len(token_list)
 
     def _apply(self, ops: list[Op]) -> int:
-        """Carry out the policies' operations; returns the number of tokens appended."""
-        appended = 0
+        """Carry out a beam group's operations; returns the number of tokens appended."""
+        slots, tokens = [], []
         for op in ops:
             match op:
-                case Append(seq, token, logprob, top):
-                    self._append(seq, token, logprob, top)
-                    appended += 1
+                case Append(seq, token):
+                    seq.token_ids.append(token)
+                    if seq.stop is not None:  # keeps its text for would_stop
+                        seq.stop.append(token, seq.num_generated)
+                    slots.append(seq.slot)
+                    tokens.append(token)
                 case Fork(parent, child, num_tokens):
                     self._fork(parent, child, num_tokens)
                 case Free(seq):
@@ -329,50 +487,49 @@ class Scheduler:
                     group.seqs = seqs
                     for j, s in enumerate(seqs):
                         s.index = j
-        return appended
-
-    def _append(self, seq: Sequence, token: int, logprob: float,
-                top: RankedLogprobs | None) -> None:
-        seq.token_ids.append(token)
-        seq.cumulative_logprob += logprob
-        if seq.logprobs is not None:
-            seq.logprobs.append(top if top is not None else {token: (logprob, None)})
-        if seq.stop is not None:
-            reason, stop_reason = seq.stop.append(token, seq.num_generated)
-            if reason is not None:
-                self._finish(seq, reason, stop_reason)
+        if slots:
+            self.batch.append(np.array(slots, np.int64), np.array(tokens, np.int64), None)
+        return len(tokens)
 
     def _finish(self, seq: Sequence, reason: str | None, stop_reason: int | str | None) -> None:
-        """The sequence ends: its blocks go back now, so the next step can reuse them."""
+        """The sequence ends: its slot and blocks go back now, so the next step can reuse
+        them."""
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.status = SequenceStatus.FINISHED
         self._free_blocks(seq)
 
     def _free_blocks(self, seq: Sequence) -> list[int]:
-        """Free the sequence's block table if it has one; returns its blocks."""
-        table = self.bm.block_tables.get(seq)
-        if table is None:
+        """Free the sequence's slot and block table if it has them; returns its blocks."""
+        if seq.batch is not None:
+            self.batch.remove(seq)
+        if not self.bm.has_table(seq):
             return []
+        table = self.bm.table(seq)
         self.bm.free_seq(seq)
         return table
 
     def _fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
-        """`child` shares the parent's blocks (and block hashes) for `num_tokens` tokens."""
+        """`child` shares the parent's blocks (and block hashes) for `num_tokens` tokens and
+        takes a slot."""
         self.bm.fork(parent, child, num_tokens)
         shared = num_tokens // self.block_size
         child.num_computed_tokens = num_tokens
         child.block_hashes = parent.block_hashes[:shared]
         child.cached_blocks = min(parent.cached_blocks, shared)
         child.status = SequenceStatus.RUNNING
+        self.batch.enter(child, self.bm.table(child))
+        cow = self.batch.cols["cow_check"]  # both may now write into a shared block
+        cow[parent.slot] = cow[child.slot] = True
 
     def _fork_siblings(self, group: SequenceGroup) -> None:
         """The leader has the prompt's K/V: every waiting sibling shares its prompt blocks
         and computes only its own tokens from here."""
         leader = group.leader
+        group.fork_pending = False
+        self.batch.cols["fork_pending"][leader.slot] = False
         for seq in group.seqs:
             if seq is not leader and not seq.finished:
                 self._fork(leader, seq, group.num_prompt_tokens)
-        group.fork_pending = False
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
         """Recompute preemption: free the group's blocks and requeue it at the front; its
@@ -386,11 +543,13 @@ class Scheduler:
             seq.cached_blocks = 0  # the memo of hashes stays valid: the tokens are unchanged
             if not seq.finished:
                 seq.status = SequenceStatus.WAITING
-        for s in out.scheduled:  # refund the step budget they held
-            if s.seq.group is group:
-                budget.tokens += s.num_new
+        out.decode_rows -= sum(s.group is group for s in out.seqs[:out.decode_rows])
+        keep = [(s, n) for s, n in zip(out.seqs, out.num_new) if s.group is not group]
+        for s, n in zip(out.seqs, out.num_new):  # refund the step budget they held
+            if s.group is group:
+                budget.tokens += n
                 budget.seqs += 1
-        out.scheduled = [s for s in out.scheduled if s.seq.group is not group]
+        out.seqs, out.num_new = [s for s, _ in keep], [n for _, n in keep]
         out.copies = [(s, d) for s, d in out.copies if d not in freed]
         group.fork_pending = len(group.unfinished()) > 1
         self.waiting.appendleft(group)
@@ -419,11 +578,11 @@ class Scheduler:
         if not self.bm.enable_prefix_caching:
             return set()
         pending: set[bytes] = set()
-        for group in self.running:
-            for seq in group.seqs:
-                if seq.status is SequenceStatus.RUNNING and seq.num_uncomputed > 1:
-                    done = seq.num_computed_tokens // self.block_size
-                    pending.update(self._hashes(seq, len(seq.token_ids))[done:])
+        c, n = self.batch.cols, self.batch.num_seqs
+        for i in np.flatnonzero(c["num_tokens"][:n] - c["num_computed"][:n] > 1).tolist():
+            seq = self.batch.seqs[i]
+            done = seq.num_computed_tokens // self.block_size
+            pending.update(self._hashes(seq, len(seq.token_ids))[done:])
         return pending
 
     def _publish(self, seq: Sequence) -> None:

@@ -1,26 +1,28 @@
 """Sequence and SequenceGroup: the engine's per-request state. The Scheduler is the only writer
-of this state once a group is added; policies read it and return operations."""
+of this state once a group is added; policies read it and return operations. While a sequence
+holds a block table it also holds a slot of the persistent batch (engine/batch.py), whose
+columns then keep its per-step counters."""
 
 from __future__ import annotations
 
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-import torch
+import numpy as np
 
-from batchgen.params import BeamSearchParams, SamplingParams
-from batchgen.sampling.sampler import RankedLogprobs
+from batchgen.sampling.sampler import NUM_PARAMS, TopLogprobs
 from batchgen.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
-    from batchgen.engine.policy import GroupPolicy
+    from batchgen.engine.batch import PersistentBatch
+    from batchgen.params import BeamSearchParams, SamplingParams
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # no block table (not admitted yet, preempted, or waiting for a fork)
-    RUNNING = "running"  # has a block table
+    RUNNING = "running"  # has a block table and a batch slot
     FINISHED = "finished"  # its blocks are freed
 
 
@@ -33,30 +35,86 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+@dataclass(frozen=True)
+class RowSpec:
+    """A request's constant columns in the persistent batch, made once per request: sampling
+    parameters (sampler.PARAM_NAMES order), which stages and checks its rows need, limits."""
+
+    params: np.ndarray = field(default_factory=lambda: np.zeros(NUM_PARAMS, np.float32))
+    greedy: bool = True
+    penalized: bool = False  # keeps penalty counts
+    controls: bool = False  # logit controls (per-row Python in the sampler)
+    stop_strings: bool = False  # stops are its StopChecker's
+    max_tokens: int = 1
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int = -2  # sampler.NO_LOGPROBS
+    stop_ids: tuple[int, ...] = ()
+    beam: bool = False  # its sequences are beams (decoded together, never sampled)
+
+
+class GroupPolicy(Protocol):
+    """What the scheduler asks of a group's policy (engine/policy.py)."""
+
+    def held_tokens(self, group: SequenceGroup) -> int: ...
+
+    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]: ...
+
+    def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]: ...
+
+    def finished(self, group: SequenceGroup) -> bool: ...
+
+
 @dataclass(eq=False)
 class Sequence:
-    """One token stream. The object itself is its key in `block_manager.block_tables`."""
+    """One token stream. The object itself is its key in the BlockManager."""
 
     group: SequenceGroup
     index: int  # sample index, or the beam's slot
     token_ids: list[int]
-    stop: StopChecker | None  # beams without stop strings need none
-    generator: torch.Generator | None = None  # seeded samples only
-    num_computed_tokens: int = 0
+    stop: StopChecker | None  # only with stop strings (their text is matched incrementally)
+    seed: int = 0  # its draws' key (samples); beams draw nothing
     status: SequenceStatus = SequenceStatus.WAITING
-    cumulative_logprob: float = 0.0
-    logprobs: list[RankedLogprobs] | None = None  # per token, when the request asked
+    cumulative_logprob: float = 0.0  # while in a slot, the batch's column is the live value
+    # per token, when the request asked: (that step's top logprobs, this sequence's row in it)
+    logprobs: list[tuple[TopLogprobs, int]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    stop_token: bool = False  # it ended on an EOS / stop id (that token's text is dropped)
     # prefix cache: chained hashes of the full blocks of token_ids (a memo that may run ahead of
     # the KV; tokens only grow, so it stays valid), and how many blocks have been published
     block_hashes: list[bytes] = field(default_factory=list)
     cached_blocks: int = 0
+    slot: int = -1  # its row in the persistent batch while RUNNING
+    batch: PersistentBatch | None = field(default=None, repr=False)
+    _num_computed: int = field(default=0, repr=False)
 
     def __repr__(self) -> str:
         return (f"Sequence(request={self.group.index}, index={self.index}, "
                 f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
                 f"{self.status.value})")
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens whose K/V is in the cache (the batch column while it holds a slot)."""
+        if self.batch is None:
+            return self._num_computed
+        return int(self.batch.cols["num_computed"][self.slot])
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if self.batch is None:
+            self._num_computed = value
+        else:
+            self.batch.cols["num_computed"][self.slot] = value
+
+    def take_slot(self, batch: PersistentBatch, slot: int) -> None:
+        """It now lives in `batch` at `slot` (the batch wrote its columns)."""
+        self.batch, self.slot = batch, slot
+
+    def release_slot(self, num_computed: int) -> None:
+        """It left the batch; its counters are its own again."""
+        self.batch, self.slot, self._num_computed = None, -1, num_computed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,14 +141,14 @@ class Sequence:
         """A new sequence continuing this one (a beam's extra child): same tokens, score and
         stop state, no KV yet (the scheduler forks this one's blocks to it)."""
         return Sequence(self.group, index, list(self.token_ids),
-                        self.stop.fork() if self.stop is not None else None,
+                        self.stop.fork() if self.stop is not None else None, self.seed,
                         cumulative_logprob=self.cumulative_logprob)
 
 
 @dataclass(eq=False)
 class SequenceGroup:
     """One request: its prompt and params, its sequences (n samples, or the W live beams in beam
-    order) and the policy that turns its logits into operations.
+    order) and the policy that turns its results into operations.
 
     The prompt is computed once, by a leader (the first unfinished sequence); while
     `fork_pending` the other sequences wait without blocks until the leader has the prompt's
@@ -104,17 +162,19 @@ class SequenceGroup:
     params: SamplingParams | BeamSearchParams
     max_tokens: int  # params.max_tokens capped by max_model_len
     policy: GroupPolicy
+    spec: RowSpec = field(default_factory=RowSpec)
     seqs: list[Sequence] = field(default_factory=list)
     fork_pending: bool = False
     bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
     num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
+    order: int = 0  # its place in the scheduler's running order (set at each admission)
     # prompt logprobs, filled position by position as the leader computes the prompt
-    prompt_logprobs: list[RankedLogprobs | None] | None = None
+    prompt_logprobs: list | None = None
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        if getattr(self.params, "prompt_logprobs", None) is not None:
+        if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
 
     def unfinished(self) -> list[Sequence]:

@@ -8,11 +8,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 
 class PoolExhausted(MemoryError):
-    """No free physical block is left; the scheduler answers by preempting a sequence."""
+    """No free physical block is left for a reservation; nothing was changed. The scheduler
+    catches it and preempts the newest running group (recompute), then tries again."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -43,10 +44,12 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent_hashes: list[
 class BlockManager:
     """Paged KV allocator with the chapter's API and names (vLLM's design).
 
-    Block ids are global to the pool and shared by every layer. `block_tables[seq_id]` maps a
-    sequence's logical blocks to physical ones; `ref_count[blk]` counts the table entries that
-    point at `blk`, so forked sequences share blocks until one of them writes (copy-on-write).
-    Every change that can fail checks first and then changes nothing (all or nothing).
+    Block ids are global to the pool and shared by every layer. A sequence's block table maps
+    its logical blocks to physical ones; `ref_count[blk]` counts the table entries that point
+    at `blk`, so forked sequences share blocks until one of them writes (copy-on-write). The
+    tables are this object's own: others read them through `table()` and change them only
+    through the methods below. Every change that can fail checks first and then changes
+    nothing (all or nothing).
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -58,7 +61,7 @@ class BlockManager:
         self.block_size = block_size
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
         self.ref_count: list[int] = [0] * num_blocks
-        self.block_tables: dict[Hashable, list[int]] = {}
+        self._tables: dict[Hashable, list[int]] = {}
         self.peak_blocks_in_use = 0
         self.cow_copies = 0
         # Prefix cache: hash -> block, each hashed block's hash, and the hashed blocks that no
@@ -69,12 +72,28 @@ class BlockManager:
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_hit_tokens = 0
 
+    # ---- reading the tables -------------------------------------------------------------------
+    def table(self, seq_id: Hashable) -> list[int]:
+        """The sequence's block table (this manager's list: read it, never change it)."""
+        return self._tables[seq_id]
+
+    def has_table(self, seq_id: Hashable) -> bool:
+        return seq_id in self._tables
+
+    def num_tables(self) -> int:
+        """Sequences holding a block table."""
+        return len(self._tables)
+
+    def tables(self) -> Iterator[tuple[Hashable, list[int]]]:
+        """Every (sequence, block table) pair (read only)."""
+        return iter(self._tables.items())
+
     # ---- the chapter's API ------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int] = ()
                  ) -> None:
         """Give a new sequence the blocks for `num_tokens` tokens. With prefix caching its table
         starts with `cached_blocks` (a cache hit: shared, reference counted, never rewritten)."""
-        if seq_id in self.block_tables:
+        if seq_id in self._tables:
             raise KeyError(f"sequence {seq_id!r} already has a block table")
         if not self.can_allocate(num_tokens, cached_blocks):
             raise PoolExhausted(f"KV pool exhausted: {num_tokens} tokens do not fit "
@@ -83,29 +102,24 @@ class BlockManager:
             if self.ref_count[blk] == 0:
                 del self.evictable[blk]
             self.ref_count[blk] += 1
-        self.block_tables[seq_id] = list(cached_blocks)
+        self._tables[seq_id] = list(cached_blocks)
         self.prefix_hit_tokens += len(cached_blocks) * self.block_size
-        self.append_token(seq_id, 0, num_tokens)
+        self._grow(self._tables[seq_id], num_tokens)
 
-    def append_token(self, seq_id: Hashable, cur_len: int, num_new: int = 1) -> None:
-        """Before writing positions [cur_len, cur_len + num_new): grow the table so they have
-        blocks (for one token: a new block exactly when cur_len opens one)."""
-        table = self.block_tables[seq_id]
-        need = blocks_for(cur_len + num_new, self.block_size) - len(table)
-        if need > self.num_free_blocks():
-            raise PoolExhausted(f"KV pool exhausted: need {need} blocks, "
-                                f"{self.num_free_blocks()} free")
-        for _ in range(need):
-            table.append(self._alloc_block())
-        self._track_peak()
+    def append_token(self, seq_id: Hashable, cur_len: int) -> None:
+        """Before writing position `cur_len`: a new block exactly when it opens one."""
+        table = self._tables[seq_id]
+        if blocks_for(cur_len + 1, self.block_size) - len(table) > self.num_free_blocks():
+            raise PoolExhausted("KV pool exhausted: no block for the next token")
+        self._grow(table, cur_len + 1)
 
     def slot_index(self, seq_id: Hashable, token_pos: int) -> int:
         """Flat pool slot (phys_block * block_size + offset) of a logical token position."""
-        return slot_of(self.block_tables[seq_id], token_pos, self.block_size)
+        return slot_of(self._tables[seq_id], token_pos, self.block_size)
 
     def free_seq(self, seq_id: Hashable) -> None:
         """Drop a sequence's table; blocks whose last reference this was go back to the pool."""
-        for blk in self.block_tables.pop(seq_id):
+        for blk in self._tables.pop(seq_id):
             self.ref_count[blk] -= 1
             if self.ref_count[blk] == 0:
                 if self.block_hash[blk] is not None:
@@ -117,18 +131,18 @@ class BlockManager:
              ) -> None:
         """Share the parent's blocks with a new child: table copy, no KV copy. With
         `num_tokens`, only the blocks holding the first `num_tokens` tokens are shared."""
-        parent = self.block_tables[parent_id]
+        parent = self._tables[parent_id]
         if num_tokens is not None:
             parent = parent[:blocks_for(num_tokens, self.block_size)]
-        if child_id in self.block_tables:
+        if child_id in self._tables:
             raise KeyError(f"sequence {child_id!r} already has a block table")
-        self.block_tables[child_id] = list(parent)
+        self._tables[child_id] = list(parent)
         for blk in parent:
             self.ref_count[blk] += 1
 
     def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
         """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""
-        table = self.block_tables[seq_id]
+        table = self._tables[seq_id]
         phys = table[logical_block_idx]
         if self.ref_count[phys] == 1:
             return phys, phys
@@ -151,40 +165,39 @@ class BlockManager:
         new = max(0, blocks_for(num_tokens, self.block_size) - len(cached_blocks))
         return new + self.num_evictable(cached_blocks) + headroom <= self.num_free_blocks()
 
-    # ---- what the scheduler needs beyond the chapter ----------------------------------------
+    # ---- the scheduler's one call per step ------------------------------------------------------
+    def reserve(self, appends: Sequence[tuple[Hashable, int, int]]) -> list[tuple[int, int]]:
+        """Make positions [cur_len, cur_len + num_new) of each (seq_id, cur_len, num_new)
+        writable, in order: copy-on-write the block holding cur_len where it is shared, then
+        grow the table. Returns the (src, dst) block copies the KV must get before the step
+        writes. All or nothing: PoolExhausted (nothing changed) when the blocks are not there."""
+        if len(appends) == 1 and self._writable(*appends[0]):
+            return []  # the decode fast path: an owned block with room
+        need = self.blocks_needed(appends)
+        if need > self.num_free_blocks():
+            raise PoolExhausted(f"KV pool exhausted: {need} blocks needed, "
+                                f"{self.num_free_blocks()} free")
+        copies = []
+        for seq_id, cur_len, num_new in appends:
+            table = self._tables[seq_id]
+            if self._shared_at(table, cur_len):
+                copies.append(self.cow_append(seq_id, cur_len // self.block_size))
+            self._grow(table, cur_len + num_new)
+        return copies
+
     def blocks_needed(self, appends: Sequence[tuple[Hashable, int, int]]) -> int:
-        """New blocks that `append_slots(seq_id, cur_len, num_new)` takes for each of these
-        appends, made in order: the growth, plus a copy for each writer of a shared block,
-        except that the last writer of a block whose references are all among them writes
-        in place (two beams sharing a partial block need one copy, not two)."""
+        """New blocks that `reserve(appends)` takes: the growth, plus a copy for each writer of
+        a shared block, except that the last writer of a block whose references are all among
+        them writes in place (two beams sharing a partial block need one copy, not two)."""
         grow = 0
         writers: dict[int, int] = {}
         for seq_id, cur_len, num_new in appends:
-            table = self.block_tables.get(seq_id, ())
+            table = self._tables.get(seq_id, ())
             grow += max(0, blocks_for(cur_len + num_new, self.block_size) - len(table))
             if self._shared_at(table, cur_len):
                 blk = table[cur_len // self.block_size]
                 writers[blk] = writers.get(blk, 0) + 1
         return grow + sum(k - (k == self.ref_count[b]) for b, k in writers.items())
-
-    def writable(self, seq_id: Hashable, cur_len: int, num_new: int) -> bool:
-        """Do positions [cur_len, cur_len + num_new) already have blocks this sequence owns
-        alone (no append or copy needed)? O(1): the decode fast path."""
-        table = self.block_tables[seq_id]
-        return (blocks_for(cur_len + num_new, self.block_size) <= len(table)
-                and self.ref_count[table[cur_len // self.block_size]] == 1)
-
-    def append_slots(self, seq_id: Hashable, cur_len: int, num_new: int
-                     ) -> tuple[int, int] | None:
-        """Make positions [cur_len, cur_len + num_new) writable: copy-on-write the block that
-        holds cur_len if it is shared (returns (src, dst) for the KV copy), then grow."""
-        if self.blocks_needed([(seq_id, cur_len, num_new)]) > self.num_free_blocks():
-            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
-        copy = None
-        if self._shared_at(self.block_tables[seq_id], cur_len):
-            copy = self.cow_append(seq_id, cur_len // self.block_size)
-        self.append_token(seq_id, cur_len, num_new)
-        return copy
 
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks()
@@ -193,7 +206,7 @@ class BlockManager:
         """Drop every block table (an aborted call) and rebuild the free list, the LRU and the
         reference counts from the prefix cache alone: whatever step an interrupt cut short,
         the pool comes back whole and the cache consistent."""
-        self.block_tables.clear()
+        self._tables.clear()
         self.cached = {h: b for h, b in self.cached.items() if self.block_hash[b] == h}
         hashed = set(self.cached.values())
         self.block_hash = [h if b in hashed else None for b, h in enumerate(self.block_hash)]
@@ -206,7 +219,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (their blocks go back to the free list); refused while a
         sequence holds blocks, since its published blocks would lose their hashes under it."""
-        if self.block_tables:
+        if self._tables:
             return False
         self.free.extend(self.evictable)
         self.evictable.clear()
@@ -220,6 +233,19 @@ class BlockManager:
         self.cow_copies = 0
         self.prefix_hit_tokens = 0
 
+    def _grow(self, table: list[int], num_tokens: int) -> None:
+        """Append blocks until the table holds `num_tokens` tokens (room already checked)."""
+        for _ in range(blocks_for(num_tokens, self.block_size) - len(table)):
+            table.append(self._alloc_block())
+        self._track_peak()
+
+    def _writable(self, seq_id: Hashable, cur_len: int, num_new: int) -> bool:
+        """Do positions [cur_len, cur_len + num_new) already have blocks this sequence owns
+        alone (nothing to reserve)? O(1)."""
+        table = self._tables[seq_id]
+        return (blocks_for(cur_len + num_new, self.block_size) <= len(table)
+                and self.ref_count[table[cur_len // self.block_size]] == 1)
+
     def _alloc_block(self) -> int:
         if self.free:
             blk = self.free.pop()
@@ -228,7 +254,7 @@ class BlockManager:
             del self.cached[self.block_hash[blk]]
             self.block_hash[blk] = None
         else:
-            raise PoolExhausted("KV pool exhausted — must preempt a sequence")
+            raise PoolExhausted("KV pool exhausted: no free block")
         self.ref_count[blk] = 1
         return blk
 
@@ -263,7 +289,7 @@ class BlockManager:
         """Publish the hashes of a sequence's computed full blocks (hashes[i] ↔ table[i])."""
         if not self.enable_prefix_caching:
             return
-        table = self.block_tables[seq_id]
+        table = self._tables[seq_id]
         for blk, h in zip(table, hashes):
             if self.block_hash[blk] is None and h not in self.cached:
                 self.cached[h] = blk

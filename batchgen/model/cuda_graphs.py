@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from batchgen.attention.interface import StepContext
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.kv.cache import KVCache
 from batchgen.model.inputs import StepInputs
 
@@ -76,27 +76,27 @@ class DecodeGraphs:
         """Warm up and capture every size, largest first (smaller graphs reuse its memory)."""
         scratch = self.cache.scratch_block
         for size in reversed(self.sizes):
-            dummy = [SeqChunk([0], [scratch], 0, 1) for _ in range(size)]
+            dummy = StepRows.from_chunks([SeqChunk([0], [scratch], 0, 1)] * size)
             step = self._prepare(dummy, size)
             step()  # eager warm-up: kernel builds, allocator settles
             self.graphs[size] = self.capturer.capture(step)
 
     @torch.inference_mode()
-    def replay(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run a decode step (one token per chunk) through its size's graph; float32 logits
-        [R, vocab] in chunk order."""
-        size = self.size_for(len(chunks))
-        assert size is not None and all(c.num_new == 1 for c in chunks)
-        batch = self.inputs.prepare(chunks, pad_to=size)
+    def replay(self, rows: StepRows) -> torch.Tensor:
+        """Run a decode step (one token per row) through its size's graph; float32 logits
+        [R, vocab] in row order."""
+        size = self.size_for(rows.num_rows)
+        assert size is not None and len(rows.token_ids) == rows.num_rows
+        batch = self.inputs.prepare(rows, pad_to=size)
         self.backend.graph_plan(batch.meta, size)
         replay, logits = self.graphs[size]
         replay()
         return logits[:batch.num_logits].float()
 
-    def _prepare(self, chunks: list[SeqChunk], size: int) -> Callable[[], torch.Tensor]:
+    def _prepare(self, rows: StepRows, size: int) -> Callable[[], torch.Tensor]:
         """Fill the buffers and plan for a padded decode batch; returns the forward to capture
         (it reads only the buffers and the planned wrappers)."""
-        batch = self.inputs.prepare(chunks, pad_to=size)
+        batch = self.inputs.prepare(rows, pad_to=size)
         self.backend.graph_plan(batch.meta, size)
         ctx = StepContext(self.cache, self.backend, batch.slot_mapping)
 

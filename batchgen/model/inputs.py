@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.attention.metadata import SeqChunk, StepMetadata
-from batchgen.kv.block_manager import blocks_for, slot_of
+from batchgen.attention.metadata import StepMetadata, StepRows
+from batchgen.kv.block_manager import slot_of
 
 _LONG = ("input_ids", "positions", "slot_mapping", "logits_indices")  # model inputs, int64
 _DEVICE = (*_LONG, "kv_indices")  # copied to the device each step (on CUDA)
@@ -59,55 +59,61 @@ class StepInputs:
         self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
                     if pin else self.host)
 
-    def prepare(self, chunks: list[SeqChunk], pad_to: int | None = None) -> StepBatch:
-        """Pack the chunks; the logits rows are each chunk's last `num_logits` positions, chunk
-        by chunk in the given order. `pad_to`: exactly this many rows (a decode step replaying a CUDA graph
-        captured for that batch size); else a multiple of `min_rows` (none when it is 0)."""
-        bs = self.block_size
-        order = sorted(range(len(chunks)),
-                       key=lambda i: (len(chunks[i].token_ids), chunks[i].num_computed))
-        ids: list[int] = []
-        pages: list[int] = []
-        qo, kv, starts, lens = [0], [0], [], []
-        last_row = [0] * len(chunks)
-        for i in order:
-            c = chunks[i]
-            n, start = len(c.token_ids), c.num_computed
-            num_pages = blocks_for(start + n, bs)
-            ids += c.token_ids
-            table = c.block_table
-            pages += table if len(table) == num_pages else table[:num_pages]
-            qo.append(qo[-1] + n)
-            kv.append(kv[-1] + num_pages)
-            starts.append(start)
-            lens.append(n)
-            last_row[i] = qo[-1] - 1
-        logits = [r for i, c in enumerate(chunks)
-                  for r in range(last_row[i] - c.num_logits + 1, last_row[i] + 1)]
-        num_logits = len(logits)
+    def prepare(self, rows: StepRows, pad_to: int | None = None) -> StepBatch:
+        """Pack the step's rows; the logits rows are each row's last `num_logits` positions,
+        row by row in the given order. `pad_to`: exactly this many rows (a decode step
+        replaying a CUDA graph captured for that batch size); else a multiple of `min_rows`
+        (none when it is 0). Vector ops only: no Python per row or per page."""
+        bs, n_new, starts = self.block_size, rows.num_new, rows.starts
+        order = np.lexsort((starts, n_new))  # by (query length, cached length), stable
+        n_o, s_o = n_new[order], starts[order]
+        pages_o = (s_o + n_o + bs - 1) // bs
+        qo = np.concatenate(([0], np.cumsum(n_o)))
+        kv = np.concatenate(([0], np.cumsum(pages_o)))
+        width = int(pages_o.max()) if len(pages_o) else 0
+        tables = rows.block_tables[rows.slots[order], :width]
+        pages = tables[np.arange(width)[None, :] < pages_o[:, None]]
+        t = int(qo[-1])
+        if np.all(n_new == 1):
+            ids = rows.token_ids[order]
+        else:  # each row's query tokens, moved to its packed position
+            first = np.concatenate(([0], np.cumsum(n_new)))[:-1][order]
+            ids = rows.token_ids[np.repeat(first - qo[:-1], n_o) + np.arange(t)]
+        last_row = np.empty(len(order), np.int64)
+        last_row[order] = qo[1:] - 1
+        logits = _logits_rows(last_row, rows.num_logits)
+        return self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to)
+
+    def _pad(self, ids: np.ndarray, pages: np.ndarray, qo: np.ndarray, kv: np.ndarray,
+             starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, pad_to: int | None
+             ) -> StepBatch:
+        """Pad with one-token dummy rows in the scratch block (to `pad_to` rows, or on the CPU
+        to a multiple of `min_rows` tokens) and the logits rows up to that many, then fill."""
+        num_logits, t = len(logits), int(qo[-1])
         if pad_to is not None:
             rows = pad_to
         elif self.min_rows:  # CPU: a multiple of min_rows (elementwise kernels' tails)
-            rows = max(self.min_rows, -(-qo[-1] // self.min_rows) * self.min_rows)
+            rows = max(self.min_rows, -(-t // self.min_rows) * self.min_rows)
         else:
             rows = 0
-        pad = rows - qo[-1]
-        if pad > 0:  # one-token dummy sequences writing into the scratch block
-            ids += [0] * pad
-            pages += [self.scratch_block] * pad
-            qo += range(qo[-1] + 1, qo[-1] + pad + 1)
-            kv += range(kv[-1] + 1, kv[-1] + pad + 1)
-            starts += [0] * pad
-            lens += [1] * pad
+        pad = rows - t
+        if pad > 0:
+            step = np.arange(1, pad + 1)
+            ids = np.concatenate((ids, np.zeros(pad, np.int64)))
+            pages = np.concatenate((pages, np.full(pad, self.scratch_block, pages.dtype)))
+            qo = np.concatenate((qo, qo[-1] + step))
+            kv = np.concatenate((kv, kv[-1] + step))
+            starts = np.concatenate((starts, np.zeros(pad, np.int64)))
+            lens = np.concatenate((lens, np.ones(pad, np.int64)))
         logit_rows = self.min_rows if pad_to is None else pad_to
         if 0 < num_logits < logit_rows:
-            logits += [logits[-1]] * (logit_rows - num_logits)
+            logits = np.concatenate((logits, np.full(logit_rows - num_logits, logits[-1])))
         return self._fill(ids, pages, qo, kv, starts, lens, logits, num_logits)
 
-    def _fill(self, ids: list[int], pages: list[int], qo: list[int], kv: list[int],
-              starts: list[int], lens: list[int], logits: list[int], num_logits: int
+    def _fill(self, ids: np.ndarray, pages: np.ndarray, qo: np.ndarray, kv: np.ndarray,
+              starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, num_logits: int
               ) -> StepBatch:
-        """Write the packed lists into the buffers; positions, slots and last-page lengths are
+        """Write the packed arrays into the buffers; positions, slots and last-page lengths are
         computed vectorised."""
         bs, a = self.block_size, self.np
         t, s, p, r = len(ids), len(starts), len(pages), len(logits)
@@ -116,15 +122,13 @@ class StepInputs:
         a["kv_indptr"][:s + 1] = kv
         a["kv_indices"][:p] = pages
         a["logits_indices"][:r] = logits
-        lens_a = np.asarray(lens)
-        starts_a = np.asarray(starts)
         qo_a, kv_a = a["qo_indptr"][:s + 1], a["kv_indptr"][:s + 1]
         pos = a["positions"][:t]
-        np.subtract(np.arange(t), np.repeat(qo_a[:-1] - starts_a, lens_a), out=pos)
+        np.subtract(np.arange(t), np.repeat(qo_a[:-1] - starts, lens), out=pos)
         # a virtual position kv_indptr[i] * B + pos indexes the step's flat page list
-        a["slot_mapping"][:t] = slot_of(a["kv_indices"], np.repeat(kv_a[:-1], lens_a) * bs + pos,
+        a["slot_mapping"][:t] = slot_of(a["kv_indices"], np.repeat(kv_a[:-1], lens) * bs + pos,
                                         bs)
-        a["kv_last_page_len"][:s] = starts_a + lens_a - (np.diff(kv_a) - 1) * bs
+        a["kv_last_page_len"][:s] = starts + lens - (np.diff(kv_a) - 1) * bs
         h, d = self.host, self.dev
         if d is not h:
             for k, n in (("input_ids", t), ("positions", t), ("slot_mapping", t),
@@ -135,3 +139,13 @@ class StepInputs:
                             d["kv_indices"][:p])
         return StepBatch(d["input_ids"][:t], d["positions"][:t], d["slot_mapping"][:t],
                          d["logits_indices"][:r], num_logits, meta)
+
+
+def _logits_rows(last_row: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
+    """Each row's last `num_logits[i]` packed positions, row by row (in the given order)."""
+    if np.all(num_logits <= 1):
+        return last_row[num_logits == 1]
+    k = num_logits[num_logits > 0]
+    ends = last_row[num_logits > 0]
+    offsets = np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+    return np.repeat(ends - k + 1, k) + offsets

@@ -8,7 +8,7 @@ import torch
 
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.interface import StepContext
-from batchgen.attention.metadata import SeqChunk
+from batchgen.attention.metadata import StepRows
 from batchgen.kv.cache import KVCache
 from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
@@ -41,14 +41,14 @@ class ModelRunner:
         self.cache.copy_blocks(copies)
 
     @torch.inference_mode()
-    def execute(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Run one step; returns float32 logits [R, vocab]: each chunk's last `num_logits`
-        positions, chunk by chunk."""
+    def execute(self, rows: StepRows) -> torch.Tensor:
+        """Run one step; returns float32 logits [R, vocab]: each row's last `num_logits`
+        positions, row by row."""
         graphs = self.graphs
-        if (graphs is not None and graphs.size_for(len(chunks)) is not None
-                and all(len(c.token_ids) == 1 for c in chunks)):
-            return graphs.replay(chunks)
-        batch = self.inputs.prepare(chunks)
+        if (graphs is not None and graphs.size_for(rows.num_rows) is not None
+                and len(rows.token_ids) == rows.num_rows):
+            return graphs.replay(rows)
+        batch = self.inputs.prepare(rows)
         self.backend.plan(batch.meta)
         out = self.model(
             input_ids=batch.input_ids[None],

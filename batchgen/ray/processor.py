@@ -11,14 +11,17 @@ no row.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from batchgen.checks import check, check_int, check_number, check_seed, check_type, is_int
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
+from batchgen.kinds import kind_of
 from batchgen.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -57,24 +60,25 @@ class BatchgenProcessorConfig:
                           self.chat_template_kwargs)
 
 
-
 def _check(c: BatchgenProcessorConfig) -> None:
     """ValueErrors naming the field, before Ray starts anything."""
-    if not isinstance(c.sampling_params, (SamplingParams, BeamSearchParams)):
-        raise ValueError("sampling_params must be a SamplingParams or a BeamSearchParams, got "
-                         f"{type(c.sampling_params).__name__}")
-    if not isinstance(c.batch_size, int) or c.batch_size < 1:
-        raise ValueError(f"batch_size must be an integer >= 1, got {c.batch_size!r}")
+    check(isinstance(c.model_source, (str, os.PathLike)) and bool(str(c.model_source)),
+          "model_source", "a model folder (a non-empty path)", c.model_source)
+    check_type(c.sampling_params, "sampling_params", (SamplingParams, BeamSearchParams))
+    check_type(c.engine_kwargs, "engine_kwargs", dict, "a dict of LLM arguments")
+    _ = c.prompt_spec  # PromptSpec checks the prompt column and the chat fields
+    check_seed(c.seed)  # the job seed: validated only, as in generate_dataset
+    check_int(c.batch_size, "batch_size")
     sizes = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,)
-    if not (1 <= len(sizes) <= 2 and all(isinstance(n, int) and n >= 1 for n in sizes)
-            and sizes == tuple(sorted(sizes))):
-        raise ValueError("concurrency must be an integer >= 1 or a (min, max) pair, got "
-                         f"{c.concurrency!r}")
-    if c.num_gpus < 0 or c.num_cpus < 0:
-        raise ValueError(f"num_gpus and num_cpus must be >= 0, got {c.num_gpus}, {c.num_cpus}")
-    if not isinstance(c.engine_kwargs, dict):
-        raise ValueError(f"engine_kwargs must be a dict of LLM arguments, got "
-                         f"{type(c.engine_kwargs).__name__}")
+    check(1 <= len(sizes) <= 2 and all(is_int(n) and n >= 1 for n in sizes)
+          and sizes == tuple(sorted(sizes)), "concurrency",
+          "an integer >= 1 or a (min, max) pair of them with min <= max", c.concurrency)
+    check_number(c.num_gpus, "num_gpus")
+    check_number(c.num_cpus, "num_cpus")
+    check_int(c.max_tasks_in_flight_per_actor, "max_tasks_in_flight_per_actor",
+              allow_none=True)
+    if c.runtime_env is not None:
+        check_type(c.runtime_env, "runtime_env", dict, "None or a Ray runtime_env dict")
 
 
 class _Generate:
@@ -92,15 +96,11 @@ class _Generate:
         ids = [int(r[ROW_ID]) for r in rows]
         prompts = [self.spec.prompt(self.llm, i, r) for i, r in zip(ids, rows)]
         p = self.config.sampling_params
-        if isinstance(p, BeamSearchParams):
-            outs: list[Any] = self.llm.beam_search(prompts, p, use_tqdm=False)
-        else:
-            seed = job_seed(p, self.config.seed)
-            outs = self.llm.generate(prompts, [row_params(p, seed, i) for i in ids],
-                                     use_tqdm=False)
+        kind, seed = kind_of(p), job_seed(p, self.config.seed)
+        outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids])
         schema = output_schema(_without(batch.schema, ROW_ID), p)
-        return pa.Table.from_pylist([output_row(r, i, o) for r, i, o in zip(rows, ids, outs)],
-                                    schema=schema)
+        return pa.Table.from_pylist([output_row(r, i, o, kind)
+                                     for r, i, o in zip(rows, ids, outs)], schema=schema)
 
 
 def _without(schema: pa.Schema, name: str) -> pa.Schema:

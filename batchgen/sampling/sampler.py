@@ -1,149 +1,182 @@
 """Vectorised token sampling with HF-exact logits processing and vLLM-style logprobs.
 
-One call handles a whole step: ``logits [N, V]`` plus one :class:`SamplingRow` per row.
-Processing follows HF ``generate`` order exactly:
+One call handles a whole step: ``logits [R, V]`` and the rows' parameter columns
+(:class:`SamplingColumns`, views of the persistent batch). Processing follows HF ``generate``
+order exactly:
 
-    repetition penalty -> presence/frequency penalties -> min_tokens ban
+    logit controls -> repetition penalty -> presence/frequency penalties -> min_tokens ban
     -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
 
 Every stage works on the whole batch with per-row parameter columns; a stage is skipped
 entirely when no row needs it, and rows that do not use a stage get neutral values
 (temperature 1, penalty 1, ...) that leave their logits bit-for-bit unchanged, so a row's
-result never depends on its neighbours.
+result never depends on its neighbours. Only the logit controls (allowed ids, bias, bad words,
+user processors) run per row, and only on the rows that set them.
 
 Sampling is by inverse CDF: one uniform ``u`` per row, and the token whose interval of the
 cumulative distribution holds ``u * total`` (masked tokens have empty intervals, so they are
-never picked). That is exact and costs one random number per row instead of one per token.
-Seeded rows draw ``u`` from their own generator, unseeded rows from the sampler's one
-generator in a single call. Greedy rows (temperature 0) take the argmax of the penalised
-logits and consume no randomness.
+never picked). ``u`` is a counter-based draw: splitmix64 of the sequence's seed and the number
+of tokens it has generated, so a sequence's draws depend on nothing else (not its batch, not a
+preemption) and need no generator object. Greedy rows (temperature 0) take the argmax of the
+penalised logits.
 
 Penalties: repetition (HF) over every distinct prompt + generated id; presence/frequency
-(vLLM/OpenAI) over generated ids only. While a row has generated fewer than ``min_tokens``,
-its stop ids and EOS are set to -inf (EOS not when ``ignore_eos``: it is no stop token then,
-as in vLLM). Ids >= V in a history are ignored.
+(vLLM/OpenAI) over generated ids only, from per-sequence tables the batch keeps. While a row
+has generated fewer than ``min_tokens``, its stop ids and EOS are set to -inf (EOS not when
+``ignore_eos``: it is no stop token then, as in vLLM).
 
 Returned logprobs are *raw*: ``log_softmax`` of the unprocessed logits in fp32 (vLLM's
-default), with the chosen token always present in the top-logprobs dict.
+default), with the chosen token always present in the top-logprobs. Everything the host needs
+comes back in one device-to-host copy (the step's one synchronisation on a GPU).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
-
-from batchgen.params import SamplingParams
 
 _NEG_INF = float("-inf")
 
-
-@dataclass
-class SamplingRow:
-    """One row of the step's logits, as the engine describes it to the sampler."""
-
-    params: SamplingParams
-    token_ids: list[int]  # prompt + generated so far
-    num_prompt_tokens: int  # generated ids are token_ids[num_prompt_tokens:]
-    generator: torch.Generator | None = None  # per-sequence generator for seeded requests
-    eos_token_id: int | list[int] | None = None  # banned (with stop ids) while < min_tokens
-    bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
-
-    @property
-    def num_generated(self) -> int:
-        """How many tokens this sequence has generated so far."""
-        return len(self.token_ids) - self.num_prompt_tokens
-
+# Columns of SamplingColumns.params, in this order.
+# top_p_cut is HF's top-p threshold, 1 - top_p (computed in float64, then stored as float32
+# like HF's comparison does), or -1 when top-p is off.
+PARAM_NAMES = ("temperature", "top_k", "top_p_cut", "min_p", "repetition_penalty",
+               "presence_penalty", "frequency_penalty")
+TEMPERATURE, TOP_K, TOP_P_CUT, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(len(PARAM_NAMES))
+NUM_PARAMS = len(PARAM_NAMES)
+NO_LOGPROBS = -2  # a row that asked for no top logprobs (-1 means the whole vocabulary)
 
 RankedLogprobs = dict[int, tuple[float, int]]  # token -> (raw logprob, rank; 1 = the most likely)
 
 
 @dataclass
+class ControlRow:
+    """A row with logit controls (per-row Python): its row, params and token history."""
+
+    row: int
+    params: object  # SamplingParams: allowed_token_ids, logit_bias, logits_processors
+    token_ids: list[int]  # prompt + generated so far
+    num_prompt_tokens: int
+    bad_word_ids: list[list[int]] | None = None
+
+
+@dataclass
+class SamplingColumns:
+    """One step's sample rows as the sampler reads them (the persistent batch's columns)."""
+
+    params: np.ndarray  # [R, NUM_PARAMS] float32, PARAM_NAMES order
+    greedy: np.ndarray  # [R] bool
+    seeds: np.ndarray  # [R] uint64: the sequence's mixed seed
+    num_generated: np.ndarray  # [R] int64: tokens generated before this draw
+    min_tokens: np.ndarray  # [R] int64
+    stop_ids: np.ndarray  # [R, K] int64, -1 pads: banned below min_tokens
+    ignore_eos: np.ndarray  # [R] bool: EOS is no stop token (not banned)
+    eos_ids: np.ndarray  # [E] int64
+    logprobs: np.ndarray  # [R] int64 top logprobs asked (NO_LOGPROBS, -1 = all)
+    seen: torch.Tensor | None = None  # [R, V] bool: prompt or generated ids (penalised rows)
+    offsets: torch.Tensor | None = None  # [R, V] f32: freq * count + presence * (count > 0)
+    controls: list[ControlRow] | None = None
+
+
+@dataclass
+class TopLogprobs:
+    """Top logprobs of the rows that asked for them, on the host: row `rows[j]` chose
+    `token[j]` (logprob, rank) and its `k[j]` best alternatives are `top_ids[j, :k[j]]`."""
+
+    rows: np.ndarray
+    k: np.ndarray
+    token: np.ndarray
+    logprob: np.ndarray
+    rank: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+    def entry(self, j: int) -> RankedLogprobs:
+        """Row j's chosen token and its top k as {token: (logprob, rank)} (vLLM's shape: the
+        chosen token first, with its true rank even outside the top k)."""
+        d = {int(self.token[j]): (float(self.logprob[j]), int(self.rank[j]))}
+        ids, lps = self.top_ids[j].tolist(), self.top_logprobs[j].tolist()
+        for r in range(int(self.k[j])):
+            d.setdefault(ids[r], (lps[r], r + 1))
+        return d
+
+
+@dataclass
 class SamplerOutput:
-    """Chosen tokens and their raw logprobs for one step, one entry per row; with `logprobs`
-    asked, the chosen token and the top-k with their ranks."""
+    """Chosen tokens and their raw logprobs for one step, on the host, one per row; the top
+    logprobs of the rows that asked."""
 
-    token_ids: list[int]
-    logprobs: list[float]
-    top_logprobs: list[RankedLogprobs | None]
-
-
-# ----------------------------------------------------------------------------- helpers
+    token_ids: np.ndarray  # [R] int64
+    logprobs: np.ndarray  # [R] float64
+    top: TopLogprobs | None
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """A float32 [n, 1] column on the logits' device (one small host-to-device copy)."""
-    return torch.tensor(values, dtype=torch.float32).to(like.device, non_blocking=True)[:, None]
+# ----------------------------------------------------------------------------- randomness
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
 
 
-def _pairs(id_lists: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flatten per-row id lists into (row index, token id) tensors, dropping ids >= vocab."""
-    lengths = [len(ids) for ids in id_lists]
-    flat = [t for ids in id_lists for t in ids]
-    ids = torch.tensor(flat, dtype=torch.long)
-    rows = torch.repeat_interleave(torch.arange(len(id_lists)), torch.tensor(lengths, dtype=torch.long))
-    keep = (ids >= 0) & (ids < vocab)
-    return rows[keep].to(device), ids[keep].to(device)
+def _splitmix(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 values (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = (z ^ (z >> np.uint64(30))) * _MIX1
+        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
 
 
-def _top_k_active(k: int, vocab: int) -> bool:
-    """Whether top-k with this k removes anything (0 and -1 disable it, as in vLLM)."""
-    return 0 < k < vocab
+def mix_seeds(seeds: np.ndarray) -> np.ndarray:
+    """A sequence's key from its seed (uint64), made once when it enters the batch."""
+    return _splitmix(seeds.astype(np.uint64))
 
 
-def _banned_ids(row: SamplingRow) -> list[int]:
-    """Ids banned for this row by min_tokens: stop ids, plus EOS unless ignore_eos (vLLM)."""
-    p = row.params
-    if row.num_generated >= p.min_tokens:
-        return []
-    banned = list(p.stop_ids)
-    eos = row.eos_token_id
-    if eos is not None and not p.ignore_eos:
-        banned.extend([eos] if isinstance(eos, int) else eos)
-    return banned
+def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """U[0, 1) per row from (key, counter): the `counter`-th draw of each sequence, float64."""
+    with np.errstate(over="ignore"):
+        z = keys + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+    return (_splitmix(z) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 # ----------------------------------------------------------------------------- stages
-
-
-def _needs_controls(rows: list[SamplingRow]) -> bool:
-    return any(r.params.logit_bias or r.params.allowed_token_ids or r.bad_word_ids
-               or r.params.logits_processors for r in rows)
-
-
-def apply_controls(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def apply_controls(scores: torch.Tensor, controls: list[ControlRow]) -> torch.Tensor:
     """vLLM's per-request logit controls, before penalties: allowed_token_ids (everything
     else -inf), logit_bias (added), bad_words (the last token of a word whose other tokens end
     the output is banned) and logits_processors (called on the row's output ids and logits)."""
     scores = scores.clone()
-    vocab = scores.shape[1]
-    for i, r in enumerate(rows):
-        p = r.params
-        if p.allowed_token_ids:
-            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
-                                device=scores.device)
-            masked = torch.full_like(scores[i], _NEG_INF)
-            masked[keep] = scores[i, keep]
-            scores[i] = masked
-        if p.logit_bias:
-            ids = [t for t in p.logit_bias if t < vocab]
-            scores[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=scores.device)
-        if r.bad_word_ids:
-            out = r.token_ids[r.num_prompt_tokens:]
-            banned = [w[-1] for w in r.bad_word_ids
-                      if len(w) == 1 or (len(out) >= len(w) - 1 and out[len(out) - len(w) + 1:]
-                                         == w[:-1])]
-            scores[i, [t for t in banned if t < vocab]] = _NEG_INF
-        for fn in p.logits_processors or ():
-            out = r.token_ids[r.num_prompt_tokens:]
-            prompt = r.token_ids[:r.num_prompt_tokens]
-            args = (out, scores[i]) if _arity(fn) == 2 else (prompt, out, scores[i])
-            scores[i] = fn(*args)
+    for c in controls:
+        _control_row(scores, c)
     return scores
 
 
-def _arity(fn: object) -> int:
+def _control_row(scores: torch.Tensor, c: ControlRow) -> None:
+    """One row's controls, in place."""
+    i, p, vocab = c.row, c.params, scores.shape[1]
+    out = c.token_ids[c.num_prompt_tokens:]
+    if p.allowed_token_ids:
+        keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long,
+                            device=scores.device)
+        masked = torch.full_like(scores[i], _NEG_INF)
+        masked[keep] = scores[i, keep]
+        scores[i] = masked
+    if p.logit_bias:
+        ids = [t for t in p.logit_bias if t < vocab]
+        scores[i, ids] += torch.tensor([p.logit_bias[t] for t in ids], device=scores.device)
+    if c.bad_word_ids:
+        banned = [w[-1] for w in c.bad_word_ids
+                  if len(w) == 1 or (len(out) >= len(w) - 1
+                                     and out[len(out) - len(w) + 1:] == w[:-1])]
+        scores[i, [t for t in banned if t < vocab]] = _NEG_INF
+    for fn in p.logits_processors or ():
+        args = (out, scores[i]) if _arity(fn) == 2 else (c.token_ids[:c.num_prompt_tokens], out,
+                                                         scores[i])
+        scores[i] = fn(*args)
+
+
+def _arity(fn: Callable) -> int:
     """Positional parameters of a logits processor: 2 (output ids, logits) or 3 (+ prompt)."""
     try:
         return len(inspect.signature(fn).parameters)
@@ -151,190 +184,196 @@ def _arity(fn: object) -> int:
         return 2
 
 
-def apply_penalties(scores: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Repetition, presence/frequency penalties and the min_tokens ban, on fp32 logits."""
-    n, vocab = scores.shape
-    dev = scores.device
-    rep = [r.params.repetition_penalty for r in rows]
-    if any(p != 1.0 for p in rep):
-        # HF RepetitionPenaltyLogitsProcessor: every distinct prompt + generated id.
-        r_idx, t_idx = _pairs([r.token_ids if p != 1.0 else [] for r, p in zip(rows, rep)], vocab, dev)
-        seen = torch.zeros((n, vocab), dtype=torch.bool, device=dev)
-        seen[r_idx, t_idx] = True
-        pen = _column(rep, scores)
-        scores = torch.where(seen, torch.where(scores < 0, scores * pen, scores / pen), scores)
-    freq = [r.params.frequency_penalty for r in rows]
-    pres = [r.params.presence_penalty for r in rows]
-    if any(f != 0.0 or p != 0.0 for f, p in zip(freq, pres)):
-        # vLLM/OpenAI: generated ids only; subtract freq * count + presence * (count > 0).
-        gen = [r.token_ids[r.num_prompt_tokens:] if (f != 0.0 or p != 0.0) else []
-               for r, f, p in zip(rows, freq, pres)]
-        r_idx, t_idx = _pairs(gen, vocab, dev)
-        counts = torch.zeros((n, vocab), dtype=torch.float32, device=dev)
-        counts.index_put_((r_idx, t_idx), torch.ones_like(t_idx, dtype=torch.float32), accumulate=True)
-        scores = scores - (_column(freq, scores) * counts + _column(pres, scores) * (counts > 0))
-    banned = [_banned_ids(r) for r in rows]
-    if any(banned):
-        r_idx, t_idx = _pairs(banned, vocab, dev)
-        scores = scores.index_put((r_idx, t_idx), torch.tensor(_NEG_INF, device=dev))
+def apply_penalties(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor
+                    ) -> torch.Tensor:
+    """Repetition (HF: every distinct prompt + generated id), then presence/frequency
+    (vLLM/OpenAI: generated ids only), on fp32 logits. Rows without them are unchanged."""
+    p = cols.params
+    if cols.seen is None:
+        return scores
+    if np.any(p[:, REPETITION] != 1.0):
+        pen = params[:, REPETITION:REPETITION + 1]
+        scores = torch.where(cols.seen, torch.where(scores < 0, scores * pen, scores / pen),
+                             scores)
+    if np.any(p[:, PRESENCE] != 0.0) or np.any(p[:, FREQUENCY] != 0.0):
+        scores = scores - cols.offsets
     return scores
 
 
-def apply_warpers(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p (HF warpers, HF order) for sampled rows."""
-    vocab = scores.shape[1]
-    temps = [float(p.temperature) for p in params]
-    if any(t != 1.0 for t in temps):
-        scores = scores / _column(temps, scores)
-    ks = [p.top_k if _top_k_active(p.top_k, vocab) else vocab for p in params]
-    need_k = any(k < vocab for k in ks)
-    need_p = any(p.top_p < 1.0 for p in params)
-    if need_p:
-        # One ascending sort serves both: masking values below the k-th keeps the order.
-        sorted_vals, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-        if need_k:
-            pos = torch.tensor([vocab - k for k in ks], dtype=torch.long).to(scores.device)
-            kth = sorted_vals.gather(1, pos[:, None])
-            scores = scores.masked_fill(scores < kth, _NEG_INF)
-            sorted_vals = sorted_vals.masked_fill(sorted_vals < kth, _NEG_INF)
-        cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
-        # Rows without top-p get threshold -1 so nothing is removed (HF skips the warper).
-        thresh = _column([1.0 - p.top_p if p.top_p < 1.0 else -1.0 for p in params], scores)
-        remove = cum <= thresh
-        remove[:, -1] = False  # min_tokens_to_keep = 1
-        mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
-        scores = scores.masked_fill(mask, _NEG_INF)
-    elif need_k:
-        top = torch.topk(scores, max(ks), dim=-1).values
-        pos = torch.tensor([k - 1 for k in ks], dtype=torch.long).to(scores.device)
-        kth = top.gather(1, pos[:, None])
-        scores = scores.masked_fill(scores < kth, _NEG_INF)
-    min_ps = [float(p.min_p) for p in params]
-    if any(m > 0.0 for m in min_ps):
+def apply_min_tokens(scores: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
+    """Rows below min_tokens: their stop ids and EOS (unless ignore_eos) become -inf."""
+    below = cols.num_generated < cols.min_tokens
+    if not below.any():
+        return scores
+    rows = np.flatnonzero(below)
+    eos = np.broadcast_to(cols.eos_ids, (len(rows), len(cols.eos_ids)))
+    eos = np.where(cols.ignore_eos[rows, None], -1, eos)
+    ids = np.concatenate([cols.stop_ids[rows], eos], axis=1)
+    keep = (ids >= 0) & (ids < scores.shape[1])
+    r = np.broadcast_to(rows[:, None], ids.shape)[keep]
+    dev = scores.device
+    return scores.index_put((torch.from_numpy(r).to(dev), torch.from_numpy(ids[keep]).to(dev)),
+                            torch.tensor(_NEG_INF, device=dev))
+
+
+def apply_warpers(scores: torch.Tensor, p: np.ndarray, params: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p (HF warpers, HF order) for sampled rows; `p` the
+    rows' host params, `params` the same on the logits' device."""
+    if np.any(p[:, TEMPERATURE] != 1.0):
+        scores = scores / params[:, TEMPERATURE:TEMPERATURE + 1]
+    k = p[:, TOP_K]
+    if np.any((k > 0) & (k < scores.shape[1])):
+        scores = _top_k(scores, k)
+    if np.any(p[:, TOP_P_CUT] >= 0.0):
+        cut = params[:, TOP_P_CUT:TOP_P_CUT + 1]
+        scores = (_top_p_by_value(scores, cut) if scores.device.type == "cpu"
+                  else _top_p_sorted(scores, cut))
+    if np.any(p[:, MIN_P] > 0.0):
         # HF MinPLogitsWarper; the top token is never below min_p * max, so one always stays.
         probs = scores.softmax(dim=-1)
-        top_p = probs.amax(dim=-1, keepdim=True)
-        scores = scores.masked_fill(probs < _column(min_ps, scores) * top_p, _NEG_INF)
+        top_prob = probs.amax(dim=-1, keepdim=True)
+        scores = scores.masked_fill(probs < params[:, MIN_P:MIN_P + 1] * top_prob, _NEG_INF)
     return scores
 
 
-def _split(rows: list[SamplingRow]) -> tuple[list[int], list[int]]:
-    """Indices of greedy rows and of sampled rows."""
-    greedy = [i for i, r in enumerate(rows) if r.params.greedy]
-    sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-    return greedy, sampled
+def _top_k(scores: torch.Tensor, k: np.ndarray) -> torch.Tensor:
+    """HF TopKLogitsWarper per row: values below the row's k-th largest become -inf (ties
+    with it stay); k of 0, -1 or >= vocab keeps the row."""
+    vocab = scores.shape[1]
+    ks = np.where((k > 0) & (k < vocab), k, vocab).astype(np.int64)
+    top = torch.topk(scores, int(ks.max()), dim=-1).values
+    kth = top.gather(1, torch.from_numpy(ks - 1).to(scores.device)[:, None])
+    return scores.masked_fill(scores < kth, _NEG_INF)
 
 
-def _needs_penalties(rows: list[SamplingRow]) -> bool:
-    """Whether any row has a penalty or an active min_tokens ban."""
-    return any(
-        r.params.repetition_penalty != 1.0
-        or r.params.presence_penalty != 0.0
-        or r.params.frequency_penalty != 0.0
-        or r.num_generated < r.params.min_tokens
-        for r in rows
-    )
+def _top_p_sorted(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """HF TopPLogitsWarper: ascending sort, softmax, cumsum; tokens whose cumulative mass is
+    <= cut (1 - top_p; -1 keeps the row) are removed, never the most likely one."""
+    sorted_vals, sorted_idx = torch.sort(scores, dim=-1, descending=False)
+    cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
+    remove = cum <= cut
+    remove[:, -1] = False  # min_tokens_to_keep = 1
+    mask = torch.zeros_like(remove).scatter_(1, sorted_idx, remove)
+    return scores.masked_fill(mask, _NEG_INF)
+
+
+def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """`_top_p_sorted`'s result on the CPU from a sort of the values alone (numpy's, several
+    times faster than torch's with indices). The sorted values, hence their softmax and
+    cumsum, are the same bits; the removed tokens are a prefix of the ascending order: every
+    token up to the last removed value v, unless the next value in order equals v too. Only
+    then, when the cut splits tied tokens, does the order among them matter: those rows take
+    torch's sort, as HF does."""
+    vocab = scores.shape[1]
+    sorted_vals = torch.from_numpy(np.sort(scores.numpy(), axis=-1))
+    remove = sorted_vals.softmax(dim=-1).cumsum(dim=-1) <= cut
+    remove[:, -1] = False
+    j = remove.sum(dim=-1, keepdim=True)  # a prefix: the cumsum never decreases
+    last = sorted_vals.gather(1, (j - 1).clamp(min=0))
+    first_kept = sorted_vals.gather(1, j.clamp(max=vocab - 1))
+    v = torch.where(j > 0, last, torch.full_like(last, _NEG_INF))
+    out = scores.masked_fill(scores <= v, _NEG_INF)
+    rows = ((first_kept == v) & v.isfinite())[:, 0].nonzero()[:, 0]  # a split run of ties
+    if len(rows):
+        out[rows] = _top_p_sorted(scores[rows], cut[rows])
+    return out
 
 
 # ----------------------------------------------------------------------------- sampler
-
-
 class Sampler:
-    """Samples one token per row; owns the generator shared by all unseeded rows."""
+    """Samples one token per row from the rows' columns; holds no state of its own."""
 
-    def __init__(self, seed: int | None = 0) -> None:
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The sampler's generator on ``device`` (created and seeded on first use)."""
-        device = torch.device(device)
-        g = self._generators.get(device)
-        if g is None:
-            g = torch.Generator(device=device)
-            if self.seed is None:
-                g.seed()  # nondeterministic, as vLLM with seed=None
-            else:
-                g.manual_seed(self.seed)
-            self._generators[device] = g
-        return g
-
-    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-        """One U[0, 1) draw per row: seeded rows from their own generator, others shared."""
-        u = torch.empty(len(rows), dtype=torch.float64)
-        unseeded = [i for i, r in enumerate(rows) if r.generator is None]
-        if unseeded:
-            shared = torch.rand(len(unseeded), dtype=torch.float64,
-                                generator=self.generator(torch.device("cpu")))
-            u[unseeded] = shared
-        for i, r in enumerate(rows):
-            if r.generator is not None:
-                u[i] = torch.rand(1, dtype=torch.float64, generator=r.generator).item()
-        return u.to(device)
-
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Pick one token per row and report raw logprobs (and top-k logprobs if asked)."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"logits must be [len(rows)={len(rows)}, V], got {tuple(logits.shape)}")
+    def __call__(self, logits: torch.Tensor, cols: SamplingColumns) -> SamplerOutput:
+        """Pick one token per row and report raw logprobs (and top logprobs where asked)."""
+        n = len(cols.greedy)
+        if logits.dim() != 2 or logits.shape[0] != n:
+            raise ValueError(f"logits must be [rows={n}, V], got {tuple(logits.shape)}")
         raw = logits.float()
-        n, vocab = raw.shape
         dev = raw.device
-        scores = apply_controls(raw, rows) if _needs_controls(rows) else raw
-        scores = apply_penalties(scores, rows) if _needs_penalties(rows) else scores
-        greedy, sampled = _split(rows)
-        if not sampled:
-            return self._output(raw, scores.argmax(dim=-1), rows)
-        sub_rows = [rows[i] for i in sampled]
-        sub = scores
-        if greedy:
-            s_idx = torch.tensor(sampled, dtype=torch.long, device=dev)
-            sub = scores[s_idx]
-        warped = apply_warpers(sub, [r.params for r in sub_rows])
-        picked = _inverse_cdf(warped.softmax(dim=-1), self._uniforms(sub_rows, dev))
-        if not greedy:
-            return self._output(raw, picked, rows)
-        chosen = torch.empty(n, dtype=torch.long, device=dev)
-        g_idx = torch.tensor(greedy, dtype=torch.long, device=dev)
-        chosen[g_idx] = scores[g_idx].argmax(dim=-1)
-        chosen[s_idx] = picked
-        return self._output(raw, chosen, rows)
-
-    @staticmethod
-    def _output(raw: torch.Tensor, chosen: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """Gather raw logprobs of the chosen tokens and the requested top-k; one host sync."""
+        params = torch.from_numpy(np.ascontiguousarray(cols.params)).to(dev, non_blocking=True)
+        scores = apply_controls(raw, cols.controls) if cols.controls else raw
+        scores = apply_penalties(scores, cols, params)
+        scores = apply_min_tokens(scores, cols)
+        chosen = self._choose(scores, cols, params)
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
-        ks = [r.params.logprobs for r in rows]
-        tops = ranked_logprobs(raw - lse[:, None], chosen, ks)
-        return SamplerOutput(token_ids=chosen.tolist(), logprobs=chosen_lp.tolist(),
-                             top_logprobs=tops)
+        top = _top_logprobs(raw, lse, chosen, cols.logprobs)
+        host = _to_host([chosen, chosen_lp, *top[2:]] if top else [chosen, chosen_lp])
+        top_out = TopLogprobs(top[0], top[1], *host[2:]) if top else None
+        return SamplerOutput(host[0], host[1], top_out)
+
+    @staticmethod
+    def _choose(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor
+                ) -> torch.Tensor:
+        """Greedy rows: argmax of the penalised logits; the others: warp and draw."""
+        greedy = cols.greedy
+        if greedy.all():
+            return scores.argmax(dim=-1)
+        dev = scores.device
+        sampled = np.flatnonzero(~greedy) if greedy.any() else None
+        sub, p, sub_params = scores, cols.params, params
+        if sampled is not None:
+            s_idx = torch.from_numpy(sampled).to(dev)
+            sub, p, sub_params = scores[s_idx], p[sampled], params[s_idx]
+        u = uniforms(cols.seeds if sampled is None else cols.seeds[sampled],
+                     cols.num_generated if sampled is None else cols.num_generated[sampled])
+        warped = apply_warpers(sub, p, sub_params)
+        picked = _inverse_cdf(warped.softmax(dim=-1), torch.from_numpy(u).to(dev))
+        if sampled is None:
+            return picked
+        chosen = scores.argmax(dim=-1)
+        chosen[s_idx] = picked
+        return chosen
+
+
+def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray
+                  ) -> tuple | None:
+    """For the rows that asked (ks != NO_LOGPROBS; -1 = the whole vocabulary): (rows, k) on
+    the host, then the chosen token, its raw logprob and rank, and the top k ids and
+    logprobs as device tensors."""
+    asked = np.flatnonzero(ks != NO_LOGPROBS)
+    if not asked.size:
+        return None
+    vocab = raw.shape[1]
+    k = np.minimum(np.where(ks[asked] == -1, vocab, ks[asked]), vocab)
+    rows = torch.from_numpy(asked).to(raw.device)
+    lp = raw[rows] - lse[rows, None]
+    tok = chosen[rows]
+    tok_lp = lp.gather(1, tok[:, None])[:, 0]
+    ranks = (lp > tok_lp[:, None]).sum(dim=-1) + 1
+    kmax = int(k.max())
+    top_lp, top_ids = torch.topk(lp, kmax, dim=-1) if kmax else (lp[:, :0], tok[:, None][:, :0])
+    return asked, k, tok, tok_lp, ranks, top_ids, top_lp
+
+
+def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
+    """The tensors on the host as numpy (int64 / float64), in one copy: the one
+    synchronisation of a step on a GPU."""
+    if tensors[0].device.type == "cpu":
+        return [t.numpy().astype(np.float64 if t.is_floating_point() else np.int64, copy=False)
+                for t in tensors]
+    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu().numpy()
+    host, at = [], 0
+    for t in tensors:
+        part = flat[at:at + t.numel()].reshape(t.shape)
+        host.append(part if t.is_floating_point() else part.astype(np.int64))
+        at += t.numel()
+    return host
 
 
 def ranked_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int | None]
                     ) -> list[RankedLogprobs | None]:
     """Per row with k not None: the chosen token and the top k, each with (logprob, rank); rank
     1 is the most likely, a chosen token outside the top k gets its true rank (vLLM's form);
-    k = -1 means every token.
-    Rows with k None get None. Used for sampled tokens and prompt logprobs alike."""
-    vocab = logprobs.shape[1]
-    ks = [vocab if k == -1 else k for k in ks]  # -1: the whole vocabulary (vLLM)
-    asked = [i for i, k in enumerate(ks) if k is not None]
+    k = -1 means every token. Rows with k None get None (prompt logprobs use it)."""
+    arr = np.array([NO_LOGPROBS if k is None else k for k in ks], np.int64)
+    zero = torch.zeros(logprobs.shape[0], device=logprobs.device)
+    top = _top_logprobs(logprobs.float(), zero, chosen, arr)
     out: list[RankedLogprobs | None] = [None] * len(ks)
-    if not asked:
-        return out
-    rows = torch.tensor(asked, dtype=torch.long, device=logprobs.device)
-    lp = logprobs[rows]
-    tok = chosen[rows]
-    tok_lp = lp.gather(1, tok[:, None])
-    ranks = ((lp > tok_lp).sum(dim=-1) + 1).tolist()
-    kmax = min(max(ks[i] for i in asked), vocab)
-    top_lp, top_ids = (torch.topk(lp, kmax, dim=-1) if kmax > 0 else (lp[:, :0], tok[:, None][:, :0]))
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(asked):
-        d = {int(tok[j]): (float(tok_lp[j, 0]), ranks[j])}
-        for r in range(min(ks[i], vocab)):
-            d.setdefault(top_ids[j][r], (top_lp[j][r], r + 1))
-        out[i] = d
+    if top is not None:
+        res = TopLogprobs(top[0], top[1], *_to_host(list(top[2:])))
+        for j, i in enumerate(res.rows.tolist()):
+            out[i] = res.entry(j)
     return out
 
 

@@ -28,6 +28,7 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 from tokenizers.decoders import DecodeStream
 
 from batchgen.params import BeamSearchParams, SamplingParams
@@ -35,6 +36,30 @@ from batchgen.params import BeamSearchParams, SamplingParams
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens kept as left context (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET)
 MAX_PENDING_TOKENS = 16  # give up waiting for a complete character after this many tokens
 REPLACEMENT_CHAR = "\ufffd"
+
+# Why a row stops after its new token (stop_codes); GOES_ON: it does not.
+GOES_ON, EOS_STOP, ID_STOP, LENGTH_STOP = 0, 1, 2, 3
+
+
+def stop_codes(tokens: np.ndarray, generated: np.ndarray, min_tokens: np.ndarray,
+               max_tokens: np.ndarray, stop_ids: np.ndarray, ignore_eos: np.ndarray,
+               eos_ids: np.ndarray) -> np.ndarray:
+    """The StopChecker's token rules for a whole batch at once, in its order: from the
+    min_tokens-th generated token on, EOS (unless ignore_eos), then a stop id; then the length.
+    `generated` counts the new token; `stop_ids` is [rows, K] with -1 pads."""
+    allowed = generated >= min_tokens
+    eos = allowed & ~ignore_eos & np.isin(tokens, eos_ids)
+    ids = allowed & (stop_ids == tokens[:, None]).any(axis=1)
+    length = generated >= max_tokens
+    return np.where(eos, EOS_STOP, np.where(ids, ID_STOP, np.where(length, LENGTH_STOP,
+                                                                    GOES_ON)))
+
+
+def finish_of(code: int, token: int) -> tuple[str, int | None]:
+    """(finish_reason, stop_reason) of a stop code (not GOES_ON) for the row's last token."""
+    if code == LENGTH_STOP:
+        return "length", None
+    return "stop", (token if code == ID_STOP else None)
 
 
 def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
@@ -214,15 +239,15 @@ class StopChecker:
     ):
         self.eos_ids = _id_set(eos_token_id)
         # detokenize=False: no text at all (stop strings are refused with it)
-        self.tokenizer = tokenizer if getattr(params, "detokenize", True) else None
+        self.tokenizer = tokenizer if params.detokenize else None
         self.prompt_token_ids = prompt_token_ids
         self.max_tokens = max_tokens
         self.stop_strings: list[str] = list(params.stop_strings)
         self.stop_ids = frozenset(params.stop_ids)
         self.ignore_eos = params.ignore_eos
-        self.min_tokens: int = getattr(params, "min_tokens", 0)
-        self.include_stop = bool(getattr(params, "include_stop_str_in_output", False))
-        self.skip_special_tokens = bool(getattr(params, "skip_special_tokens", True))
+        self.min_tokens: int = params.min_tokens
+        self.include_stop = params.include_stop_str_in_output
+        self.skip_special_tokens = params.skip_special_tokens
         if self.tokenizer is not None and special is None:
             special = special_ids(self.tokenizer)
         self.special = special or frozenset()
@@ -340,9 +365,21 @@ class StopFactory:
         return StopChecker(params, self.eos_token_ids, self.tokenizer, prompt_token_ids,
                            max_tokens, self.special)
 
+    def output_text(self, params: SamplingParams | BeamSearchParams,
+                    prompt_token_ids: list[int], token_ids: list[int], stop_token: bool) -> str:
+        """The text of generated `token_ids` of a sequence without stop strings, decoded once:
+        the last token's text is dropped when it was a stop token (EOS or a stop id) and
+        include_stop_str_in_output is off."""
+        if self.tokenizer is None or not params.detokenize:
+            return ""
+        ids = token_ids[:-1] if stop_token and not params.include_stop_str_in_output else token_ids
+        return decode_with_context(self.tokenizer, prompt_token_ids, ids,
+                                   params.skip_special_tokens, self.special)
+
     def text(self, params: SamplingParams | BeamSearchParams, prompt_token_ids: list[int],
              token_ids: list[int]) -> str:
-        """The text a sequence generating `token_ids` ends with (replayed through a checker)."""
+        """The text a sequence generating `token_ids` ends with (replayed through a checker:
+        stop strings cut it where they cut the sequence)."""
         checker = self(params, prompt_token_ids, max(len(token_ids), 1))
         for n, t in enumerate(token_ids, 1):
             if checker.append(t, n)[0] is not None:

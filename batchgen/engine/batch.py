@@ -1,0 +1,273 @@
+"""PersistentBatch: the running sequences' per-step state in columns that live across steps
+(the idea of vLLM V1's InputBatch, in batchgen's shape).
+
+Every sequence holding a block table holds a slot, 0..n-1, dense: a leaving sequence's hole is
+filled by the last slot. A slot's columns are written when its sequence enters (admission, a
+fork, readmission after preemption), its block-table row when its table changes, and its
+counters (computed tokens, tokens, last token, cumulative logprob, penalty counts) by vector
+ops once per step. Nothing is rebuilt from Python lists while the set of sequences holds.
+
+Who writes what: the Scheduler enters and removes sequences, writes table rows after each
+BlockManager change and advances `num_computed` after a step, and calls `append` with the
+sampler's tokens. The runner reads table rows (through the scheduler's StepRows); the sampler
+reads `sampling_columns(slots)`; the stop check reads `stop_codes`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from batchgen.sampling.sampler import (
+    FREQUENCY,
+    NUM_PARAMS,
+    PRESENCE,
+    ControlRow,
+    SamplingColumns,
+    mix_seeds,
+)
+from batchgen.sampling.stop import stop_codes
+
+if TYPE_CHECKING:
+    from batchgen.engine.sequence import Sequence
+
+# Per-slot columns: name -> (dtype, trailing shape). Written at entry unless noted.
+_COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
+    "num_computed": (np.int64, ()),  # tokens whose K/V is cached (advanced per step)
+    "num_tokens": (np.int64, ()),  # prompt + generated (advanced per sampled token)
+    "last_token": (np.int64, ()),  # the next decode step's input id
+    "num_prompt": (np.int64, ()),
+    "max_tokens": (np.int64, ()),
+    "min_tokens": (np.int64, ()),
+    "ignore_eos": (np.bool_, ()),
+    "logprobs": (np.int64, ()),  # top logprobs asked per token; NO_LOGPROBS when none
+    "seed": (np.uint64, ()),  # the sequence's mixed seed (its draws' key)
+    "cum_logprob": (np.float64, ()),  # advanced per sampled token
+    "params": (np.float32, (NUM_PARAMS,)),  # temperature, top-k, top-p, min-p, penalties
+    "greedy": (np.bool_, ()),
+    "penalized": (np.bool_, ()),  # any penalty: has rows in the PenaltyState
+    "stop_strings": (np.bool_, ()),  # stops are its StopChecker's (per-row Python)
+    "controls": (np.bool_, ()),  # logit controls (per-row Python in the sampler)
+    "beam": (np.bool_, ()),  # a beam: decodes with its group, never sampled
+    "fork_pending": (np.bool_, ()),  # a leader whose siblings wait for its prompt (scheduler)
+    "cow_check": (np.bool_, ()),  # forked since its last reservation: its block may be shared
+    "num_blocks": (np.int64, ()),
+}
+
+
+class PenaltyState:
+    """Per-slot penalty tables on the model's device, [slots, vocab] each, for penalised
+    sequences: `counts` of generated ids, `seen` (ids of the prompt or generated: the
+    repetition penalty's set) and `offsets` = frequency * count + presence * (count > 0), the
+    amount presence/frequency subtract (HF's formula, element by element). Written once when
+    a sequence enters, then one element per sequence and step: never rebuilt from a history."""
+
+    def __init__(self, capacity: int, vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros(capacity, vocab_size, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(capacity, vocab_size, dtype=torch.bool, device=device)
+        self.offsets = torch.zeros(capacity, vocab_size, dtype=torch.float32, device=device)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.counts, self.seen, self.offsets
+
+    def resized(self, capacity: int, live: int) -> PenaltyState:
+        """The same state for `capacity` slots (the first `live` kept)."""
+        vocab = self.counts.shape[1]
+        new = PenaltyState(capacity, vocab, self.counts.device)
+        for old, fresh in zip(self.tables(), new.tables()):
+            fresh[:live] = old[:live]
+        return new
+
+    def move(self, dst: int, src: int) -> None:
+        for t in self.tables():
+            t[dst] = t[src]
+
+    def enter(self, slot: int, token_ids: list[int], num_prompt: int, freq: torch.Tensor,
+              pres: torch.Tensor) -> None:
+        """A sequence's rows from its tokens so far (prompt, then generated)."""
+        vocab = self.counts.shape[1]
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.counts.device)
+        ids = ids[ids < vocab]  # never out of range for checked prompts
+        out = torch.tensor(token_ids[num_prompt:], dtype=torch.long, device=ids.device)
+        out = out[out < vocab]
+        self.seen[slot].zero_()
+        self.seen[slot, ids] = True
+        self.counts[slot].zero_()
+        self.counts[slot].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        c = self.counts[slot].float()
+        self.offsets[slot] = freq * c + pres * (c > 0)
+
+    def add(self, slots: torch.Tensor, tokens: torch.Tensor, freq: torch.Tensor,
+            pres: torch.Tensor) -> None:
+        """Each slot generated its token (one per slot): count it, mark it seen, and set its
+        offset to frequency * count + presence."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                               accumulate=True)
+        self.seen[slots, tokens] = True
+        self.offsets[slots, tokens] = freq * self.counts[slots, tokens].float() + pres
+
+
+class PersistentBatch:
+    """Slots and their columns. Host columns are numpy; the PenaltyState ([slots, vocab]
+    tables) lives on the model's device, made when the first penalised sequence enters."""
+
+    def __init__(self, capacity: int, vocab_size: int, max_blocks: int,
+                 eos_ids: list[int], device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.max_blocks = max_blocks
+        self.eos_ids = np.array(eos_ids, np.int64)
+        self.device = device
+        self.seqs: list[Sequence] = []  # slot -> sequence
+        self.cols: dict[str, np.ndarray] = {}
+        self.block_table = np.zeros((0, max_blocks), np.int32)
+        self.stop_ids = np.zeros((0, 1), np.int64)  # per slot, -1 pads
+        self.penalties: PenaltyState | None = None  # made when a penalised sequence enters
+        self.capacity = 0
+        self.moves = 0  # removals so far: slot numbers read before a removal may be stale
+        self._grow(max(1, capacity), 1)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    # ---- membership -----------------------------------------------------------------------------
+    def enter(self, seq: Sequence, table: list[int]) -> None:
+        """Give `seq` the next slot and write its columns: its group's row spec, its own seed
+        and counters, its block table and (penalised) its penalty state."""
+        spec = seq.group.spec
+        if len(self.seqs) == self.capacity or len(spec.stop_ids) > self.stop_ids.shape[1]:
+            self._grow(self.capacity * (2 if len(self.seqs) == self.capacity else 1),
+                       max(self.stop_ids.shape[1], len(spec.stop_ids)))
+        slot = len(self.seqs)
+        self.seqs.append(seq)
+        c = self.cols
+        for name in ("params", "greedy", "penalized", "controls", "stop_strings", "max_tokens",
+                     "min_tokens", "ignore_eos", "logprobs", "beam"):
+            c[name][slot] = getattr(spec, name)
+        c["fork_pending"][slot] = seq.group.fork_pending
+        c["cow_check"][slot] = False
+        self.stop_ids[slot] = -1
+        self.stop_ids[slot, :len(spec.stop_ids)] = spec.stop_ids
+        c["num_prompt"][slot] = seq.group.num_prompt_tokens
+        c["num_tokens"][slot] = len(seq.token_ids)
+        c["last_token"][slot] = seq.token_ids[-1]
+        c["num_computed"][slot] = seq.num_computed_tokens
+        c["seed"][slot] = mix_seeds(np.array([seq.seed % 2**64], np.uint64))[0]
+        c["cum_logprob"][slot] = seq.cumulative_logprob
+        seq.take_slot(self, slot)
+        self.write_table(seq, table, 0)
+        if spec.penalized:
+            self._enter_penalties(slot, seq)
+        elif self.penalties is not None:  # a row next to penalised ones must subtract 0
+            self.penalties.offsets[slot].zero_()
+
+    def remove(self, seq: Sequence) -> None:
+        """`seq` leaves its slot (finished or preempted): its counters go back to the sequence
+        and the last slot moves into the hole."""
+        slot, last = seq.slot, len(self.seqs) - 1
+        self.moves += 1
+        seq.cumulative_logprob = float(self.cols["cum_logprob"][slot])
+        seq.release_slot(int(self.cols["num_computed"][slot]))
+        if slot != last:
+            for col in (*self.cols.values(), self.block_table, self.stop_ids):
+                col[slot] = col[last]
+            if self.penalties is not None:
+                self.penalties.move(slot, last)
+            moved = self.seqs[last]
+            self.seqs[slot] = moved
+            moved.slot = slot
+        self.seqs.pop()
+
+    def clear(self) -> None:
+        """Every sequence leaves (an aborted call)."""
+        for seq in self.seqs:
+            seq.release_slot(0)
+        self.seqs.clear()
+
+    def write_table(self, seq: Sequence, table: list[int], first: int) -> None:
+        """Copy the sequence's block table into its row from logical block `first` on (what a
+        reservation, a copy-on-write or an entry changed)."""
+        self.block_table[seq.slot, first:len(table)] = table[first:]
+        self.cols["num_blocks"][seq.slot] = len(table)
+
+    def _grow(self, capacity: int, stop_width: int) -> None:
+        """(Re)allocate the columns for `capacity` slots and stop lists of `stop_width` ids,
+        keeping the live rows."""
+        n = len(self.seqs)
+        cols = {k: np.zeros((capacity, *shape), dtype) for k, (dtype, shape) in _COLUMNS.items()}
+        for k, v in self.cols.items():
+            cols[k][:n] = v[:n]
+        table = np.zeros((capacity, self.max_blocks), np.int32)
+        table[:n] = self.block_table[:n]
+        stops = np.full((capacity, stop_width), -1, np.int64)
+        stops[:n, :self.stop_ids.shape[1]] = self.stop_ids[:n]
+        self.cols, self.block_table, self.stop_ids = cols, table, stops
+        if self.penalties is not None and capacity != self.capacity:
+            self.penalties = self.penalties.resized(capacity, n)
+        self.capacity = capacity
+
+    def _enter_penalties(self, slot: int, seq: Sequence) -> None:
+        """The penalty tables' rows of an entering penalised sequence (made at the first)."""
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.capacity, self.vocab_size, self.device)
+        p = self.cols["params"][slot]
+        self.penalties.enter(slot, seq.token_ids, seq.group.num_prompt_tokens,
+                             torch.tensor(p[FREQUENCY]), torch.tensor(p[PRESENCE]))
+
+    # ---- per step -------------------------------------------------------------------------------
+    @staticmethod
+    def rows(slots: np.ndarray) -> np.ndarray | slice:
+        """An index for these slots' rows: a slice (views, no copies) when they are slots
+        0..k-1 in order, as in a step where every sequence decodes."""
+        k = len(slots)
+        if k and slots[0] == 0 and slots[-1] == k - 1 and (k < 3 or bool(np.all(np.diff(slots) == 1))):
+            return slice(0, k)
+        return slots
+
+    def sampling_columns(self, slots: np.ndarray) -> SamplingColumns:
+        """What the sampler reads for rows drawing from these slots (views when the slots are
+        0..k-1), with the rows whose logit controls need per-row Python."""
+        c, rows = self.cols, self.rows(slots)
+        controls = []
+        for j in np.flatnonzero(c["controls"][rows]).tolist():
+            seq = self.seqs[int(slots[j])]
+            controls.append(ControlRow(j, seq.group.params, seq.token_ids,
+                                       seq.group.num_prompt_tokens, seq.group.bad_word_ids))
+        seen = offsets = None
+        if self.penalties is not None and c["penalized"][rows].any():
+            idx = rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device)
+            seen, offsets = self.penalties.seen[idx], self.penalties.offsets[idx]
+        return SamplingColumns(
+            params=c["params"][rows], greedy=c["greedy"][rows], seeds=c["seed"][rows],
+            num_generated=c["num_tokens"][rows] - c["num_prompt"][rows],
+            min_tokens=c["min_tokens"][rows], stop_ids=self.stop_ids[rows],
+            ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=c["logprobs"][rows],
+            seen=seen, offsets=offsets, controls=controls)
+
+    def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None
+               ) -> None:
+        """Each slot's sequence gained `tokens[i]` (raw logprob `logprobs[i]`): advance the
+        token columns and the penalty counts by vector ops."""
+        c, rows = self.cols, self.rows(slots)
+        c["num_tokens"][rows] += 1
+        c["last_token"][rows] = tokens
+        if logprobs is not None:
+            c["cum_logprob"][rows] += logprobs
+        if self.penalties is not None:
+            pen = c["penalized"][rows]
+            if pen.any():
+                s = np.asarray(slots)[pen]
+                p = torch.from_numpy(c["params"][s]).to(self.device)
+                self.penalties.add(torch.from_numpy(s).to(self.device),
+                                   torch.from_numpy(tokens[pen]).to(self.device),
+                                   p[:, FREQUENCY], p[:, PRESENCE])
+
+    def stop_codes(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Why each slot's sequence stops now that it gained `tokens[i]` (stop.py's codes):
+        EOS, its stop ids, min_tokens and max_tokens. Stop strings are its checker's."""
+        c, rows = self.cols, self.rows(slots)
+        generated = c["num_tokens"][rows] - c["num_prompt"][rows]
+        return stop_codes(tokens, generated, c["min_tokens"][rows], c["max_tokens"][rows],
+                          self.stop_ids[rows], c["ignore_eos"][rows], self.eos_ids)

@@ -1,0 +1,187 @@
+"""Request kinds: what differs between n samples (SamplingParams) and beam search
+(BeamSearchParams), in one object each, so the rest of batchgen asks the kind instead of
+testing which params it holds: the groups and sequences a request becomes, its batch columns,
+its output, and how dataset and Ray jobs seed and run it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any, Protocol
+
+import numpy as np
+
+from batchgen.engine.beam import BeamSearchState
+from batchgen.engine.policy import BeamPolicy, SamplePolicy
+from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
+from batchgen.outputs import BeamSearchOutput, RequestOutput
+from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.sampling.sampler import NO_LOGPROBS, NUM_PARAMS, PARAM_NAMES
+from batchgen.sampling.stop import StopFactory
+
+
+class Builder(Protocol):
+    """What a kind needs of the request builder (requests.RequestBuilder) to make a group."""
+
+    stops: StopFactory
+    eos_token_ids: list[int]
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def seed_of(self, seed: int | None, index: int) -> int: ...
+
+    def bad_word_ids(self, words: list[str]) -> list[list[int]]: ...
+
+
+class Results(Protocol):
+    """What a kind needs of the result builder (results.ResultBuilder)."""
+
+    def request_output(self, group: SequenceGroup) -> RequestOutput: ...
+
+    def beam_output(self, group: SequenceGroup) -> BeamSearchOutput: ...
+
+
+class Samples:
+    """n independent samples of each prompt (`LLM.generate`)."""
+
+    name = "samples"
+    params_type = SamplingParams
+    params_arg = "sampling_params"  # the argument's name in messages
+    width_arg = "n"
+
+    def check(self, params: SamplingParams, step_limit: int) -> None:
+        """Limits beyond the params' own checks (none: samples decode independently)."""
+
+    def group(self, b: Builder, index: int, text: str | None, ids: list[int],
+              p: SamplingParams, max_tokens: int) -> SequenceGroup:
+        """The request's group: n sequences sharing the prompt, each with its own seed (and,
+        with stop strings, its own checker)."""
+        group = SequenceGroup(index, text, ids, p, max_tokens, SamplePolicy())
+        if p.bad_words:
+            group.bad_word_ids = b.bad_word_ids(p.bad_words)
+        group.spec = sample_spec(p, max_tokens, bool(group.bad_word_ids))
+        group.seqs = [
+            Sequence(group, k, list(ids), b.stops(p, ids, max_tokens) if p.stop_strings else None,
+                     b.seed_of(p.seed, k), logprobs=[] if p.logprobs is not None else None)
+            for k in range(p.n)]
+        return group
+
+    def output(self, results: Results, group: SequenceGroup) -> RequestOutput:
+        return results.request_output(group)
+
+    def job_seed(self, params: SamplingParams, seed: int | None) -> int:
+        """A dataset job's seed: params.seed, else `seed`, else 0 (never random: a resume, or
+        another machine, must redo the same draws)."""
+        if params.seed is not None:
+            return params.seed
+        return 0 if seed is None else int(seed)
+
+    def row_params(self, params: SamplingParams, row_seed: int) -> SamplingParams:
+        """A dataset row's params: seeded from the row (its samples then do not depend on
+        which rows ran beside it)."""
+        return replace(params, seed=row_seed)
+
+    def stream(self, llm: Any, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
+        return llm.generate_stream(prompts, params, use_tqdm=False)
+
+    def run(self, llm: Any, prompts: Any, params: Any) -> list[Any]:
+        return llm.generate(prompts, params, use_tqdm=False)
+
+    def records(self, out: RequestOutput) -> list[dict[str, Any]]:
+        """The completions as plain dicts (a dataset row's `outputs`)."""
+        return [_completion(c) for c in out.outputs]
+
+
+class Beams:
+    """Beam search with HF's selection (`LLM.beam_search`)."""
+
+    name = "beams"
+    params_type = BeamSearchParams
+    params_arg = "params"
+    width_arg = "beam_width"
+
+    def check(self, params: BeamSearchParams, step_limit: int) -> None:
+        """All beams of a group decode in the same step."""
+        if params.beam_width > step_limit:
+            raise ValueError(f"beam_width must be <= max_num_seqs and max_num_batched_tokens "
+                             f"({step_limit}): all beams decode together, got "
+                             f"{params.beam_width!r}")
+
+    def group(self, b: Builder, index: int, text: str | None, ids: list[int],
+              p: BeamSearchParams, max_tokens: int) -> SequenceGroup:
+        """The request's group: one leader that the beam state forks as beams appear."""
+        state = BeamSearchState(
+            p.beam_width, max_tokens, p.length_penalty,
+            True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
+            eos_token_ids=[] if p.ignore_eos else b.eos_token_ids,
+            num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
+            stop_token_ids=p.stop_ids)
+        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),
+                              RowSpec(max_tokens=max_tokens, beam=True))
+        stop = b.stops(p, ids, max_tokens) if p.stop_strings else None
+        group.seqs = [Sequence(group, 0, list(ids), stop)]
+        return group
+
+    def output(self, results: Results, group: SequenceGroup) -> BeamSearchOutput:
+        return results.beam_output(group)
+
+    def job_seed(self, params: BeamSearchParams, seed: int | None) -> int:
+        return 0 if seed is None else int(seed)
+
+    def row_params(self, params: BeamSearchParams, row_seed: int) -> BeamSearchParams:
+        return params  # beams draw nothing
+
+    def stream(self, llm: Any, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
+        return llm.beam_search_stream(prompts, params, use_tqdm=False)
+
+    def run(self, llm: Any, prompts: Any, params: Any) -> list[Any]:
+        return llm.beam_search(prompts, params, use_tqdm=False)
+
+    def records(self, out: BeamSearchOutput) -> list[dict[str, Any]]:
+        return [{"text": s.text, "token_ids": s.token_ids,
+                 "cumulative_logprob": s.cumulative_logprob, "score": s.score,
+                 "finish_reason": s.finish_reason} for s in out.sequences]
+
+
+RequestKind = Samples | Beams
+SAMPLES, BEAMS = Samples(), Beams()
+
+
+def kind_of(params: object, name: str = "params") -> RequestKind:
+    """The kind of a params object (ValueError naming `name` for anything else)."""
+    for kind in (SAMPLES, BEAMS):
+        if isinstance(params, kind.params_type):
+            return kind
+    raise ValueError(f"{name} must be a SamplingParams or a BeamSearchParams, got "
+                     f"{type(params).__name__}")
+
+
+def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
+    """A sampling request's batch columns: its parameters in sampler.PARAM_NAMES order (top-p
+    as HF's threshold 1 - top_p, computed in float64), the stages it needs, its limits."""
+    values = {"temperature": p.temperature, "top_k": p.top_k,
+              "top_p_cut": 1.0 - p.top_p if p.top_p < 1.0 else -1.0, "min_p": p.min_p,
+              "repetition_penalty": p.repetition_penalty,
+              "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty}
+    params = np.array([values[k] for k in PARAM_NAMES], np.float32)
+    assert params.shape == (NUM_PARAMS,)
+    return RowSpec(
+        params=params, greedy=p.greedy,
+        penalized=p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0,
+        controls=bool(p.allowed_token_ids or p.logit_bias or p.logits_processors or bad_words),
+        stop_strings=bool(p.stop_strings), max_tokens=max_tokens, min_tokens=p.min_tokens,
+        ignore_eos=p.ignore_eos, logprobs=NO_LOGPROBS if p.logprobs is None else p.logprobs,
+        stop_ids=tuple(p.stop_ids))
+
+
+def _completion(c: Any) -> dict[str, Any]:
+    d = {"index": c.index, "text": c.text, "token_ids": c.token_ids,
+         "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason,
+         "stop_reason": None if c.stop_reason is None else str(c.stop_reason)}
+    if c.logprobs is not None:
+        d["logprobs"] = [[{"token_id": t, "logprob": v.logprob, "rank": v.rank,
+                           "decoded_token": v.decoded_token} for t, v in e.items()]
+                         for e in c.logprobs]
+    return d
