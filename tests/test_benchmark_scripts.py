@@ -28,6 +28,18 @@ ALONE = {  # scripts with their own small settings
                        "--batch-size", "6"],
     "dataset.py": [*SMALL[:12], "--rows", "40", "--n", "2", "--max-tokens", "4",
                    "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
+    "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
+                         "--threads", "1", "--repeats", "1"],
+    # the tiny random model (batchgen.tools.demo_model); no vLLM there, so it says it skips
+    "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
+                   "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
+                   "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
+}
+
+EXPECT = {  # lines a script must print with the settings above
+    "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)"],
+    "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
+                   "greedy agreement batchgen vs HF generate"],
 }
 
 
@@ -42,3 +54,5 @@ def test_benchmark_script_runs(script, tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out.is_file() and proc.stdout
+    for line in EXPECT.get(script, []):
+        assert line in proc.stdout, proc.stdout[-3000:]

@@ -355,8 +355,10 @@ def test_cpu_top_p_by_value_equals_the_sorting_warper(kind: str) -> None:
         scores[torch.rand(300, 500, generator=gen) < 0.7] = float("-inf")
     top_p = torch.rand(300, 1, generator=gen).clamp(0.01, 0.999)
     cut = torch.where(torch.rand(300, 1, generator=gen) < 0.1, torch.tensor(-1.0), 1.0 - top_p)
-    got, want = _top_p_by_value(scores, cut), _top_p_sorted(scores, cut)
-    assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got, want)
+    want = _top_p_sorted(scores, cut)
+    for ops in (None, cpu_ops_or_skip()):
+        got = _top_p_by_value(scores, cut, ops)
+        assert torch.equal(got.isinf(), want.isinf()) and torch.equal(got, want)
 
 
 def test_unpenalised_rows_beside_penalised_ones_are_untouched() -> None:
@@ -389,3 +391,40 @@ def test_unpenalised_rows_beside_penalised_ones_are_untouched() -> None:
     penalised_scores = apply_penalties(logits, cols, torch.from_numpy(cols.params))
     assert torch.equal(penalised_scores[0], logits[0])  # the slot's old offsets are gone
     assert not torch.equal(penalised_scores[1], logits[1])
+
+
+def cpu_ops_or_skip():
+    """The sampler's C loops, built on first use; skips where they cannot be built."""
+    from batchgen.sampling import cpu_ops
+
+    ops = cpu_ops.load()
+    if ops is None:
+        pytest.skip("CPU sampling ops unavailable here (no C compiler, or BATCHGEN_CPU_KERNEL=0)")
+    return ops
+
+
+@pytest.mark.parametrize("penalties", ["both", "repetition", "frequency", "none"])
+def test_cpu_ops_give_the_pytorch_stages_bits(penalties: str) -> None:
+    """The penalties and the top-k, top-p and min-p masks as C loops: the same bits as the
+    PyTorch stages on a mixed batch (every stage on some rows, none on others)."""
+    ops = cpu_ops_or_skip()
+    gen = torch.Generator().manual_seed(12)
+    logits = (torch.randn(len(COMBOS) * 4, V, generator=gen) * 3).to(torch.bfloat16).float()
+    hist = torch.randint(0, V, (logits.shape[0], 12), generator=gen).tolist()
+    combos = [{k: v for k, v in c.items()
+               if k != "repetition_penalty" or penalties in ("both", "repetition")}
+              for c in COMBOS]
+    freq = 0.1 if penalties in ("both", "frequency") else 0.0
+    rows = [_row(h, 5, seed=i, **combos[i % len(combos)], frequency_penalty=freq * (i % 3))
+            for i, h in enumerate(hist)]
+    cols = columns(rows, V, [EOS])
+    params = torch.from_numpy(cols.params)
+    plain = apply_penalties(logits, cols, params)
+    fast = apply_penalties(logits, cols, params, ops)
+    assert torch.equal(plain, fast)
+    sampled = ~cols.greedy
+    p, sp = cols.params[sampled], params[torch.from_numpy(sampled)]
+    assert torch.equal(apply_warpers(plain[torch.from_numpy(sampled)], p, sp),
+                       apply_warpers(plain[torch.from_numpy(sampled)], p, sp, ops))
+    a, b = Sampler(use_cpu_ops=False)(logits, cols), Sampler()(logits, cols)
+    assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)

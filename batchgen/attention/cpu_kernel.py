@@ -1,41 +1,29 @@
 """The CPU decode kernel (csrc/paged_decode.c): built once with the system C compiler, cached,
-loaded through ctypes.
+loaded through ctypes (batchgen/cpu_build.py).
 
 Decode attention reads each sequence's K/V in place from the paged pool, so the torch
-backend's per-step block gathers and padded SDPA calls disappear for decode rows. The kernel
-uses OpenMP and links `libgomp.so.1`, which resolves to the runtime torch already loaded, so
-`torch.set_num_threads` governs it too. Without a compiler (or with BATCHGEN_CPU_KERNEL=0) the
-pure-PyTorch path runs instead.
+backend's per-step block gathers and padded SDPA calls disappear for decode rows. Without a
+compiler (or with BATCHGEN_CPU_KERNEL=0) the pure-PyTorch path runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from batchgen.cache import cache_root
+from batchgen import cpu_build
+from batchgen.cpu_build import ENV_SWITCH, KernelUnavailable, load_library
 
 logger = logging.getLogger("batchgen")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-         "-ffp-contract=fast", "-fno-math-errno", "-fno-trapping-math"]
-ENV_SWITCH = "BATCHGEN_CPU_KERNEL"  # "0" disables the kernel
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # pool dtypes the kernel reads
-
-
-class KernelUnavailable(RuntimeError):
-    """The C kernel could not be built or loaded here."""
+__all__ = ["ENV_SWITCH", "KernelUnavailable", "PagedDecodeKernel", "build", "load", "try_load"]
 
 
 class PagedDecodeKernel:
@@ -100,42 +88,9 @@ def _check_tables(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_len: tor
         raise ValueError("each kv_len must be >= 1 and fit its pages")
 
 
-def _compiler() -> str:
-    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if cc and shutil.which(cc):
-            return cc
-    raise KernelUnavailable("no C compiler found (set CC, or install gcc)")
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: a build is reused only on the same kind of CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), sys.platform)
-    except OSError:
-        return sys.platform
-
-
 def build(verbose: bool = False) -> Path:
     """Compile the kernel into the cache (once per source, compiler, flags and CPU; ~1 s)."""
-    cc = _compiler()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, _cpu_id()])
-                         .encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_decode-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out), "-lm"],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
-        os.replace(out, target)  # atomic: concurrent builders agree on the file
-    if verbose:
-        logger.info("compiled the CPU decode kernel (once per machine): %s", target)
-    return target
+    return cpu_build.build(SOURCE, verbose)
 
 
 def load() -> PagedDecodeKernel:
@@ -158,17 +113,7 @@ def _load_once() -> PagedDecodeKernel | KernelUnavailable:
 
 
 def _build_and_load() -> PagedDecodeKernel:
-    if not sys.platform.startswith("linux"):
-        raise KernelUnavailable("the CPU kernel is built on Linux only")
-    try:
-        path = build(verbose=True)
-    except (OSError, subprocess.SubprocessError) as e:  # unwritable cache, compiler crash
-        raise KernelUnavailable(f"cannot build {SOURCE.name}: {e}") from e
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return PagedDecodeKernel(lib)
+    return PagedDecodeKernel(load_library(SOURCE))
 
 
 def try_load() -> PagedDecodeKernel | None:

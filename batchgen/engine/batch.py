@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from batchgen.sampling import cpu_ops
 from batchgen.sampling.sampler import (
     FREQUENCY,
     NUM_PARAMS,
@@ -99,14 +100,20 @@ class PenaltyState:
         c = self.counts[slot].float()
         self.offsets[slot] = freq * c + pres * (c > 0)
 
-    def add(self, slots: torch.Tensor, tokens: torch.Tensor, freq: torch.Tensor,
-            pres: torch.Tensor) -> None:
+    def add(self, slots: np.ndarray, tokens: np.ndarray, freq: np.ndarray, pres: np.ndarray
+            ) -> None:
         """Each slot generated its token (one per slot): count it, mark it seen, and set its
-        offset to frequency * count + presence."""
-        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
-                               accumulate=True)
-        self.seen[slots, tokens] = True
-        self.offsets[slots, tokens] = freq * self.counts[slots, tokens].float() + pres
+        offset to frequency * count + presence (a C loop on the CPU when it builds)."""
+        dev = self.counts.device
+        ops = cpu_ops.load() if dev.type == "cpu" else None
+        if ops is not None:
+            ops.penalty_add(self.counts, self.seen, self.offsets, slots, tokens, freq, pres)
+            return
+        s, t = torch.from_numpy(slots).to(dev), torch.from_numpy(tokens).to(dev)
+        self.counts.index_put_((s, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
+        self.seen[s, t] = True
+        self.offsets[s, t] = (torch.from_numpy(freq).to(dev) * self.counts[s, t].float()
+                              + torch.from_numpy(pres).to(dev))
 
 
 class PersistentBatch:
@@ -222,14 +229,17 @@ class PersistentBatch:
         """An index for these slots' rows: a slice (views, no copies) when they are slots
         0..k-1 in order, as in a step where every sequence decodes."""
         k = len(slots)
-        if k and slots[0] == 0 and slots[-1] == k - 1 and (k < 3 or bool(np.all(np.diff(slots) == 1))):
+        if k and slots[0] == 0 and slots[-1] == k - 1 and (k < 3 or (slots[1:] > slots[:-1]).all()):
             return slice(0, k)
         return slots
 
-    def sampling_columns(self, slots: np.ndarray) -> SamplingColumns:
+    def sampling_columns(self, slots: np.ndarray, rows: np.ndarray | slice | None = None
+                         ) -> SamplingColumns:
         """What the sampler reads for rows drawing from these slots (views when the slots are
-        0..k-1), with the rows whose logit controls need per-row Python."""
-        c, rows = self.cols, self.rows(slots)
+        0..k-1; `rows`: their `rows(slots)` when known), with the rows whose logit controls
+        need per-row Python."""
+        c = self.cols
+        rows = self.rows(slots) if rows is None else rows
         controls = []
         for j in np.flatnonzero(c["controls"][rows]).tolist():
             seq = self.seqs[int(slots[j])]
@@ -246,28 +256,33 @@ class PersistentBatch:
             ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=c["logprobs"][rows],
             seen=seen, offsets=offsets, controls=controls)
 
-    def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None
-               ) -> None:
+    def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None,
+               rows: np.ndarray | slice | None = None) -> None:
         """Each slot's sequence gained `tokens[i]` (raw logprob `logprobs[i]`): advance the
-        token columns and the penalty counts by vector ops."""
-        c, rows = self.cols, self.rows(slots)
+        token columns and the penalty tables by vector ops."""
+        c = self.cols
+        rows = self.rows(slots) if rows is None else rows
         c["num_tokens"][rows] += 1
         c["last_token"][rows] = tokens
         if logprobs is not None:
             c["cum_logprob"][rows] += logprobs
         if self.penalties is not None:
             pen = c["penalized"][rows]
-            if pen.any():
-                s = np.asarray(slots)[pen]
-                p = torch.from_numpy(c["params"][s]).to(self.device)
-                self.penalties.add(torch.from_numpy(s).to(self.device),
-                                   torch.from_numpy(tokens[pen]).to(self.device),
-                                   p[:, FREQUENCY], p[:, PRESENCE])
+            if pen.all():
+                s, t = np.asarray(slots), tokens
+            elif pen.any():
+                s, t = np.asarray(slots)[pen], tokens[pen]
+            else:
+                return
+            p = c["params"]
+            self.penalties.add(s, t, p[s, FREQUENCY], p[s, PRESENCE])
 
-    def stop_codes(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def stop_codes(self, slots: np.ndarray, tokens: np.ndarray,
+                   rows: np.ndarray | slice | None = None) -> np.ndarray:
         """Why each slot's sequence stops now that it gained `tokens[i]` (stop.py's codes):
         EOS, its stop ids, min_tokens and max_tokens. Stop strings are its checker's."""
-        c, rows = self.cols, self.rows(slots)
+        c = self.cols
+        rows = self.rows(slots) if rows is None else rows
         generated = c["num_tokens"][rows] - c["num_prompt"][rows]
         return stop_codes(tokens, generated, c["min_tokens"][rows], c["max_tokens"][rows],
                           self.stop_ids[rows], c["ignore_eos"][rows], self.eos_ids)

@@ -94,7 +94,8 @@ class Engine:
             rows = logits
             if out.sample_rows is not None:
                 rows = logits[torch.from_numpy(out.sample_rows).to(logits.device)]
-            sampled = self.sampler(rows, self.scheduler.batch.sampling_columns(out.sample_slots))
+            cols = self.scheduler.batch.sampling_columns(out.sample_slots, out.sample_index)
+            sampled = self.sampler(rows, cols)
         beams = {g: torch.log_softmax(logits[[rows[s] for s in g.seqs]].float(), dim=-1)
                  for g, rows in out.beam_rows.items()}
         prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []

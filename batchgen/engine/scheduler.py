@@ -62,7 +62,8 @@ class SchedulerOutput:
     rows: StepRows | None = None
     samplers: list[Sequence] = field(default_factory=list)  # sequences that draw a token...
     sample_rows: np.ndarray | None = None  # ...from these logits rows (None: row i ↔ i)
-    sample_slots: np.ndarray | None = None  # their batch slots (known after forks)
+    sample_slots: np.ndarray | None = None  # their batch slots (known after forks)...
+    sample_index: np.ndarray | slice | None = None  # ...as an index of the batch's columns
     beam_rows: dict[SequenceGroup, dict[Sequence, int]] = field(default_factory=dict)
     # prompt logprobs: (group, first position scored, its logits row, how many rows)
     prompt_rows: list[tuple[SequenceGroup, int, int, int]] = field(default_factory=list)
@@ -173,19 +174,8 @@ class Scheduler:
             return False
         needy = rows[(computed[rows] // self.block_size >= c["num_blocks"][rows])
                      | c["cow_check"][rows]]
-        seqs = sorted((b.seqs[i] for i in needy.tolist()),
-                      key=lambda s: (s.group.order, s.index))
-        for seq in seqs:
-            pos, slot = seq.num_computed_tokens, seq.slot
-            try:
-                if c["cow_check"][slot]:
-                    out.copies += self.bm.reserve([(seq, pos, 1)])
-                else:  # only a new block: the chapter's append_token
-                    self.bm.append_token(seq, pos)
-            except PoolExhausted:
-                return False
-            self.batch.write_table(seq, self.bm.table(seq), pos // self.block_size)
-            c["cow_check"][slot] = False
+        if len(needy) and not self._grow_rows(out, needy):
+            return False
         out.seqs += [b.seqs[i] for i in rows.tolist()]
         out.decode_slots, out.moves = rows, b.moves
         out.num_new += [1] * len(rows)
@@ -193,6 +183,34 @@ class Scheduler:
         budget.tokens -= len(rows)
         budget.seqs -= len(rows)
         return True
+
+    def _grow_rows(self, out: SchedulerOutput, needy: np.ndarray) -> bool:
+        """A block for each of these slots' next token: a new one where it opens a block
+        (the chapter's append_token; their table rows written at once), a copy where a fork
+        left it sharing one. False when the pool runs out (what was reserved stays, and the
+        copies made stay in `out`)."""
+        b, c, bs = self.batch, self.batch.cols, self.block_size
+        grown: list[int] = []
+        done = True
+        for slot, pos in zip(needy.tolist(), c["num_computed"][needy].tolist()):
+            seq = b.seqs[slot]
+            try:
+                if c["cow_check"][slot]:
+                    out.copies += self.bm.reserve([(seq, pos, 1)])
+                    b.write_table(seq, self.bm.table(seq), pos // bs)
+                    c["cow_check"][slot] = False
+                else:
+                    self.bm.append_token(seq, pos)
+                    grown.append(slot)
+            except PoolExhausted:
+                done = False
+                break
+        if grown:  # each grew by one block: its last
+            slots = np.array(grown, np.int64)
+            at = c["num_blocks"][slots]
+            b.block_table[slots, at] = [self.bm.table(b.seqs[i])[-1] for i in grown]
+            c["num_blocks"][slots] = at + 1
+        return done
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget,
                           groups: list[SequenceGroup]) -> bool:
@@ -352,7 +370,7 @@ class Scheduler:
         tokens = [c["last_token"][head]]
         out.num_prompt_tokens = int(np.count_nonzero(starts[0] < c["num_prompt"][head]))
         out.samplers = out.seqs[:k]
-        sample_rows = list(range(k))
+        sample_rows: list[int] = []  # of the samplers after the first k
         row = k
         for seq, n in zip(out.seqs[k:], out.num_new[k:]):
             group, token_ids = seq.group, seq.token_ids
@@ -383,8 +401,9 @@ class Scheduler:
                             np.concatenate(num_logits).astype(np.int64, copy=False),
                             np.concatenate(tokens).astype(np.int64, copy=False),
                             self.batch.block_table)
-        identity = len(sample_rows) == row and (row == k or sample_rows == list(range(row)))
-        out.sample_rows = None if identity else np.array(sample_rows, np.int64)
+        identity = row == k and not sample_rows
+        out.sample_rows = None if identity else np.concatenate(
+            (np.arange(k), np.array(sample_rows, np.int64)))
 
     # ---- after the forward ----------------------------------------------------------------------
     def computed(self, out: SchedulerOutput) -> None:
@@ -406,6 +425,7 @@ class Scheduler:
                            len(out.samplers) - k)
         out.sample_slots = rows.slots[:k] if not len(rest) else np.concatenate(
             (rows.slots[:k], rest))
+        out.sample_index = self.batch.rows(out.sample_slots)
 
     def update(self, out: SchedulerOutput, sampled: SamplerOutput | None,
                beam_logprobs: dict[SequenceGroup, torch.Tensor],
@@ -441,15 +461,15 @@ class Scheduler:
         """Every sampler's new token at once: the batch's columns by vector ops, the token
         lists in one loop, stop checks on columns (stop-string rows through their checkers);
         per-row Python for rows that finish or asked for logprobs. Returns the tokens added."""
-        slots, tokens = out.sample_slots, res.token_ids
+        slots, tokens, index = out.sample_slots, res.token_ids, out.sample_index
         seqs = out.samplers
-        self.batch.append(slots, tokens, res.logprobs)
+        self.batch.append(slots, tokens, res.logprobs, index)
         token_list = tokens.tolist()
         for seq, t in zip(seqs, token_list):
             seq.token_ids.append(t)
-        codes = self.batch.stop_codes(slots, tokens)
+        codes = self.batch.stop_codes(slots, tokens, index)
         reasons: dict[int, tuple[str, int | str | None]] = {}
-        strings = self.batch.cols["stop_strings"][self.batch.rows(slots)]
+        strings = self.batch.cols["stop_strings"][index]
         for j in np.flatnonzero(strings).tolist():  # the checker decides these rows alone
             reason = seqs[j].stop.append(token_list[j], seqs[j].num_generated)
             codes[j] = 0

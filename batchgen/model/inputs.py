@@ -1,12 +1,13 @@
 """StepInputs: the model runner's persistent step buffers, sized once at start-up and refilled in
 place every step (pinned host memory plus device copies on CUDA, one set on the CPU).
 
-`prepare` packs the scheduled chunks into one ragged batch: token ids, positions, the slot
+`prepare` packs the scheduled rows into one ragged batch: token ids, positions, the slot
 mapping for the KV writes, the logits rows to keep and the attention metadata. Row order and
-padding are decided here, not by the engine: rows are sorted by (query length, cached length)
-so that a backend's same-shape rows are contiguous, and on the CPU a step's tokens are padded
-up to a multiple of `min_rows` (its logits rows up to `min_rows`) with one-token dummies in the
-scratch block: small-M CPU GEMMs round differently, and so do the scalar tails of elementwise
+padding are decided here, not by the engine: a step with longer queries has its rows sorted
+by (query length, cached length) so that a backend's same-shape rows are contiguous (a
+decode-only step keeps the scheduler's order: every row has the same shape), and on the CPU a
+step's tokens are padded up to a multiple of `min_rows` (its logits rows up to `min_rows`)
+with one-token dummies in the scratch block: small-M CPU GEMMs round differently, and so do the scalar tails of elementwise
 kernels (a T x 688 activation ends mid-vector for odd T), so padding keeps every row's result
 independent of its batch.
 """
@@ -65,6 +66,8 @@ class StepInputs:
         replaying a CUDA graph captured for that batch size); else a multiple of `min_rows`
         (none when it is 0). Vector ops only: no Python per row or per page."""
         bs, n_new, starts = self.block_size, rows.num_new, rows.starts
+        if len(rows.token_ids) == rows.num_rows:  # decode only: the rows as they come
+            return self._decode(rows, pad_to)
         order = np.lexsort((starts, n_new))  # by (query length, cached length), stable
         n_o, s_o = n_new[order], starts[order]
         pages_o = (s_o + n_o + bs - 1) // bs
@@ -83,6 +86,18 @@ class StepInputs:
         last_row[order] = qo[1:] - 1
         logits = _logits_rows(last_row, rows.num_logits)
         return self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to)
+
+    def _decode(self, rows: StepRows, pad_to: int | None) -> StepBatch:
+        """`prepare` for a step of one token per row (the common step): no reordering."""
+        starts, n = rows.starts, rows.num_rows
+        pages_n = starts // self.block_size + 1
+        kv = np.concatenate(([0], np.cumsum(pages_n)))
+        width = int(pages_n.max())
+        tables = rows.block_tables[rows.slots, :width]
+        pages = tables[np.arange(width)[None, :] < pages_n[:, None]]
+        logits = np.flatnonzero(rows.num_logits)
+        return self._pad(rows.token_ids, pages, np.arange(n + 1), kv, starts,
+                         np.ones(n, np.int64), logits, pad_to)
 
     def _pad(self, ids: np.ndarray, pages: np.ndarray, qo: np.ndarray, kv: np.ndarray,
              starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, pad_to: int | None

@@ -39,6 +39,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.sampling import cpu_ops
+from batchgen.sampling.cpu_ops import SamplingOps
+
 _NEG_INF = float("-inf")
 
 # Columns of SamplingColumns.params, in this order.
@@ -49,6 +52,13 @@ PARAM_NAMES = ("temperature", "top_k", "top_p_cut", "min_p", "repetition_penalty
 TEMPERATURE, TOP_K, TOP_P_CUT, MIN_P, REPETITION, PRESENCE, FREQUENCY = range(len(PARAM_NAMES))
 NUM_PARAMS = len(PARAM_NAMES)
 NO_LOGPROBS = -2  # a row that asked for no top logprobs (-1 means the whole vocabulary)
+# each column's value when its stage is off (top-k: 0; -1 and >= vocab are off too)
+_NEUTRAL = np.array([1.0, 0.0, -1.0, 0.0, 1.0, 0.0, 0.0], np.float32)
+
+
+def _active(p: np.ndarray) -> np.ndarray:
+    """Per column of these rows' params: does any row use that stage? (One vector op.)"""
+    return (p != _NEUTRAL).any(axis=0)
 
 RankedLogprobs = dict[int, tuple[float, int]]  # token -> (raw logprob, rank; 1 = the most likely)
 
@@ -122,10 +132,9 @@ _MIX2 = np.uint64(0x94D049BB133111EB)
 
 
 def _splitmix(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser on uint64 values (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        z = (z ^ (z >> np.uint64(30))) * _MIX1
-        z = (z ^ (z >> np.uint64(27))) * _MIX2
+    """splitmix64's finaliser on uint64 arrays (numpy wraps array arithmetic silently)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
     return z ^ (z >> np.uint64(31))
 
 
@@ -136,8 +145,7 @@ def mix_seeds(seeds: np.ndarray) -> np.ndarray:
 
 def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     """U[0, 1) per row from (key, counter): the `counter`-th draw of each sequence, float64."""
-    with np.errstate(over="ignore"):
-        z = keys + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+    z = keys + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
     return (_splitmix(z) >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
@@ -184,18 +192,24 @@ def _arity(fn: Callable) -> int:
         return 2
 
 
-def apply_penalties(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor
-                    ) -> torch.Tensor:
+def apply_penalties(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor,
+                    ops: SamplingOps | None = None) -> torch.Tensor:
     """Repetition (HF: every distinct prompt + generated id), then presence/frequency
-    (vLLM/OpenAI: generated ids only), on fp32 logits. Rows without them are unchanged."""
-    p = cols.params
+    (vLLM/OpenAI: generated ids only), on fp32 logits. Rows without them are unchanged.
+    `ops`: the CPU's C loops for the masked stage (same bits)."""
     if cols.seen is None:
         return scores
-    if np.any(p[:, REPETITION] != 1.0):
+    active = _active(cols.params)
+    rep, offsets = active[REPETITION], active[PRESENCE] or active[FREQUENCY]
+    if ops is not None and (rep or offsets):
+        return ops.penalize(scores, cols.seen if rep else None,
+                            params[:, REPETITION] if rep else None,
+                            cols.offsets if offsets else None)
+    if rep:
         pen = params[:, REPETITION:REPETITION + 1]
         scores = torch.where(cols.seen, torch.where(scores < 0, scores * pen, scores / pen),
                              scores)
-    if np.any(p[:, PRESENCE] != 0.0) or np.any(p[:, FREQUENCY] != 0.0):
+    if offsets:
         scores = scores - cols.offsets
     return scores
 
@@ -216,34 +230,46 @@ def apply_min_tokens(scores: torch.Tensor, cols: SamplingColumns) -> torch.Tenso
                             torch.tensor(_NEG_INF, device=dev))
 
 
-def apply_warpers(scores: torch.Tensor, p: np.ndarray, params: torch.Tensor) -> torch.Tensor:
+def apply_warpers(scores: torch.Tensor, p: np.ndarray, params: torch.Tensor,
+                  ops: SamplingOps | None = None) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p (HF warpers, HF order) for sampled rows; `p` the
-    rows' host params, `params` the same on the logits' device."""
-    if np.any(p[:, TEMPERATURE] != 1.0):
+    rows' host params, `params` the same on the logits' device; `ops`: the CPU's C loops
+    for the -inf masks (same bits)."""
+    active = _active(p)
+    if active[TEMPERATURE]:
         scores = scores / params[:, TEMPERATURE:TEMPERATURE + 1]
     k = p[:, TOP_K]
-    if np.any((k > 0) & (k < scores.shape[1])):
-        scores = _top_k(scores, k)
-    if np.any(p[:, TOP_P_CUT] >= 0.0):
+    if active[TOP_K] and np.any((k > 0) & (k < scores.shape[1])):
+        scores = _top_k(scores, k, ops)
+    if active[TOP_P_CUT]:
         cut = params[:, TOP_P_CUT:TOP_P_CUT + 1]
-        scores = (_top_p_by_value(scores, cut) if scores.device.type == "cpu"
+        scores = (_top_p_by_value(scores, cut, ops) if scores.device.type == "cpu"
                   else _top_p_sorted(scores, cut))
-    if np.any(p[:, MIN_P] > 0.0):
+    if active[MIN_P]:
         # HF MinPLogitsWarper; the top token is never below min_p * max, so one always stays.
         probs = scores.softmax(dim=-1)
-        top_prob = probs.amax(dim=-1, keepdim=True)
-        scores = scores.masked_fill(probs < params[:, MIN_P:MIN_P + 1] * top_prob, _NEG_INF)
+        limit = params[:, MIN_P:MIN_P + 1] * probs.amax(dim=-1, keepdim=True)
+        scores = _mask_below(scores, probs, limit, False, ops)
     return scores
 
 
-def _top_k(scores: torch.Tensor, k: np.ndarray) -> torch.Tensor:
+def _mask_below(scores: torch.Tensor, ref: torch.Tensor, limit: torch.Tensor, inclusive: bool,
+                ops: SamplingOps | None) -> torch.Tensor:
+    """`scores` with -inf where ref < limit (<= when inclusive); limit [R, 1]."""
+    if ops is not None:
+        return ops.mask_below(scores, ref, limit, inclusive)
+    return scores.masked_fill(ref <= limit if inclusive else ref < limit, _NEG_INF)
+
+
+def _top_k(scores: torch.Tensor, k: np.ndarray, ops: SamplingOps | None = None
+           ) -> torch.Tensor:
     """HF TopKLogitsWarper per row: values below the row's k-th largest become -inf (ties
     with it stay); k of 0, -1 or >= vocab keeps the row."""
     vocab = scores.shape[1]
     ks = np.where((k > 0) & (k < vocab), k, vocab).astype(np.int64)
     top = torch.topk(scores, int(ks.max()), dim=-1).values
     kth = top.gather(1, torch.from_numpy(ks - 1).to(scores.device)[:, None])
-    return scores.masked_fill(scores < kth, _NEG_INF)
+    return _mask_below(scores, scores, kth, False, ops)
 
 
 def _top_p_sorted(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
@@ -257,7 +283,8 @@ def _top_p_sorted(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     return scores.masked_fill(mask, _NEG_INF)
 
 
-def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor, ops: SamplingOps | None = None
+                    ) -> torch.Tensor:
     """`_top_p_sorted`'s result on the CPU from a sort of the values alone (numpy's, several
     times faster than torch's with indices). The sorted values, hence their softmax and
     cumsum, are the same bits; the removed tokens are a prefix of the ascending order: every
@@ -266,14 +293,18 @@ def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     torch's sort, as HF does."""
     vocab = scores.shape[1]
     sorted_vals = torch.from_numpy(np.sort(scores.numpy(), axis=-1))
-    remove = sorted_vals.softmax(dim=-1).cumsum(dim=-1) <= cut
-    remove[:, -1] = False
-    j = remove.sum(dim=-1, keepdim=True)  # a prefix: the cumsum never decreases
-    last = sorted_vals.gather(1, (j - 1).clamp(min=0))
-    first_kept = sorted_vals.gather(1, j.clamp(max=vocab - 1))
-    v = torch.where(j > 0, last, torch.full_like(last, _NEG_INF))
-    out = scores.masked_fill(scores <= v, _NEG_INF)
-    rows = ((first_kept == v) & v.isfinite())[:, 0].nonzero()[:, 0]  # a split run of ties
+    cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
+    if ops is not None:
+        out, partial = ops.top_p_cut(cum, sorted_vals, cut, scores)
+    else:
+        # tokens removed: those whose cumsum <= cut, a prefix (the cumsum never decreases),
+        # never the last (min_tokens_to_keep = 1)
+        j = torch.searchsorted(cum, cut.contiguous(), right=True).clamp(max=vocab - 1)
+        last = sorted_vals.gather(1, (j - 1).clamp(min=0))
+        v = torch.where(j > 0, last, torch.full_like(last, _NEG_INF))
+        out = scores.masked_fill(scores <= v, _NEG_INF)
+        partial = ((sorted_vals.gather(1, j) == v) & v.isfinite())[:, 0]
+    rows = partial.nonzero()[:, 0]  # a split run of ties
     if len(rows):
         out[rows] = _top_p_sorted(scores[rows], cut[rows])
     return out
@@ -281,7 +312,11 @@ def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- sampler
 class Sampler:
-    """Samples one token per row from the rows' columns; holds no state of its own."""
+    """Samples one token per row from the rows' columns; holds no state of its own.
+    `use_cpu_ops`: on the CPU, run the masked stages as C loops when they build."""
+
+    def __init__(self, use_cpu_ops: bool = True) -> None:
+        self.use_cpu_ops = use_cpu_ops
 
     def __call__(self, logits: torch.Tensor, cols: SamplingColumns) -> SamplerOutput:
         """Pick one token per row and report raw logprobs (and top logprobs where asked)."""
@@ -290,11 +325,14 @@ class Sampler:
             raise ValueError(f"logits must be [rows={n}, V], got {tuple(logits.shape)}")
         raw = logits.float()
         dev = raw.device
-        params = torch.from_numpy(np.ascontiguousarray(cols.params)).to(dev, non_blocking=True)
+        params = torch.from_numpy(np.ascontiguousarray(cols.params))
+        if dev.type != "cpu":
+            params = params.to(dev, non_blocking=True)
+        ops = cpu_ops.load() if dev.type == "cpu" and self.use_cpu_ops else None
         scores = apply_controls(raw, cols.controls) if cols.controls else raw
-        scores = apply_penalties(scores, cols, params)
+        scores = apply_penalties(scores, cols, params, ops)
         scores = apply_min_tokens(scores, cols)
-        chosen = self._choose(scores, cols, params)
+        chosen = self._choose(scores, cols, params, ops)
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
         top = _top_logprobs(raw, lse, chosen, cols.logprobs)
@@ -303,12 +341,12 @@ class Sampler:
         return SamplerOutput(host[0], host[1], top_out)
 
     @staticmethod
-    def _choose(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor
-                ) -> torch.Tensor:
+    def _choose(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor,
+                ops: SamplingOps | None) -> torch.Tensor:
         """Greedy rows: argmax of the penalised logits; the others: warp and draw."""
         greedy = cols.greedy
         if greedy.all():
-            return scores.argmax(dim=-1)
+            return _argmax(scores)
         dev = scores.device
         sampled = np.flatnonzero(~greedy) if greedy.any() else None
         sub, p, sub_params = scores, cols.params, params
@@ -317,13 +355,21 @@ class Sampler:
             sub, p, sub_params = scores[s_idx], p[sampled], params[s_idx]
         u = uniforms(cols.seeds if sampled is None else cols.seeds[sampled],
                      cols.num_generated if sampled is None else cols.num_generated[sampled])
-        warped = apply_warpers(sub, p, sub_params)
-        picked = _inverse_cdf(warped.softmax(dim=-1), torch.from_numpy(u).to(dev))
+        warped = apply_warpers(sub, p, sub_params, ops)
+        probs, u = warped.softmax(dim=-1), torch.from_numpy(u).to(dev)
+        picked = ops.inverse_cdf(probs, u) if ops is not None else _inverse_cdf(probs, u)
         if sampled is None:
             return picked
-        chosen = scores.argmax(dim=-1)
+        chosen = _argmax(scores)
         chosen[s_idx] = picked
         return chosen
+
+
+def _argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (numpy's is several times faster on the CPU; same index)."""
+    if scores.device.type == "cpu":
+        return torch.from_numpy(scores.numpy().argmax(axis=-1))
+    return scores.argmax(dim=-1)
 
 
 def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray

@@ -48,7 +48,7 @@ def stop_codes(tokens: np.ndarray, generated: np.ndarray, min_tokens: np.ndarray
     min_tokens-th generated token on, EOS (unless ignore_eos), then a stop id; then the length.
     `generated` counts the new token; `stop_ids` is [rows, K] with -1 pads."""
     allowed = generated >= min_tokens
-    eos = allowed & ~ignore_eos & np.isin(tokens, eos_ids)
+    eos = allowed & ~ignore_eos & (tokens[:, None] == eos_ids[None, :]).any(axis=1)
     ids = allowed & (stop_ids == tokens[:, None]).any(axis=1)
     length = generated >= max_tokens
     return np.where(eos, EOS_STOP, np.where(ids, ID_STOP, np.where(length, LENGTH_STOP,
