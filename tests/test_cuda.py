@@ -46,3 +46,38 @@ def test_samples_and_beams_on_cuda_match_cpu(model_dir, prompts):
     # seeded samples draw their uniforms on the CPU: same tokens unless a float near-tie flips
     same = sum(a == b for a, b in zip(results[0][0], results[1][0]))
     assert same >= 3
+
+
+def test_a_decode_step_synchronises_only_to_read_its_tokens(model_dir, prompts):
+    """Under torch.cuda's sync debug mode, a decode step of samples (n=2, top-p, penalties;
+    FlashInfer) makes no synchronising call but the sampler's one copy back to the host
+    (which it allows): every host-to-device copy is asynchronous from pinned memory."""
+    import warnings
+
+    from batchgen.kinds import SAMPLES
+
+    llm = LLM(model_dir, device="cuda", block_size=16, num_kv_blocks=512, max_num_seqs=16)
+    if llm.attention_backend != "flashinfer":
+        pytest.skip("the torch backend plans its tiles with device tensors (synchronising)")
+    sp = SamplingParams(n=2, temperature=0.8, top_p=0.9, repetition_penalty=1.2,
+                        frequency_penalty=0.3, seed=1, max_tokens=8, ignore_eos=True)
+    sched, engine = llm.scheduler, llm.engine
+    for group in llm.requests.build([{"prompt_token_ids": p} for p in prompts[:4]], sp, SAMPLES):
+        sched.add(group)
+    checked = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        decode = len(out.rows.token_ids) == out.rows.num_rows
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn" if decode else 0)
+            try:
+                engine.step(out)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        if decode:
+            syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+            assert not syncs, syncs[:3]
+            checked += 1
+    assert checked >= 5

@@ -428,3 +428,13 @@ def test_cpu_ops_give_the_pytorch_stages_bits(penalties: str) -> None:
                        apply_warpers(plain[torch.from_numpy(sampled)], p, sp, ops))
     a, b = Sampler(use_cpu_ops=False)(logits, cols), Sampler()(logits, cols)
     assert np.array_equal(a.token_ids, b.token_ids) and np.array_equal(a.logprobs, b.logprobs)
+
+
+def test_cpu_uniforms_equal_numpy() -> None:
+    """The draws' uniforms from the C loop and from numpy: the same doubles."""
+    from batchgen.sampling.sampler import mix_seeds
+
+    ops = cpu_ops_or_skip()
+    keys = mix_seeds(np.arange(1000, dtype=np.uint64) * np.uint64(7919))
+    counters = np.arange(1000, dtype=np.int64) % 97
+    assert np.array_equal(ops.uniforms(keys, counters), uniforms(keys, counters))

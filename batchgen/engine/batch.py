@@ -23,6 +23,7 @@ import torch
 from batchgen.sampling import cpu_ops
 from batchgen.sampling.sampler import (
     FREQUENCY,
+    NO_LOGPROBS,
     NUM_PARAMS,
     PRESENCE,
     ControlRow,
@@ -30,6 +31,7 @@ from batchgen.sampling.sampler import (
     mix_seeds,
 )
 from batchgen.sampling.stop import stop_codes
+from batchgen.transfer import to_device
 
 if TYPE_CHECKING:
     from batchgen.engine.sequence import Sequence
@@ -109,11 +111,11 @@ class PenaltyState:
         if ops is not None:
             ops.penalty_add(self.counts, self.seen, self.offsets, slots, tokens, freq, pres)
             return
-        s, t = torch.from_numpy(slots).to(dev), torch.from_numpy(tokens).to(dev)
+        s, t = to_device(slots, dev), to_device(tokens, dev)
         self.counts.index_put_((s, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
         self.seen[s, t] = True
-        self.offsets[s, t] = (torch.from_numpy(freq).to(dev) * self.counts[s, t].float()
-                              + torch.from_numpy(pres).to(dev))
+        self.offsets[s, t] = (to_device(freq, dev) * self.counts[s, t].float()
+                              + to_device(pres, dev))
 
 
 class PersistentBatch:
@@ -240,6 +242,7 @@ class PersistentBatch:
         need per-row Python."""
         c = self.cols
         rows = self.rows(slots) if rows is None else rows
+        logprobs = c["logprobs"][rows]
         controls = []
         for j in np.flatnonzero(c["controls"][rows]).tolist():
             seq = self.seqs[int(slots[j])]
@@ -247,14 +250,15 @@ class PersistentBatch:
                                        seq.group.num_prompt_tokens, seq.group.bad_word_ids))
         seen = offsets = None
         if self.penalties is not None and c["penalized"][rows].any():
-            idx = rows if isinstance(rows, slice) else torch.from_numpy(rows).to(self.device)
+            idx = rows if isinstance(rows, slice) else to_device(rows, self.device)
             seen, offsets = self.penalties.seen[idx], self.penalties.offsets[idx]
         return SamplingColumns(
             params=c["params"][rows], greedy=c["greedy"][rows], seeds=c["seed"][rows],
             num_generated=c["num_tokens"][rows] - c["num_prompt"][rows],
             min_tokens=c["min_tokens"][rows], stop_ids=self.stop_ids[rows],
-            ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=c["logprobs"][rows],
-            seen=seen, offsets=offsets, controls=controls)
+            ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=logprobs,
+            seen=seen, offsets=offsets, controls=controls,
+            any_logprobs=bool((logprobs != NO_LOGPROBS).any()))
 
     def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None,
                rows: np.ndarray | slice | None = None) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from batchgen.attention.metadata import StepRows
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput, StepStats
 from batchgen.engine.sequence import SequenceGroup
 from batchgen.sampling.sampler import RankedLogprobs, Sampler, ranked_logprobs
+from batchgen.transfer import to_device
 
 
 class Runner(Protocol):
@@ -93,10 +95,11 @@ class Engine:
         if out.samplers:
             rows = logits
             if out.sample_rows is not None:
-                rows = logits[torch.from_numpy(out.sample_rows).to(logits.device)]
+                rows = logits[to_device(out.sample_rows, logits.device)]
             cols = self.scheduler.batch.sampling_columns(out.sample_slots, out.sample_index)
             sampled = self.sampler(rows, cols)
-        beams = {g: torch.log_softmax(logits[[rows[s] for s in g.seqs]].float(), dim=-1)
+        beams = {g: torch.log_softmax(logits[to_device(np.array([rows[s] for s in g.seqs]),
+                                                       logits.device)].float(), dim=-1)
                  for g, rows in out.beam_rows.items()}
         prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []
         return self.scheduler.update(out, sampled, beams, prompt)
@@ -111,5 +114,5 @@ def prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[SequenceGroup,
         rows += range(row, row + count)
         targets += group.prompt_token_ids[first:first + count]
         ks += [group.params.prompt_logprobs] * count
-    lp = torch.log_softmax(logits[rows], dim=-1)
-    return ranked_logprobs(lp, torch.tensor(targets, device=lp.device), ks)
+    lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)], dim=-1)
+    return ranked_logprobs(lp, to_device(np.array(targets, np.int64), lp.device), ks)

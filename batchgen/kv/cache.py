@@ -6,7 +6,10 @@ handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from batchgen.transfer import to_device
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
@@ -84,5 +87,5 @@ class KVCache:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one
         indexed copy."""
         if copies:
-            src, dst = torch.tensor(copies, device=self.pool.device).unbind(1)
+            src, dst = to_device(np.array(copies, np.int64), self.pool.device).unbind(1)
             self.pool[:, :, dst] = self.pool[:, :, src]

@@ -40,6 +40,9 @@ class SamplingOps:
         self._cut = lib.batchgen_top_p_cut
         self._cut.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 2
         self._cut.restype = None
+        self._uni = lib.batchgen_uniforms
+        self._uni.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        self._uni.restype = None
         self._icdf = lib.batchgen_inverse_cdf
         self._icdf.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
         self._icdf.restype = None
@@ -87,6 +90,16 @@ class SamplingOps:
         self._cut(cum.data_ptr(), sorted_vals.data_ptr(), cut.data_ptr(), scores.data_ptr(),
                   out.data_ptr(), partial.data_ptr(), scores.shape[0], scores.shape[1])
         return out, partial
+
+    def uniforms(self, keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+        """sampler.uniforms in one C loop (the same integers, so the same doubles)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        counters = np.ascontiguousarray(counters, np.int64)
+        if keys.shape != counters.shape or keys.ndim != 1:
+            raise ValueError("uniforms: keys and counters must be 1-D and alike")
+        out = np.empty(len(keys), np.float64)
+        self._uni(keys.ctypes.data, counters.ctypes.data, out.ctypes.data, len(keys))
+        return out
 
     def inverse_cdf(self, probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """Per row the token whose interval of the cumulative distribution (summed in token

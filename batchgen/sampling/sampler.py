@@ -41,6 +41,7 @@ import torch
 
 from batchgen.sampling import cpu_ops
 from batchgen.sampling.cpu_ops import SamplingOps
+from batchgen.transfer import designated_sync, to_device
 
 _NEG_INF = float("-inf")
 
@@ -90,6 +91,7 @@ class SamplingColumns:
     seen: torch.Tensor | None = None  # [R, V] bool: prompt or generated ids (penalised rows)
     offsets: torch.Tensor | None = None  # [R, V] f32: freq * count + presence * (count > 0)
     controls: list[ControlRow] | None = None
+    any_logprobs: bool = True  # False: no row asked for top logprobs (the step skips them)
 
 
 @dataclass
@@ -226,7 +228,7 @@ def apply_min_tokens(scores: torch.Tensor, cols: SamplingColumns) -> torch.Tenso
     keep = (ids >= 0) & (ids < scores.shape[1])
     r = np.broadcast_to(rows[:, None], ids.shape)[keep]
     dev = scores.device
-    return scores.index_put((torch.from_numpy(r).to(dev), torch.from_numpy(ids[keep]).to(dev)),
+    return scores.index_put((to_device(r, dev), to_device(ids[keep], dev)),
                             torch.tensor(_NEG_INF, device=dev))
 
 
@@ -268,7 +270,7 @@ def _top_k(scores: torch.Tensor, k: np.ndarray, ops: SamplingOps | None = None
     vocab = scores.shape[1]
     ks = np.where((k > 0) & (k < vocab), k, vocab).astype(np.int64)
     top = torch.topk(scores, int(ks.max()), dim=-1).values
-    kth = top.gather(1, torch.from_numpy(ks - 1).to(scores.device)[:, None])
+    kth = top.gather(1, to_device(ks - 1, scores.device)[:, None])
     return _mask_below(scores, scores, kth, False, ops)
 
 
@@ -325,9 +327,7 @@ class Sampler:
             raise ValueError(f"logits must be [rows={n}, V], got {tuple(logits.shape)}")
         raw = logits.float()
         dev = raw.device
-        params = torch.from_numpy(np.ascontiguousarray(cols.params))
-        if dev.type != "cpu":
-            params = params.to(dev, non_blocking=True)
+        params = to_device(cols.params, dev)
         ops = cpu_ops.load() if dev.type == "cpu" and self.use_cpu_ops else None
         scores = apply_controls(raw, cols.controls) if cols.controls else raw
         scores = apply_penalties(scores, cols, params, ops)
@@ -335,7 +335,7 @@ class Sampler:
         chosen = self._choose(scores, cols, params, ops)
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
-        top = _top_logprobs(raw, lse, chosen, cols.logprobs)
+        top = _top_logprobs(raw, lse, chosen, cols.logprobs) if cols.any_logprobs else None
         host = _to_host([chosen, chosen_lp, *top[2:]] if top else [chosen, chosen_lp])
         top_out = TopLogprobs(top[0], top[1], *host[2:]) if top else None
         return SamplerOutput(host[0], host[1], top_out)
@@ -351,12 +351,13 @@ class Sampler:
         sampled = np.flatnonzero(~greedy) if greedy.any() else None
         sub, p, sub_params = scores, cols.params, params
         if sampled is not None:
-            s_idx = torch.from_numpy(sampled).to(dev)
+            s_idx = to_device(sampled, dev)
             sub, p, sub_params = scores[s_idx], p[sampled], params[s_idx]
-        u = uniforms(cols.seeds if sampled is None else cols.seeds[sampled],
-                     cols.num_generated if sampled is None else cols.num_generated[sampled])
+        keys = cols.seeds if sampled is None else cols.seeds[sampled]
+        counters = cols.num_generated if sampled is None else cols.num_generated[sampled]
+        u = ops.uniforms(keys, counters) if ops is not None else uniforms(keys, counters)
         warped = apply_warpers(sub, p, sub_params, ops)
-        probs, u = warped.softmax(dim=-1), torch.from_numpy(u).to(dev)
+        probs, u = warped.softmax(dim=-1), to_device(u, dev)
         picked = ops.inverse_cdf(probs, u) if ops is not None else _inverse_cdf(probs, u)
         if sampled is None:
             return picked
@@ -382,7 +383,7 @@ def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks
         return None
     vocab = raw.shape[1]
     k = np.minimum(np.where(ks[asked] == -1, vocab, ks[asked]), vocab)
-    rows = torch.from_numpy(asked).to(raw.device)
+    rows = to_device(asked, raw.device)
     lp = raw[rows] - lse[rows, None]
     tok = chosen[rows]
     tok_lp = lp.gather(1, tok[:, None])[:, 0]
@@ -398,7 +399,8 @@ def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
     if tensors[0].device.type == "cpu":
         return [t.numpy().astype(np.float64 if t.is_floating_point() else np.int64, copy=False)
                 for t in tensors]
-    flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu().numpy()
+    with designated_sync():
+        flat = torch.cat([t.reshape(-1).double() for t in tensors]).cpu().numpy()
     host, at = [], 0
     for t in tensors:
         part = flat[at:at + t.numel()].reshape(t.shape)

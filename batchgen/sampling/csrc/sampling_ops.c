@@ -119,3 +119,18 @@ void batchgen_top_p_cut(const float *cum, const float *sorted, const float *cut,
         for (int64_t k = 0; k < vocab; k++) y[k] = x[k] <= v ? -INFINITY : x[k];
     }
 }
+
+/* The draws' uniforms (sampler.uniforms, the same integer arithmetic): splitmix64 of
+ * key + (counter + 1) * golden, its top 53 bits as a double in [0, 1). */
+static inline uint64_t splitmix_finish(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+void batchgen_uniforms(const uint64_t *keys, const int64_t *counters, double *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const uint64_t z = keys[i] + ((uint64_t)counters[i] + 1ull) * 0x9E3779B97F4A7C15ull;
+        out[i] = (double)(splitmix_finish(z) >> 11) * 0x1.0p-53;
+    }
+}
