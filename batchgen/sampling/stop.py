@@ -100,7 +100,37 @@ class _Detokenizer:
             special = special_ids(tokenizer)
         self._skip = special if skip_special_tokens else frozenset()
         self._context = [t for t in prompt_token_ids if t not in self._skip][-PROMPT_CONTEXT_TOKENS:]
-        self.text = ""
+        self._pieces: list[str] = []  # the text so far, as emitted (joined when read whole)
+        self.length = 0  # its characters
+
+    @property
+    def text(self) -> str:
+        """The text so far (joined on demand: while running only its tail is read)."""
+        if len(self._pieces) > 1:
+            self._pieces = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    def tail(self, n: int) -> str:
+        """The last `n` characters, from the last few pieces (never the whole text)."""
+        out: list[str] = []
+        got = 0
+        for piece in reversed(self._pieces):
+            if got >= n:
+                break
+            out.append(piece)
+            got += len(piece)
+        return "".join(reversed(out))[-n:] if n > 0 else ""
+
+    def _emit(self, new_text: str) -> None:
+        if new_text:
+            self._pieces.append(new_text)
+            self.length += len(new_text)
+
+    def _twin(self) -> Any:
+        """A shallow copy whose text no longer shares this one's list."""
+        twin = copy.copy(self)
+        twin._pieces = list(self._pieces)
+        return twin
 
 
 class IncrementalDetokenizer(_Detokenizer):
@@ -126,7 +156,7 @@ class IncrementalDetokenizer(_Detokenizer):
 
     def _advance(self, new_text: str) -> str:
         """Emit ``new_text``, settle the window and drop ids no longer needed as context."""
-        self.text += new_text
+        self._emit(new_text)
         self._prefix = self._read
         self._read = len(self._ids)
         if self._prefix > 0:  # keep the list bounded: forget everything left of the window
@@ -157,7 +187,7 @@ class IncrementalDetokenizer(_Detokenizer):
 
     def fork(self) -> IncrementalDetokenizer:
         """An independent copy (its id window is a short list)."""
-        twin = copy.copy(self)
+        twin = self._twin()
         twin._ids = list(self._ids)
         return twin
 
@@ -192,7 +222,7 @@ class StreamDetokenizer(_Detokenizer):
 
     def fork(self) -> StreamDetokenizer:
         """An independent copy (the Rust stream copies its state)."""
-        twin = copy.copy(self)
+        twin = self._twin()
         twin._stream = copy.copy(self._stream)
         twin._window, twin._pending = list(self._window), list(self._pending)
         return twin
@@ -205,7 +235,7 @@ class StreamDetokenizer(_Detokenizer):
     def _settle(self, new_text: str, restart: bool) -> str:
         """Emit `new_text`; the settled ids become the context (a fresh stream after a forced
         emit, whose bytes the old stream still holds)."""
-        self.text += new_text
+        self._emit(new_text)
         self._window = (self._window + self._pending)[-PROMPT_CONTEXT_TOKENS:]
         self._pending = []
         if restart:
@@ -292,15 +322,19 @@ class StopChecker:
 
     def _find_stop_string(self, new_chars: int) -> bool:
         """Search the new text (plus the overlap a stop string may need); cut the text on a hit."""
-        assert self.detokenizer is not None
-        text = self.detokenizer.text
+        detok = self.detokenizer
+        assert detok is not None
+        # Only matches that end in the new text (and after the min_tokens mark) are new: each
+        # stop string is searched from there, over the text's tail alone.
+        end = max(detok.length - new_chars, self._search_from)
+        starts = {s: max(end - len(s) + 1, 0) for s in self.stop_strings}
+        lo = min(starts.values())
+        window = detok.tail(detok.length - lo)
         hits = []
-        for s in self.stop_strings:
-            # Only matches that end in the new text (and after the min_tokens mark) are new.
-            start = max(len(text) - new_chars, self._search_from) - len(s) + 1
-            i = text.find(s, max(start, 0))
+        for s, start in starts.items():
+            i = window.find(s, start - lo)
             if i >= 0:
-                hits.append((i, -len(s), s))
+                hits.append((i + lo, -len(s), s))
         if not hits:
             return False
         i, _, s = min(hits)
@@ -331,7 +365,7 @@ class StopChecker:
             # Stop strings must end in text produced after the min_tokens-th token (vLLM).
             self._detok(token_id, search=n > self.min_tokens)
             if self.detokenizer is not None and n <= self.min_tokens:
-                self._search_from = len(self.detokenizer.text)
+                self._search_from = self.detokenizer.length
         if not self.finished and n >= self.max_tokens:
             self.finish_reason, self.stop_reason = "length", None
         if self.finished:
