@@ -438,3 +438,14 @@ def test_cpu_uniforms_equal_numpy() -> None:
     keys = mix_seeds(np.arange(1000, dtype=np.uint64) * np.uint64(7919))
     counters = np.arange(1000, dtype=np.int64) % 97
     assert np.array_equal(ops.uniforms(keys, counters), uniforms(keys, counters))
+
+
+def test_a_sequence_key_is_mix_seeds_of_its_seed() -> None:
+    """The batch mixes each entering sequence's seed in Python integers: the same key as
+    sampler.mix_seeds, for seeds of every sign and size torch generators take."""
+    from batchgen.engine.batch import _mix_seed
+    from batchgen.sampling.sampler import mix_seeds
+
+    seeds = [0, 1, 7, -1, -(2**63), 2**63 - 1, 2**63, 2**64 - 1, 123456789123456789]
+    want = mix_seeds(np.array([s % 2**64 for s in seeds], np.uint64)).view(np.int64).tolist()
+    assert [_mix_seed(s) for s in seeds] == want

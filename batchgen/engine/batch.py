@@ -28,7 +28,6 @@ from batchgen.sampling.sampler import (
     PRESENCE,
     ControlRow,
     SamplingColumns,
-    mix_seeds,
 )
 from batchgen.sampling.stop import stop_codes
 from batchgen.transfer import to_device
@@ -36,28 +35,33 @@ from batchgen.transfer import to_device
 if TYPE_CHECKING:
     from batchgen.engine.sequence import Sequence
 
-# Per-slot columns: name -> (dtype, trailing shape). Written at entry unless noted.
-_COLUMNS: dict[str, tuple[type, tuple[int, ...]]] = {
-    "num_computed": (np.int64, ()),  # tokens whose K/V is cached (advanced per step)
-    "num_tokens": (np.int64, ()),  # prompt + generated (advanced per sampled token)
-    "last_token": (np.int64, ()),  # the next decode step's input id
-    "num_prompt": (np.int64, ()),
-    "max_tokens": (np.int64, ()),
-    "min_tokens": (np.int64, ()),
-    "ignore_eos": (np.bool_, ()),
-    "logprobs": (np.int64, ()),  # top logprobs asked per token; NO_LOGPROBS when none
-    "seed": (np.uint64, ()),  # the sequence's mixed seed (its draws' key)
-    "cum_logprob": (np.float64, ()),  # advanced per sampled token
-    "params": (np.float32, (NUM_PARAMS,)),  # temperature, top-k, top-p, min-p, penalties
-    "greedy": (np.bool_, ()),
-    "penalized": (np.bool_, ()),  # any penalty: has rows in the PenaltyState
-    "stop_strings": (np.bool_, ()),  # stops are its StopChecker's (per-row Python)
-    "controls": (np.bool_, ()),  # logit controls (per-row Python in the sampler)
-    "beam": (np.bool_, ()),  # a beam: decodes with its group, never sampled
-    "fork_pending": (np.bool_, ()),  # a leader whose siblings wait for its prompt (scheduler)
-    "cow_check": (np.bool_, ()),  # forked since its last reservation: its block may be shared
-    "num_blocks": (np.int64, ()),
-}
+# Per-slot columns, stored as rows of a few matrices (so a slot enters or moves with one row
+# write per matrix) and exposed by name as column views in `PersistentBatch.cols`.
+_INTS = ("num_computed",  # tokens whose K/V is cached (advanced per step; column 0: the
+         # sequence reads it there, Sequence.num_computed_tokens)
+         "num_tokens",  # prompt + generated (advanced per sampled token)
+         "last_token",  # the next decode step's input id
+         "num_prompt", "max_tokens", "min_tokens",
+         "logprobs",  # top logprobs asked per token; NO_LOGPROBS when none
+         "num_blocks",
+         "seed")  # the sequence's mixed seed (its draws' key), uint64 bits
+_FLAGS = ("ignore_eos", "greedy",
+          "penalized",  # any penalty: has rows in the PenaltyState
+          "controls",  # logit controls (per-row Python in the sampler)
+          "stop_strings",  # stops are its StopChecker's (per-row Python)
+          "beam",  # a beam: decodes with its group, never sampled
+          "fork_pending",  # a leader whose siblings wait for its prompt (scheduler)
+          "cow_check")  # forked since its last reservation: its block may be shared
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int) -> int:
+    """sampler.mix_seeds of one seed in Python integers, as int64 bits (no numpy call)."""
+    z = seed & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z ^= z >> 31
+    return z - (1 << 64) if z >= 1 << 63 else z
 
 
 class PenaltyState:
@@ -129,9 +133,13 @@ class PersistentBatch:
         self.eos_ids = np.array(eos_ids, np.int64)
         self.device = device
         self.seqs: list[Sequence] = []  # slot -> sequence
-        self.cols: dict[str, np.ndarray] = {}
+        self.ints = np.zeros((0, len(_INTS)), np.int64)
+        self.flags = np.zeros((0, len(_FLAGS)), np.bool_)
+        self.params = np.zeros((0, NUM_PARAMS), np.float32)
+        self.cum_logprob = np.zeros(0, np.float64)  # advanced per sampled token
         self.block_table = np.zeros((0, max_blocks), np.int32)
         self.stop_ids = np.zeros((0, 1), np.int64)  # per slot, -1 pads
+        self.cols: dict[str, np.ndarray] = {}  # every column by name (views of the above)
         self.penalties: PenaltyState | None = None  # made when a penalised sequence enters
         self.capacity = 0
         self.moves = 0  # removals so far: slot numbers read before a removal may be stale
@@ -151,20 +159,16 @@ class PersistentBatch:
                        max(self.stop_ids.shape[1], len(spec.stop_ids)))
         slot = len(self.seqs)
         self.seqs.append(seq)
-        c = self.cols
-        for name in ("params", "greedy", "penalized", "controls", "stop_strings", "max_tokens",
-                     "min_tokens", "ignore_eos", "logprobs", "beam"):
-            c[name][slot] = getattr(spec, name)
-        c["fork_pending"][slot] = seq.group.fork_pending
-        c["cow_check"][slot] = False
+        group = seq.group
+        self.ints[slot] = (seq.num_computed_tokens, len(seq.token_ids), seq.token_ids[-1],
+                           group.num_prompt_tokens, spec.max_tokens, spec.min_tokens,
+                           spec.logprobs, 0, _mix_seed(seq.seed))
+        self.flags[slot] = (spec.ignore_eos, spec.greedy, spec.penalized, spec.controls,
+                            spec.stop_strings, spec.beam, group.fork_pending, False)
+        self.params[slot] = spec.params
+        self.cum_logprob[slot] = seq.cumulative_logprob
         self.stop_ids[slot] = -1
         self.stop_ids[slot, :len(spec.stop_ids)] = spec.stop_ids
-        c["num_prompt"][slot] = seq.group.num_prompt_tokens
-        c["num_tokens"][slot] = len(seq.token_ids)
-        c["last_token"][slot] = seq.token_ids[-1]
-        c["num_computed"][slot] = seq.num_computed_tokens
-        c["seed"][slot] = mix_seeds(np.array([seq.seed % 2**64], np.uint64))[0]
-        c["cum_logprob"][slot] = seq.cumulative_logprob
         seq.take_slot(self, slot)
         self.write_table(seq, table, 0)
         if spec.penalized:
@@ -180,8 +184,9 @@ class PersistentBatch:
         seq.cumulative_logprob = float(self.cols["cum_logprob"][slot])
         seq.release_slot(int(self.cols["num_computed"][slot]))
         if slot != last:
-            for col in (*self.cols.values(), self.block_table, self.stop_ids):
-                col[slot] = col[last]
+            for rows in (self.ints, self.flags, self.params, self.cum_logprob,
+                         self.block_table, self.stop_ids):
+                rows[slot] = rows[last]
             if self.penalties is not None:
                 self.penalties.move(slot, last)
             moved = self.seqs[last]
@@ -205,14 +210,18 @@ class PersistentBatch:
         """(Re)allocate the columns for `capacity` slots and stop lists of `stop_width` ids,
         keeping the live rows."""
         n = len(self.seqs)
-        cols = {k: np.zeros((capacity, *shape), dtype) for k, (dtype, shape) in _COLUMNS.items()}
-        for k, v in self.cols.items():
-            cols[k][:n] = v[:n]
-        table = np.zeros((capacity, self.max_blocks), np.int32)
-        table[:n] = self.block_table[:n]
+        for name in ("ints", "flags", "params", "cum_logprob", "block_table"):
+            old = getattr(self, name)
+            new = np.zeros((capacity, *old.shape[1:]), old.dtype)
+            new[:n] = old[:n]
+            setattr(self, name, new)
         stops = np.full((capacity, stop_width), -1, np.int64)
         stops[:n, :self.stop_ids.shape[1]] = self.stop_ids[:n]
-        self.cols, self.block_table, self.stop_ids = cols, table, stops
+        self.stop_ids = stops
+        self.cols = {name: self.ints[:, i] for i, name in enumerate(_INTS)}
+        self.cols["seed"] = self.ints[:, _INTS.index("seed")].view(np.uint64)
+        self.cols.update({name: self.flags[:, i] for i, name in enumerate(_FLAGS)})
+        self.cols["params"], self.cols["cum_logprob"] = self.params, self.cum_logprob
         if self.penalties is not None and capacity != self.capacity:
             self.penalties = self.penalties.resized(capacity, n)
         self.capacity = capacity

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -98,11 +98,23 @@ class Engine:
                 rows = logits[to_device(out.sample_rows, logits.device)]
             cols = self.scheduler.batch.sampling_columns(out.sample_slots, out.sample_index)
             sampled = self.sampler(rows, cols)
-        beams = {g: torch.log_softmax(logits[to_device(np.array([rows[s] for s in g.seqs]),
-                                                       logits.device)].float(), dim=-1)
-                 for g, rows in out.beam_rows.items()}
+        beams = beam_logprobs(logits, out.beam_rows) if out.beam_rows else {}
         prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []
         return self.scheduler.update(out, sampled, beams, prompt)
+
+
+def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
+                  ) -> dict[SequenceGroup, torch.Tensor]:
+    """Each beam group's float32 log-probabilities, rows in its beam order (one log_softmax
+    for the step's beams)."""
+    rows = [beam_rows[g][s] for g in beam_rows for s in g.seqs]
+    lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)].float(),
+                           dim=-1)
+    out, at = {}, 0
+    for g in beam_rows:
+        out[g] = lp[at:at + len(g.seqs)]
+        at += len(g.seqs)
+    return out
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[SequenceGroup, int, int, int]]

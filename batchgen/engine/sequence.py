@@ -99,14 +99,14 @@ class Sequence:
         """Tokens whose K/V is in the cache (the batch column while it holds a slot)."""
         if self.batch is None:
             return self._num_computed
-        return int(self.batch.cols["num_computed"][self.slot])
+        return self.batch.ints.item(self.slot, 0)
 
     @num_computed_tokens.setter
     def num_computed_tokens(self, value: int) -> None:
         if self.batch is None:
             self._num_computed = value
         else:
-            self.batch.cols["num_computed"][self.slot] = value
+            self.batch.ints[self.slot, 0] = value
 
     def take_slot(self, batch: PersistentBatch, slot: int) -> None:
         """It now lives in `batch` at `slot` (the batch wrote its columns)."""
