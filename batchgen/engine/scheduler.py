@@ -163,8 +163,9 @@ class Scheduler:
                         beams: list[SequenceGroup]) -> bool:
         """Every decoding sample at once, when all of them and the beams' decodes fit the
         step: candidates from the columns, a block reserved only for rows that open one or
-        may share one (after a fork), in the groups' order. False (nothing scheduled; the
-        copies made stay in `out`) to go through the groups instead."""
+        may share one (after a fork). False (nothing scheduled; what was reserved stays, and
+        the copies made stay in `out`) to go through the groups in order instead: when the
+        pool runs short, their order decides who is preempted."""
         b, c, n = self.batch, self.batch.cols, self.batch.num_seqs
         computed = c["num_computed"][:n]
         ready = (c["num_tokens"][:n] - computed == 1) & ~c["beam"][:n] & ~c["fork_pending"][:n]
