@@ -27,6 +27,13 @@ Usage (from the repository root)::
 
     PYTHONPATH=. python benchmarks/host_overhead.py
     PYTHONPATH=. python benchmarks/host_overhead.py --rows 64 --long-tokens 0 --json out.json
+    PYTHONPATH=. python benchmarks/host_overhead.py --scenarios greedy --rows 64 --evict-mb 64
+
+The last one reads the growth with cold caches at every step: late in a long run the CPU
+forward streams far more K/V through the caches than early, which slows the host's next
+step on a CPU (not on a GPU, whose forward reads HBM); evicting after every forward takes
+that difference out. The profile count of function calls per step (growth run) is a second
+figure that does not depend on load or caches.
 """
 
 from __future__ import annotations
@@ -89,6 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu",
                    help="cpu or cuda (on CUDA every forward is synchronised, so a gap is the "
                         "host's work plus the sampler's kernels)")
+    p.add_argument("--evict-mb", type=int, default=0,
+                   help="write this many MiB at the end of every forward (timed as forward), so "
+                        "every host gap starts from cold CPU caches, early or late in a run: "
+                        "the growth then shows the host's work, not the K/V the CPU forward "
+                        "pushed through the caches (0: off)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
     args.rows = parse_int_list(p, args.rows, "--rows")
@@ -109,14 +121,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 class ForwardClock:
     """Times every forward of a model with hooks: (start, end, query tokens) per call."""
 
-    def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, device: str = "cpu", evict_mb: int = 0) -> None:
         self.calls: list[tuple[float, float, int]] = []
         self.cuda = torch.device(device).type == "cuda"
+        # read at the end of every forward (timed as forward): each host gap starts with cold
+        # CPU caches, however much K/V the forward touched (on a GPU it touches none of them)
+        self._evict = torch.ones(evict_mb << 18) if evict_mb else None
         self._start = 0.0
+        self.count_calls = False  # count the host's function calls between forwards instead
+        self.counts: list[int] = []  # function calls in the gap before each forward
+        self._count = 0
         self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                          model.register_forward_hook(self._post, with_kwargs=True)]
 
     def _pre(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if self.count_calls:
+            sys.setprofile(None)
+            self.counts.append(self._count)
         if self.cuda:
             torch.cuda.synchronize()
         self._start = time.perf_counter()
@@ -124,11 +145,20 @@ class ForwardClock:
     def _post(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
         if self.cuda:
             torch.cuda.synchronize()
+        if self._evict is not None:
+            self._evict.add_(1.0)
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.calls.append((self._start, time.perf_counter(), int(ids.shape[-1] * ids.shape[0])))
+        if self.count_calls:
+            self._count = 0
+            sys.setprofile(self._profile)
+
+    def _profile(self, frame: Any, event: str, arg: Any) -> None:
+        if event in ("call", "c_call"):  # Python functions and builtins (torch ops included)
+            self._count += 1
 
     def reset(self) -> None:
-        self.calls = []
+        self.calls, self.counts = [], []
 
     def close(self) -> None:
         for h in self._handles:
@@ -144,6 +174,12 @@ class ForwardClock:
                 gaps.append((self.calls[i][0] - self.calls[i - 1][1]) * 1e3)
                 fwd.append((self.calls[i][1] - self.calls[i][0]) * 1e3)
         return gaps, fwd
+
+    def decode_counts(self, rows: int) -> list[float]:
+        """Function calls in the gap before each decode forward that follows a decode
+        forward (with `count_calls` on; the gaps of `decode_gaps`)."""
+        return [float(self.counts[i]) for i, (_, _, t) in enumerate(self.calls)
+                if t == rows and i > 0 and self.calls[i - 1][2] == rows]
 
 
 @dataclass
@@ -223,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                         max_position_embeddings=max(2048, args.long_tokens + 64))
         llm = LLM(tmp, max_num_seqs=max(max_rows, LONG_ROWS), max_model_len=max(args.long_tokens, last) + 64,
                   enable_prefix_caching=False, seed=0, device=args.device)
-        clock = ForwardClock(llm.model, args.device)
+        clock = ForwardClock(llm.model, args.device, args.evict_mb)
         run_batchgen(llm, clock, prompts, "greedy", 16, 8)  # warm-up
         for _ in range(args.repeats):
             for scenario in args.scenarios:
@@ -233,10 +269,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                                 *window(gaps, fwd, first, last)))
             if args.long_tokens:
                 _growth_run(llm, clock, prompts, args, keep)
+        calls = count_growth(llm, clock, prompts, args) if args.long_tokens else None
         clock.close()
         if not args.skip_hf:
             hf = load_hf_model(tmp, torch.float32, args.device)
-            clock = ForwardClock(hf, args.device)
+            clock = ForwardClock(hf, args.device, args.evict_mb)
             run_hf(hf, clock, prompts, 8, 4)  # warm-up
             for _ in range(args.repeats):
                 for rows in args.rows:
@@ -244,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     keep(Figure("HF generate", "greedy", rows, f"{first}-{last}",
                                 *window(gaps, fwd, first, last)))
             clock.close()
-    report(args, list(figures.values()))
+    report(args, list(figures.values()), calls)
 
 
 def _growth_run(llm: Any, clock: ForwardClock, prompts: list[list[int]],
@@ -260,9 +297,29 @@ def _growth_run(llm: Any, clock: ForwardClock, prompts: list[list[int]],
                 f"{long_tokens - (last - first)}-{long_tokens}", *late))
 
 
-def report(args: argparse.Namespace, figures: list[Figure]) -> None:
-    """The table (and the JSON) of the kept figures, and the growth of the long run's host
-    time (late / early, each the best of the repeats)."""
+def count_growth(llm: Any, clock: ForwardClock, prompts: list[list[int]],
+                 args: argparse.Namespace) -> tuple[float, float]:
+    """The growth run once more, untimed, counting the host's function calls per decode step
+    (a profile hook): median calls early and late. Unlike time, the count does not depend on
+    the machine's load or its caches: flat means the host's work per step does not grow."""
+    first, last = args.window
+    long_tokens = args.long_tokens
+    clock.count_calls = True
+    try:
+        run_batchgen(llm, clock, prompts, "penalties + stop", LONG_ROWS, long_tokens)
+    finally:
+        sys.setprofile(None)
+        clock.count_calls = False
+    counts = clock.decode_counts(LONG_ROWS)
+    early = window(counts, counts, first, last)[0]
+    late = window(counts, counts, long_tokens - (last - first), long_tokens)[0]
+    return early, late
+
+
+def report(args: argparse.Namespace, figures: list[Figure],
+           calls: tuple[float, float] | None = None) -> None:
+    """The table (and the JSON) of the kept figures, the growth of the long run's host time
+    (late / early, each the best of the repeats) and of its function calls per step."""
     first, last = args.window
     long_tokens = args.long_tokens
     late = f"{long_tokens - (last - first)}-{long_tokens}"
@@ -276,9 +333,13 @@ def report(args: argparse.Namespace, figures: list[Figure]) -> None:
     if growth is not None:
         print(f"growth (penalties + stop, 64 rows): host ms at tokens "
               f"{long_tokens - (last - first)}-{long_tokens} / at {first}-{last} = {growth:.2f}x")
+    if calls is not None:
+        print(f"function calls per decode step (penalties + stop, 64 rows): {calls[0]:.0f} at "
+              f"tokens {first}-{last}, {calls[1]:.0f} at {late} ({calls[1] / calls[0]:.2f}x)")
     if args.json:
         write_json(args.json, {"machine": info, "args": vars(args),
-                               "figures": [f.__dict__ for f in figures], "growth": growth})
+                               "figures": [f.__dict__ for f in figures], "growth": growth,
+                               "calls_per_step": calls})
 
 
 if __name__ == "__main__":

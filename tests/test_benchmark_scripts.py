@@ -37,7 +37,8 @@ ALONE = {  # scripts with their own small settings
 }
 
 EXPECT = {  # lines a script must print with the settings above
-    "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)"],
+    "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
+                         "function calls per decode step (penalties + stop, 64 rows)"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }

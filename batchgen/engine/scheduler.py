@@ -186,32 +186,28 @@ class Scheduler:
         return True
 
     def _grow_rows(self, out: SchedulerOutput, needy: np.ndarray) -> bool:
-        """A block for each of these slots' next token: a new one where it opens a block
-        (the chapter's append_token; their table rows written at once), a copy where a fork
-        left it sharing one. False when the pool runs out (what was reserved stays, and the
-        copies made stay in `out`)."""
+        """A block for each of these slots' next token: a copy where a fork left it sharing
+        one, a new one where it opens a block (the chapter's append_token, for all of them
+        at once; their table rows written at once). False when the pool runs out (what was
+        reserved stays, and the copies made stay in `out`)."""
         b, c, bs = self.batch, self.batch.cols, self.block_size
-        grown: list[int] = []
-        done = True
-        for slot, pos in zip(needy.tolist(), c["num_computed"][needy].tolist()):
-            seq = b.seqs[slot]
-            try:
-                if c["cow_check"][slot]:
-                    out.copies += self.bm.reserve([(seq, pos, 1)])
-                    b.write_table(seq, self.bm.table(seq), pos // bs)
-                    c["cow_check"][slot] = False
-                else:
-                    self.bm.append_token(seq, pos)
-                    grown.append(slot)
-            except PoolExhausted:
-                done = False
-                break
-        if grown:  # each grew by one block: its last
-            slots = np.array(grown, np.int64)
-            at = c["num_blocks"][slots]
-            b.block_table[slots, at] = [self.bm.table(b.seqs[i])[-1] for i in grown]
-            c["num_blocks"][slots] = at + 1
-        return done
+        cow = c["cow_check"][needy]
+        try:
+            for slot in needy[cow].tolist():
+                seq, pos = b.seqs[slot], int(c["num_computed"][slot])
+                out.copies += self.bm.reserve([(seq, pos, 1)])
+                b.write_table(seq, self.bm.table(seq), pos // bs)
+                c["cow_check"][slot] = False
+            opening = needy[~cow]  # each opens exactly one block: its table's next
+            if len(opening):
+                blocks = self.bm.append_tokens([b.seqs[i] for i in opening.tolist()],
+                                               c["num_computed"][opening].tolist())
+                at = c["num_blocks"][opening]
+                b.block_table[opening, at] = blocks
+                c["num_blocks"][opening] = at + 1
+        except PoolExhausted:
+            return False
+        return True
 
     def _schedule_decodes(self, out: SchedulerOutput, budget: _Budget,
                           groups: list[SequenceGroup]) -> bool:

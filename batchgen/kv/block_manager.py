@@ -108,10 +108,24 @@ class BlockManager:
 
     def append_token(self, seq_id: Hashable, cur_len: int) -> None:
         """Before writing position `cur_len`: a new block exactly when it opens one."""
-        table = self._tables[seq_id]
-        if blocks_for(cur_len + 1, self.block_size) - len(table) > self.num_free_blocks():
+        self.append_tokens([seq_id], [cur_len])
+
+    def append_tokens(self, seq_ids: Sequence[Hashable], cur_lens: Sequence[int]) -> list[int]:
+        """`append_token` for many sequences at once (a decode step's rows), all or none
+        (PoolExhausted takes nothing); returns the blocks appended, in order."""
+        bs = self.block_size
+        tables = [self._tables[s] for s in seq_ids]
+        needs = [cur // bs + 1 - len(t) for t, cur in zip(tables, cur_lens)]
+        if sum(n for n in needs if n > 0) > self.num_free_blocks():
             raise PoolExhausted("KV pool exhausted: no block for the next token")
-        self._grow(table, cur_len + 1)
+        new: list[int] = []
+        for table, n in zip(tables, needs):
+            for _ in range(n):
+                blk = self._alloc_block()
+                table.append(blk)
+                new.append(blk)
+        self._track_peak()
+        return new
 
     def slot_index(self, seq_id: Hashable, token_pos: int) -> int:
         """Flat pool slot (phys_block * block_size + offset) of a logical token position."""

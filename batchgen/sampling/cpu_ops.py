@@ -76,18 +76,19 @@ class SamplingOps:
         return out
 
 
-    def top_p_cut(self, cum: torch.Tensor, sorted_vals: torch.Tensor, cut: torch.Tensor,
+    def top_p_cut(self, probs: torch.Tensor, sorted_vals: torch.Tensor, cut: torch.Tensor,
                   scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF top-p's removal from its sorted pass (cumulative softmax `cum` of the ascending
-        `sorted_vals`, cut = 1 - top_p per row): `scores` with the removed tokens -inf, and
-        the rows where the cut splits tied tokens (to redo with an index sort)."""
-        cum, sorted_vals = _ready(cum), _ready(sorted_vals)
+        """HF top-p's removal from its sorted pass (`probs`: the softmax of the ascending
+        `sorted_vals`, summed here as PyTorch's cumsum does, only up to the cut; cut = 1 - top_p
+        per row): `scores` with the removed tokens -inf, and the rows where the cut splits
+        tied tokens (to redo with an index sort)."""
+        probs, sorted_vals = _ready(probs), _ready(sorted_vals)
         scores, cut = _ready(scores), _ready(cut.reshape(-1))
-        _check_rows(scores, cum, cut)
+        _check_rows(scores, probs, cut)
         _check_rows(scores, sorted_vals, cut)
         out = torch.empty_like(scores)
         partial = torch.empty(scores.shape[0], dtype=torch.bool)
-        self._cut(cum.data_ptr(), sorted_vals.data_ptr(), cut.data_ptr(), scores.data_ptr(),
+        self._cut(probs.data_ptr(), sorted_vals.data_ptr(), cut.data_ptr(), scores.data_ptr(),
                   out.data_ptr(), partial.data_ptr(), scores.shape[0], scores.shape[1])
         return out, partial
 

@@ -295,10 +295,11 @@ def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor, ops: SamplingOps | 
     torch's sort, as HF does."""
     vocab = scores.shape[1]
     sorted_vals = torch.from_numpy(np.sort(scores.numpy(), axis=-1))
-    cum = sorted_vals.softmax(dim=-1).cumsum(dim=-1)
-    if ops is not None:
-        out, partial = ops.top_p_cut(cum, sorted_vals, cut, scores)
+    probs = sorted_vals.softmax(dim=-1)
+    if ops is not None:  # sums the cumulative mass itself, only as far as the cut
+        out, partial = ops.top_p_cut(probs, sorted_vals, cut, scores)
     else:
+        cum = probs.cumsum(dim=-1)
         # tokens removed: those whose cumsum <= cut, a prefix (the cumsum never decreases),
         # never the last (min_tokens_to_keep = 1)
         j = torch.searchsorted(cum, cut.contiguous(), right=True).clamp(max=vocab - 1)

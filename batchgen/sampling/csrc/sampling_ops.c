@@ -93,22 +93,30 @@ void batchgen_penalty_add(int32_t *counts, uint8_t *seen, float *offsets, const 
     }
 }
 
-/* HF top-p's removal from its sorted pass: `cum` is the cumulative softmax of each row's
- * ascending values `sorted`; the tokens removed are the prefix whose cum <= cut (never the
- * last), i.e. every token <= v, the last removed value, unless the next value equals v too.
- * out = scores with those -inf; partial[r] = 1 where the cut splits a run of tokens tied at
- * a finite v (the caller redoes those rows with the index sort, whose tie order decides). */
-void batchgen_top_p_cut(const float *cum, const float *sorted, const float *cut,
+/* HF top-p's removal from its sorted pass: `probs` is the softmax of each row's ascending
+ * values `sorted`, whose cumulative sum (PyTorch's cumsum on the CPU: a double running sum,
+ * rounded to float at each element, reproduced here) is summed only as far as the cut; the
+ * tokens removed are the prefix whose cum <= cut (never the last), i.e. every token <= v, the
+ * last removed value, unless the next value equals v too. out = scores with those -inf;
+ * partial[r] = 1 where the cut splits a run of tokens tied at a finite v (the caller redoes
+ * those rows with the index sort, whose tie order decides). */
+void batchgen_top_p_cut(const float *probs, const float *sorted, const float *cut,
                         const float *scores, float *out, uint8_t *partial, int64_t rows,
                         int64_t vocab) {
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
-        const float *c = cum + r * vocab;
+        const float *p = probs + r * vocab;
         const float *sv = sorted + r * vocab;
         const float *x = scores + r * vocab;
         float *y = out + r * vocab;
+        const float c = cut[r];
+        double cum = 0.0;
         int64_t j = 0;
-        while (j < vocab - 1 && c[j] <= cut[r]) j++;  /* the cumsum never decreases */
+        while (j < vocab - 1) {  /* the cumsum never decreases: stop at the first above */
+            cum += (double)p[j];
+            if (!((float)cum <= c)) break;
+            j++;
+        }
         if (j == 0) {
             for (int64_t k = 0; k < vocab; k++) y[k] = x[k];
             partial[r] = 0;
