@@ -33,7 +33,7 @@ HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16)
 KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 
-PlanKey = tuple[int | None, float | None, float]
+PlanKey = tuple[int | None, float | None, float, bool]  # AttentionSpec.plan_key
 
 
 class FlashInferBackend:

@@ -30,9 +30,10 @@ class AttentionSpec:
     sinks: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     @property
-    def plan_key(self) -> tuple[int | None, float | None, float]:
-        """What a kernel plan fixes beyond the step's shapes: layers sharing it share a plan."""
-        return self.window, self.softcap, self.scale
+    def plan_key(self) -> tuple[int | None, float | None, float, bool]:
+        """What a kernel plan fixes beyond the step's shapes: layers sharing it share a plan
+        (sinks choose another kernel variant; their values are passed per layer at run)."""
+        return self.window, self.softcap, self.scale, self.sinks is not None
 
 
 class SpecProbe:
