@@ -18,3 +18,9 @@ if [ -n "$extras" ]; then
 else
   python -m pip install -q -e .
 fi
+if [[ ",$extras," == *,test,* ]]; then
+  # FlashInfer's Python layer for tests/test_flashinfer_real.py: without its dependencies (they
+  # are CUDA wheels); it imports on a CPU with these two. The upper end of the [cuda] range.
+  python -m pip install -q --no-deps "flashinfer-python==0.7.4" "apache-tvm-ffi>=0.1.11,<0.2" \
+    "nvidia-ml-py"
+fi

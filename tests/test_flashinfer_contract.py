@@ -66,9 +66,11 @@ def test_greedy_equals_hf_through_the_flashinfer_backend(standin, family_dir, pr
         assert llm.kv_stats().preemptions > 0
     backend = llm.engine.runner.backend
     keys = {s.plan_key for s in backend.specs}
-    # one wrapper plan per distinct (window, softcap, scale) per step, never one per layer
+    # one wrapper plan per distinct (window, softcap, scale, sinks) per step, never one per
+    # layer; plus, when the backend was made, one prefill and one decode plan per key that
+    # built the kernels
     assert backend.plans_made == backend.steps * len(keys)
-    assert len(standin.PLAN_LOG) == backend.plans_made
+    assert len(standin.PLAN_LOG) == backend.plans_made + 2 * len(keys)
     kinds = {k for k, _ in standin.PLAN_LOG}
     assert kinds == {"prefill", "decode"}
 
@@ -126,7 +128,9 @@ def test_head_dims_flashinfer_does_not_serve_fall_back(standin, tiny_model_facto
 
 def test_the_standin_refuses_what_flashinfer_refuses(standin):
     """So that the end-to-end runs above mean something: a q in another dtype than planned,
-    K and V with different strides, or a run before any plan raise."""
+    an `out` of the wrong shape, dtype or layout, an unknown keyword, `sinks=` on a plain
+    wrapper (FlashInfer drops it) or a run before any plan raise; K and V with different
+    strides are accepted, as by FlashInfer 0.7.4."""
     ws = torch.zeros(64, dtype=torch.uint8)
     w = standin.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
     k = torch.zeros(4, 2, 1, 64)
@@ -135,11 +139,22 @@ def test_the_standin_refuses_what_flashinfer_refuses(standin):
         w.run(q, (k, k))
     i32 = partial(torch.tensor, dtype=torch.int32)
     w.plan(i32([0, 1]), i32([0]), i32([1]), 2, 1, 64, 2, q_data_type=torch.bfloat16)
+    kb = k.bfloat16()
     with pytest.raises(ValueError, match="q_data_type"):
-        w.run(q, (k.bfloat16(), k.bfloat16()))
-    with pytest.raises(ValueError, match="same strides"):
-        w.run(q.bfloat16(), (k.bfloat16(), k.bfloat16().transpose(0, 1).contiguous()
-                             .transpose(0, 1)))
+        w.run(q, (kb, kb))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        w.run(q.bfloat16(), (kb, kb), return_lse_maybe=True)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        standin.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensorcores=True)
+    with pytest.raises(ValueError, match="sinks"):
+        w.run(q.bfloat16(), (kb, kb), sinks=torch.zeros(2))
+    for bad, what in ((torch.empty(1, 2, 64), "dtype"), (torch.empty(2, 2, 64).bfloat16(),
+                                                          "shape"),
+                      (torch.empty(1, 64, 2).bfloat16().transpose(1, 2), "contiguous")):
+        with pytest.raises(ValueError, match=what):
+            w.run(q.bfloat16(), (kb, kb), out=bad)
+    strided_v = kb.transpose(0, 1).contiguous().transpose(0, 1)
+    assert w.run(q.bfloat16(), (kb, strided_v)).shape == (1, 2, 64)
     with pytest.raises(ValueError, match="int32"):
         w.plan(torch.tensor([0, 1]), i32([0]), i32([1]), 2, 1, 64, 2)
 

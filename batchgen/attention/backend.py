@@ -15,6 +15,11 @@ class BackendUnavailable(RuntimeError):
     layers (the message says why)."""
 
 
+class KernelBuildFailed(BackendUnavailable):
+    """The backend's kernels could not be built or loaded on this machine (a missing
+    compiler, a failed JIT build): worth a warning, since the fallback is slower."""
+
+
 class AttentionBackend(Protocol):
     """Paged attention over one KVCache, driven by one StepMetadata per step. Built from the
     layers' specs (`specs[layer]`: heads, head dims, scale, window, softcap, sinks, dtype),

@@ -9,6 +9,12 @@ more than one query uses the paged-prefill wrapper (causal, fa2); a decode-only 
 tensor-core decode wrapper. With CUDA graphs, each captured batch size has its own decode
 wrappers over index buffers shared by all sizes (`graph_plan`).
 
+Layers with attention sinks (GPT-OSS) use FlashInfer's sink wrappers, whose JIT variant takes
+the sinks and sm_scale at run: the plain fa2 path ignores a `sinks=` argument without a word,
+so it is never given one. Every kernel module the layers need is built (JIT-compiled with nvcc
+on first use) when the backend is made, so a machine that cannot build them falls back to
+another backend at load time, with the cause and the fix, instead of failing at the first step.
+
 The module is passed in (`fi`): the registry imports `flashinfer`; the CPU contract tests pass
 a PyTorch stand-in written from FlashInfer's documented semantics.
 """
@@ -19,7 +25,7 @@ from typing import Any
 
 import torch
 
-from batchgen.attention.backend import BackendUnavailable
+from batchgen.attention.backend import BackendUnavailable, KernelBuildFailed
 from batchgen.attention.metadata import StepMetadata
 from batchgen.attention.spec import AttentionSpec
 from batchgen.kv.cache import KVCache
@@ -46,6 +52,10 @@ class FlashInferBackend:
     def __init__(self, specs: list[AttentionSpec], cache: KVCache, max_num_tokens: int,
                  fi: Any) -> None:
         _check_specs(specs, cache.dtype)
+        if any(s.sinks is not None for s in specs) and not hasattr(
+                fi, "BatchDecodeWithAttentionSinkWrapper"):
+            raise BackendUnavailable(f"this FlashInfer ({getattr(fi, '__version__', '?')}) has "
+                                     "no attention-sink decode wrapper; 0.7.4 has")
         self.specs = specs
         self.cache = cache
         self.fi = fi
@@ -64,6 +74,7 @@ class FlashInferBackend:
         self.steps = 0  # plan() calls, and wrapper plans made: one per key per step
         self.plans_made = 0
         self.graph_buffers: dict[str, torch.Tensor] = {}
+        self._build_kernels()
 
     # ---- per step ---------------------------------------------------------------------------
     def plan(self, meta: StepMetadata) -> None:
@@ -84,57 +95,82 @@ class FlashInferBackend:
     def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         spec = self.specs[layer]
         out = self.out[:q.shape[0]]
-        self._planned_wrapper(spec).run(
-            q, (self.cache.pool[layer, 0], self.cache.pool[layer, 1]), out=out,
-            k_scale=self.cache.k_scales[layer], v_scale=self.cache.v_scales[layer],
-            sinks=self.sinks[layer])
+        wrapper = self._planned_wrapper(spec)
+        kv = (self.cache.pool[layer, 0], self.cache.pool[layer, 1])
+        scales = dict(k_scale=self.cache.k_scales[layer], v_scale=self.cache.v_scales[layer])
+        sinks = self.sinks[layer]
+        if sinks is None:
+            wrapper.run(q, kv, out=out, **scales)
+        else:  # the sink variant reads sinks and sm_scale by position (k_scale folds into it)
+            wrapper.run(q, kv, sinks, spec.scale, out=out, **scales)
         return out
+
+    def _build_kernels(self) -> None:
+        """Plan and run one token per plan key and wrapper kind into the scratch block, so
+        that FlashInfer builds (or loads) every kernel module now. KernelBuildFailed, with the
+        cause and the fix, where they cannot be built here."""
+        dev = self.cache.pool.device
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        page = torch.tensor([self.cache.scratch_block], dtype=torch.int32)
+        meta = StepMetadata(one, one, page, torch.ones(1, dtype=torch.int32),
+                            self.cache.block_size, page.to(dev))
+        firsts = {s.plan_key: i for i, s in reversed(list(enumerate(self.specs)))}
+        try:
+            for layer in firsts.values():
+                spec = self.specs[layer]
+                q = torch.zeros(1, spec.num_heads, spec.head_dim, dtype=spec.dtype, device=dev)
+                for kind in ("prefill", "decode"):
+                    self.planned = {spec.plan_key: self._plan(kind, spec, meta)}
+                    self.run(layer, q)
+        except (RuntimeError, OSError, ImportError) as e:
+            raise KernelBuildFailed(_build_failure(e)) from e
+        self.planned = {}
 
     # ---- plans and wrappers -----------------------------------------------------------------
     def _planned_wrapper(self, spec: AttentionSpec) -> Any:
+        """The wrapper the step's layers of this plan key run on, planned on first use."""
         key = spec.plan_key
         wrapper = self.planned.get(key)
         if wrapper is None:
             meta = self.meta
             assert meta is not None, "run() before plan()"
-            decode = meta.num_tokens == meta.num_seqs
-            wrapper = self._wrapper("decode" if decode else "prefill", key)
-            common = dict(window_left=spec.window - 1 if spec.window else -1,
-                          logits_soft_cap=spec.softcap or 0.0, sm_scale=spec.scale,
-                          q_data_type=spec.dtype, kv_data_type=self.cache.dtype)
-            if decode:
-                wrapper.plan(meta.kv_indptr, meta.kv_indices_device, meta.kv_last_page_len,
-                             spec.num_heads, spec.num_kv_heads, spec.head_dim, meta.block_size,
-                             **common)
-            else:
-                wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices_device,
-                             meta.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
-                             spec.head_dim, meta.block_size, head_dim_vo=spec.head_dim_v,
-                             causal=True, **common)
-            self.planned[key] = wrapper
+            kind = "decode" if meta.num_tokens == meta.num_seqs else "prefill"
+            wrapper = self.planned[key] = self._plan(kind, spec, meta)
             self.plans_made += 1
         return wrapper
 
-    def _wrapper(self, kind: str, key: PlanKey) -> Any:
-        """The wrapper of this kind and key (of the captured batch size under a graph),
-        created on first use; all share the workspace."""
+    def _plan(self, kind: str, spec: AttentionSpec, meta: StepMetadata) -> Any:
+        """Plan this kind's wrapper for the spec's key on the step's metadata."""
+        wrapper = self._wrapper(kind, spec)
+        common = dict(window_left=spec.window - 1 if spec.window else -1,
+                      logits_soft_cap=spec.softcap or 0.0, sm_scale=spec.scale,
+                      q_data_type=spec.dtype, kv_data_type=self.cache.dtype)
+        if kind == "decode":
+            wrapper.plan(meta.kv_indptr, meta.kv_indices_device, meta.kv_last_page_len,
+                         spec.num_heads, spec.num_kv_heads, spec.head_dim, meta.block_size,
+                         **common)
+        else:
+            wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices_device,
+                         meta.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
+                         spec.head_dim, meta.block_size, head_dim_vo=spec.head_dim_v,
+                         causal=True, **common)
+        return wrapper
+
+    def _wrapper(self, kind: str, spec: AttentionSpec) -> Any:
+        """The wrapper of this kind for the spec's plan key (of the captured batch size under
+        a graph), created on first use; all share the workspace."""
         batch = self.graph_batch
+        key = spec.plan_key
         wkey = (kind, key) if batch is None else (kind, key, batch)
         if wkey not in self.wrappers:
-            if kind == "prefill":
-                w = self.fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                backend="fa2")
-            elif batch is None:
-                w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                               use_tensor_cores=True)
-            else:
-                b = self.graph_buffers
-                w = self.fi.BatchDecodeWithPagedKVCacheWrapper(
-                    self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-                    paged_kv_indptr_buffer=b["indptr"][:batch + 1],
-                    paged_kv_indices_buffer=b["indices"],
-                    paged_kv_last_page_len_buffer=b["last_page_len"][:batch])
-            self.wrappers[wkey] = w
+            graph = {} if batch is None else dict(
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=self.graph_buffers["indptr"][:batch + 1],
+                paged_kv_indices_buffer=self.graph_buffers["indices"],
+                paged_kv_last_page_len_buffer=self.graph_buffers["last_page_len"][:batch])
+            make = _sink_wrapper if spec.sinks is not None else _plain_wrapper
+            self.wrappers[wkey] = make(self.fi, kind, self.workspace, spec, self.cache.dtype,
+                                       graph)
         return self.wrappers[wkey]
 
     def reserve_graph_buffers(self, max_batch: int, max_pages: int) -> None:
@@ -146,6 +182,36 @@ class FlashInferBackend:
             "last_page_len": torch.ones(max_batch, dtype=torch.int32, device=dev)}
 
 
+def _build_failure(e: BaseException) -> str:
+    """The fallback's one line: what failed, and what to do about it."""
+    lines = str(e).strip().splitlines()
+    return (f"FlashInfer's attention kernels could not be built or loaded here "
+            f"({type(e).__name__}: {lines[0] if lines else 'no message'}); FlashInfer "
+            "JIT-compiles them at first use, which needs a CUDA toolkit (nvcc and ninja on "
+            "PATH, or CUDA_HOME): install one, or pass attention_backend='torch'")
+
+
+def _plain_wrapper(fi: Any, kind: str, workspace: torch.Tensor, spec: AttentionSpec,
+                   kv_dtype: torch.dtype, graph: dict[str, Any]) -> Any:
+    """fa2 paged prefill, or tensor-core decode (graph-captured when `graph` has buffers)."""
+    if kind == "prefill":
+        return fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+    return fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True,
+                                                 **graph)
+
+
+def _sink_wrapper(fi: Any, kind: str, workspace: torch.Tensor, spec: AttentionSpec,
+                  kv_dtype: torch.dtype, graph: dict[str, Any]) -> Any:
+    """The attention-sink variant (fa2), specialised when made on dtypes, head dims and
+    whether a window applies."""
+    variant = dict(backend="fa2", q_data_type=spec.dtype, kv_data_type=kv_dtype,
+                   head_dim_qk=spec.head_dim, head_dim_vo=spec.head_dim_v,
+                   window_left=spec.window - 1 if spec.window else -1)
+    if kind == "prefill":
+        return fi.BatchAttentionWithAttentionSinkWrapper(workspace, "NHD", **variant)
+    return fi.BatchDecodeWithAttentionSinkWrapper(workspace, "NHD", **variant, **graph)
+
+
 def _check_specs(specs: list[AttentionSpec], kv_dtype: torch.dtype) -> None:
     """BackendUnavailable unless FlashInfer serves every layer safely."""
     for i, s in enumerate(specs):
@@ -155,6 +221,9 @@ def _check_specs(specs: list[AttentionSpec], kv_dtype: torch.dtype) -> None:
         if s.dtype not in Q_DTYPES:
             raise BackendUnavailable(f"layer {i} computes in {s.dtype}; FlashInfer takes "
                                      f"{[str(d) for d in Q_DTYPES]}")
+        if s.sinks is not None and s.softcap:
+            raise BackendUnavailable(f"layer {i} has attention sinks and a logit softcap; "
+                                     "FlashInfer's sink kernel applies no softcap")
         if s.num_heads != specs[0].num_heads or s.head_dim_v != specs[0].head_dim_v:
             raise BackendUnavailable("layers differ in heads or head size (one output buffer)")
     if kv_dtype not in KV_DTYPES:

@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from batchgen.attention import cpu_kernel, flashinfer_backend
-from batchgen.attention.backend import AttentionBackend, BackendUnavailable
+from batchgen.attention.backend import AttentionBackend, BackendUnavailable, KernelBuildFailed
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
@@ -130,6 +130,8 @@ def build_backend(candidates: list[tuple[str, BackendFactory]], specs: list[Atte
         except BackendUnavailable as e:
             if insisted:
                 raise ValueError(f"attention_backend={name!r} cannot run this model: {e}") from e
-            logger.info("attention backend %r cannot run this model (%s); trying the next",
-                        name, e)
+            # a library that cannot build its kernels costs the GPU its fast path: say so
+            level = logging.WARNING if isinstance(e, KernelBuildFailed) else logging.INFO
+            logger.log(level, "attention backend %r cannot run this model (%s); trying the "
+                       "next", name, e)
     raise ValueError(f"no attention backend runs this model on {cache.pool.device}")
