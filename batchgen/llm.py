@@ -15,13 +15,13 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig
 
 from batchgen import cpu_allocator
-from batchgen.attention import flashinfer_backend
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.registry import (
-    BackendFactory,
     BackendQuery,
+    Candidate,
     backend_candidates,
     build_backend,
+    reserved_bytes,
 )
 from batchgen.attention.spec import AttentionSpec, probe_specs
 from batchgen.config import (
@@ -41,7 +41,7 @@ from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
 from batchgen.log import configure_logging, logger
 from batchgen.model import loader
-from batchgen.model.cuda_graphs import CudaGraphCapturer, capture_sizes
+from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
 from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import activation_peak_bytes, gpu_kv_budget
@@ -72,7 +72,7 @@ class _Plan:
     config: PretrainedConfig
     geo: KVGeometry
     kv_dtype: torch.dtype
-    backends: list[tuple[str, BackendFactory]]  # best first
+    backends: list[Candidate]  # best first
     target_len: int  # max_model_len wanted (the pool may cap it)
     beta: int  # KV bytes per token
     num_blocks: int | None  # None: a GPU pool sized once the weights are in
@@ -112,8 +112,7 @@ class LLM:
         self._assemble(cfg, backend)
         if not cfg.enforce_eager:
             self._capture_graphs(cfg)
-        logger.info(self.cache_config.capacity_line(self.max_model_len))
-        logger.info("attention backend: %s", self.attention_backend)
+        self._log_capacity()
 
     def _check_before_loading(self, model: str | os.PathLike,
                               tokenizer: str | os.PathLike | None, dtype: str | torch.dtype,
@@ -136,9 +135,8 @@ class LLM:
         target_len = target_max_model_len(cfg, geo.max_position_embeddings)
         beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
                               torch.empty((), dtype=kv_dtype).element_size())
-        sized_later = self.device.type == "cuda" and cfg.num_kv_blocks is None and (
-            cfg.kv_cache_memory is None)
-        num_blocks = None if sized_later else self._size_pool(cfg, beta, target_len, None)
+        num_blocks = (None if self._pool_from_gpu_memory(cfg)
+                      else self._size_pool(cfg, beta, target_len, None))
         return _Plan(path, tok_path, config, geo, kv_dtype, backends, target_len, beta,
                      num_blocks)
 
@@ -161,10 +159,11 @@ class LLM:
         """The pool (a GPU one sized now, from the memory the weights left) and the attention
         backend over it."""
         num_blocks = plan.num_blocks
+        self._reserve: tuple[int, int] | None = None
         if num_blocks is None:
-            other = flashinfer_backend.RESERVED_BYTES if plan.backends[0][0] == "flashinfer" else 0
+            self._reserve = self._gpu_reserve(cfg, plan, specs)
             num_blocks = self._size_pool(cfg, plan.beta, plan.target_len,
-                                         self._gpu_budget(cfg, other))
+                                         self._gpu_budget(cfg, sum(self._reserve)))
         geo = plan.geo
         self.cache_config = CacheConfig(cfg.block_size, num_blocks, plan.beta)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
@@ -202,14 +201,40 @@ class LLM:
 
     def _capture_graphs(self, cfg: EngineConfig) -> None:
         """Decode steps as CUDA graphs, where the device and the backend allow them."""
-        if self.device.type != "cuda" or self.attention_backend != "flashinfer":
-            logger.info("enforce_eager=False: CUDA graphs need a GPU and the flashinfer "
-                        "backend (here %s, %s); running eagerly", self.device.type,
+        if self.device.type != "cuda" or not self.engine.runner.backend.supports_graphs:
+            logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that "
+                        "supports them (here %s, %s); running eagerly", self.device.type,
                         self.attention_backend)
             return
         pages = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
         self.engine.runner.use_graphs(capture_sizes(cfg.max_num_seqs), pages,
                                       CudaGraphCapturer())
+
+    def _pool_from_gpu_memory(self, cfg: EngineConfig) -> bool:
+        """Whether the pool is sized from the GPU memory the weights leave (once they are in),
+        not from num_kv_blocks, kv_cache_memory or the CPU default."""
+        return (self.device.type == "cuda" and cfg.num_kv_blocks is None
+                and cfg.kv_cache_memory is None)
+
+    def _gpu_reserve(self, cfg: EngineConfig, plan: _Plan, specs: list[AttentionSpec]
+                     ) -> tuple[int, int]:
+        """GPU bytes to keep beyond the pool: the attention backend's (workspace, wrappers,
+        output; per captured size with graphs) and, with graphs, the graph pool's allowance."""
+        sizes = None if cfg.enforce_eager else capture_sizes(cfg.max_num_seqs)
+        backend = reserved_bytes(plan.backends, specs, self._max_step_tokens(cfg), sizes)
+        graphs = sizes is not None and any(entry.graphs for entry, _ in plan.backends)
+        return backend, GRAPH_POOL_BYTES if graphs else 0
+
+    def _log_capacity(self) -> None:
+        """The capacity line, the GPU memory kept beyond the pool when the pool was sized from
+        free memory, and the backend."""
+        logger.info(self.cache_config.capacity_line(self.max_model_len))
+        if self._reserve is not None:
+            backend, graphs = self._reserve
+            logger.info("GPU memory kept beyond the pool when sizing it: %.1f MiB for the "
+                        "attention backend, %.1f MiB for the CUDA graph pool",
+                        backend / 2**20, graphs / 2**20)
+        logger.info("attention backend: %s", self.attention_backend)
 
     def _gpu_budget(self, cfg: EngineConfig, other: int) -> int:
         """Bytes for the GPU pool, after profiling the largest step's activations."""

@@ -17,7 +17,17 @@ if ! python3 -c "import flashinfer" 2>/dev/null; then
     mkdir -p "$site" && tar -xJf flashinfer-bundle/flashinfer-*.tar.xz -C "$site" &&
       python3 -m pip install -q --no-index --no-deps --target "$site" \
         flashinfer-bundle/apache_tvm_ffi-*.whl || status=1
-    nvcc_root=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+    # FlashInfer JIT-compiles every kernel with nvcc: without it CUDA_HOME would become "."
+    nvcc_bin=$(command -v nvcc || true)
+    if [ -z "$nvcc_bin" ] && [ -x "${CUDA_HOME:-/nonexistent}/bin/nvcc" ]; then
+      nvcc_bin=$CUDA_HOME/bin/nvcc
+    fi
+    if [ -z "$nvcc_bin" ]; then
+      echo "gpu_check: FAILED: nvcc not found (not on PATH, nor \$CUDA_HOME/bin/nvcc);" \
+        "FlashInfer compiles its kernels with it: put the CUDA toolkit's bin/ on PATH" >&2
+      exit 1
+    fi
+    nvcc_root=$(dirname "$(dirname "$(readlink -f "$nvcc_bin")")")
     export PYTHONPATH=$site:$PYTHONPATH FLASHINFER_WORKSPACE_BASE=$PWD/flashinfer-bundle/jit \
       MAX_JOBS=16 FLASHINFER_NO_DOWNLOAD=1 CUDA_HOME=$nvcc_root \
       FLASHINFER_CUDA_ARCH_LIST=${FLASHINFER_CUDA_ARCH_LIST:-9.0a}
@@ -32,11 +42,20 @@ python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || s
 timeout 270 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py \
   tests/test_cuda_flashinfer.py > "$logs/gpu_tests.log" 2>&1 || status=1
 tail -20 "$logs/gpu_tests.log"
-timeout 230 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" \
-  > "$logs/gpu_bench.log" 2>&1 || status=1
-sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log" || tail -30 "$logs/gpu_bench.log"
-timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 \
-  --json "$logs/host_overhead.json" > "$logs/host_overhead.log" 2>&1 || status=1
-sed -n '/^| system/,$p' "$logs/host_overhead.log" || tail -20 "$logs/host_overhead.log"
+# A step's tables when it passed; the tail of its log (the traceback) when it failed.
+if timeout 230 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" \
+  > "$logs/gpu_bench.log" 2>&1; then
+  sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log"
+else
+  rc=$?; status=1; echo "gpu_check: gpu_bench FAILED (rc $rc); the end of its log:"
+  tail -30 "$logs/gpu_bench.log"
+fi
+if timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 \
+  --json "$logs/host_overhead.json" > "$logs/host_overhead.log" 2>&1; then
+  sed -n '/^| system/,$p' "$logs/host_overhead.log"
+else
+  rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
+  tail -20 "$logs/host_overhead.log"
+fi
 [ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: $logs)"
 exit "$status"

@@ -6,11 +6,14 @@ import random
 import pytest
 import torch
 
+from batchgen.attention import registry
+from batchgen.attention.flashinfer_backend import FlashInferBackend
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
 from batchgen.kv import BlockManager, KVCache, kv_cache_bytes
+from batchgen.kv.cache import kv_pool_shape
 from batchgen.model.inputs import StepInputs
 from tests.helpers import cpu_kernel_or_skip
 
@@ -166,6 +169,7 @@ def test_kv_cache_bytes_and_pool_layout():
     assert kv_cache_bytes(30, 2, 64, 1) == 15_360
     cache = KVCache(3, 5, 4, 2, 8, torch.float16, "cpu")
     assert cache.pool.shape == (3, 2, 6, 4, 2, 8)  # + the scratch block for padding tokens
+    assert cache.pool.shape == kv_pool_shape(3, 5, 4, 2, 8) and cache.layout == "NHD"
     assert cache.scratch_block == 5
     assert cache.bytes_per_token == kv_cache_bytes(3, 2, 8, 1, 2)
     k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
@@ -264,3 +268,37 @@ def test_fp8_pools_are_read_back_with_their_scales(kernel):
     for row, i in enumerate(shapes_order):
         ref = _dense_reference(q[qo[row]:qo[row + 1]], *keys[i], 0.3, None, None, None)
         torch.testing.assert_close(out[qo[row]:qo[row + 1]], ref, atol=2e-5, rtol=1e-4)
+
+
+def test_backends_declare_what_the_engine_needs():
+    """Each registry entry's graph flag is its backend's `supports_graphs`; every entry reads
+    the pool's layout; only FlashInfer keeps memory beyond the pool."""
+    classes = {"flashinfer": FlashInferBackend, "cpu_kernel": CpuKernelBackend,
+               "torch": TorchBackend}
+    for name, entry in registry.BACKENDS.items():
+        assert entry.graphs == classes[name].supports_graphs == (name == "flashinfer")
+        assert entry.kv_layout == KVCache.layout
+    spec = AttentionSpec(4, 2, 64, 64, 0.125, None, None, torch.bfloat16)
+    assert registry.BACKENDS["torch"].reserve([spec], 64, [1, 2]) == 0
+    assert registry.BACKENDS["flashinfer"].reserve([spec], 64, [1, 2]) > 256 << 20
+
+
+def test_a_backend_reading_another_pool_layout_is_refused_before_loading(monkeypatch):
+    entry = registry.BACKENDS["torch"]
+    monkeypatch.setitem(registry.BACKENDS, "torch", registry.BackendEntry(
+        "torch", entry.devices, None, None, None, entry.load, kv_layout="HND"))
+    query = registry.BackendQuery(torch.device("cpu"), torch.float32, torch.float32, 64)
+    with pytest.raises(ValueError, match=r"attention_backend='torch' cannot run here: reads a "
+                                         r"HND KV pool, but the pool is NHD"):
+        registry.backend_candidates("torch", query)
+    assert "torch" not in [e.name for e, _ in registry.backend_candidates(None, query)]
+
+
+def test_graphs_need_a_backend_that_supports_them():
+    from batchgen.model.runner import ModelRunner
+
+    cache = KVCache(1, 4, 4, 1, 8, torch.float32, "cpu")
+    spec = AttentionSpec(1, 1, 8, 8, 0.5, None, None, torch.float32)
+    runner = ModelRunner(torch.nn.Identity(), cache, TorchBackend([spec], cache), None)
+    with pytest.raises(ValueError, match="supports_graphs.*'torch'"):
+        runner.use_graphs([1], 4, None)

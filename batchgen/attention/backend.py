@@ -1,5 +1,7 @@
 """The contract every paged-attention backend meets: built once from the layers' specs and the
-pool, plan once per step, run once per layer."""
+pool, plan once per step, run once per layer. What a backend needs beyond that it declares
+(`supports_graphs` here; KV layout, memory beyond the pool and graphs in its registry entry), so
+the LLM and the runner never name a backend."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ class AttentionBackend(Protocol):
     serve."""
 
     name: str
+    supports_graphs: bool  # True only for a GraphBackend: decode steps can be CUDA graphs
 
     def plan(self, meta: StepMetadata) -> None:
         """Prepare everything shared by the step's layers (index tensors, masks, kernel plans)."""
@@ -34,3 +37,14 @@ class AttentionBackend(Protocol):
     def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """Attention of q [T, Hq, D] over the layer's cached K/V (this step's already written);
         returns [T, Hq, Dv]."""
+
+
+class GraphBackend(AttentionBackend, Protocol):
+    """A backend whose decode steps can be captured as CUDA graphs: it plans outside the
+    graph, before every replay, on wrappers fixed per captured batch size."""
+
+    def reserve_graph_buffers(self, max_batch: int, max_pages: int) -> None:
+        """Allocate the index buffers every captured size's plans write (once, before capture)."""
+
+    def graph_plan(self, meta: StepMetadata, batch_size: int) -> None:
+        """Plan a decode step padded to `batch_size` rows, outside the graph."""

@@ -31,9 +31,8 @@ from batchgen.attention.spec import AttentionSpec
 from batchgen.kv.cache import KVCache
 
 WORKSPACE_BYTES = 256 << 20  # one zeroed float workspace shared by every wrapper
-# GPU memory to leave for the workspace, the wrappers' own buffers (8 MiB each) and the CUDA
-# graphs' pool when the KV pool is sized from free memory
-RESERVED_BYTES = WORKSPACE_BYTES + (256 << 20)
+# each wrapper's own int workspace on the GPU (it pins as much host memory too)
+WRAPPER_BYTES = 8 << 20
 # fa2 is safe for these head sizes only (others can crash or be silently wrong upstream)
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16)
@@ -42,12 +41,25 @@ KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
 PlanKey = tuple[int | None, float | None, float, bool]  # AttentionSpec.plan_key
 
 
+def reserved_bytes(specs: list[AttentionSpec], max_num_tokens: int,
+                   graph_sizes: list[int] | None) -> int:
+    """GPU bytes the backend allocates beyond the pool, for sizing the pool before it exists:
+    the workspace, the output buffer and WRAPPER_BYTES per wrapper (eager prefill and decode
+    per plan key, plus one decode per captured batch size per key with graphs)."""
+    keys = len({s.plan_key for s in specs})
+    wrappers = keys * (2 + len(graph_sizes or ()))
+    s0 = specs[0]
+    out = max_num_tokens * s0.num_heads * s0.head_dim_v * s0.dtype.itemsize
+    return WORKSPACE_BYTES + out + wrappers * WRAPPER_BYTES
+
+
 class FlashInferBackend:
     """Prefill and decode wrappers per plan key, planned lazily once per step. Owns the
     workspace, the wrappers, the output buffer and the graph index buffers; the pool is the
     LLM's."""
 
     name = "flashinfer"
+    supports_graphs = True  # a GraphBackend: graph_plan, reserve_graph_buffers
 
     def __init__(self, specs: list[AttentionSpec], cache: KVCache, max_num_tokens: int,
                  fi: Any) -> None:

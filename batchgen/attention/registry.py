@@ -2,8 +2,10 @@
 None takes the first, in this order, that runs here.
 
 Selection happens twice, both times before anything is allocated for the engine: on the
-device, dtypes and head size (before the weights load), then on the layers' probed specs (a
-backend may still refuse them; the default then falls back to the next one, with a log line).
+device, dtypes, head size and KV layout (before the weights load), then on the layers' probed
+specs (a backend may still refuse them; the default then falls back to the next one, with a log
+line). An entry also declares what the engine must know before the pool is sized: the GPU
+memory its backend takes beyond the pool and whether it can run CUDA-graph decode.
 """
 
 from __future__ import annotations
@@ -21,12 +23,20 @@ from batchgen.attention.backend import AttentionBackend, BackendUnavailable, Ker
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.spec import AttentionSpec
 from batchgen.attention.torch_backend import TorchBackend
-from batchgen.kv.cache import KVCache
+from batchgen.kv.cache import NHD, KVCache
 
 logger = logging.getLogger("batchgen")
 
 # (specs, cache, max_num_tokens) -> backend; raises BackendUnavailable for specs it cannot serve
 BackendFactory = Callable[[list[AttentionSpec], KVCache, int], AttentionBackend]
+# (specs, max_num_tokens, captured batch sizes or None when eager) -> GPU bytes beyond the pool
+ReserveFn = Callable[[list[AttentionSpec], int, list[int] | None], int]
+
+
+def no_reserve(specs: list[AttentionSpec], max_num_tokens: int,
+               graph_sizes: list[int] | None) -> int:
+    """A backend that keeps nothing on the device beyond the pool (its plans live per step)."""
+    return 0
 
 
 @dataclass(frozen=True)
@@ -41,7 +51,8 @@ class BackendQuery:
 
 @dataclass(frozen=True)
 class BackendEntry:
-    """One backend and its capability flags (None: any)."""
+    """One backend and its capability flags (None: any), with what it needs declared before
+    the pool exists: the pool layout it reads, CUDA-graph decode, GPU memory beyond the pool."""
 
     name: str
     devices: tuple[str, ...]
@@ -49,9 +60,15 @@ class BackendEntry:
     kv_dtypes: tuple[torch.dtype, ...] | None
     head_dims: tuple[int, ...] | None
     load: Callable[[], BackendFactory]  # raises BackendUnavailable
+    kv_layout: str = NHD  # the pool layout it reads: must be KVCache.layout
+    graphs: bool = False  # its backends are GraphBackends (supports_graphs)
+    reserve: ReserveFn = no_reserve
 
     def unfit(self, q: BackendQuery) -> str | None:
         """Why this backend cannot serve the query (None if it can)."""
+        if self.kv_layout != KVCache.layout:
+            return (f"reads a {self.kv_layout} KV pool, but the pool is {KVCache.layout} "
+                    "(kv/cache.py kv_pool_shape)")
         if q.device.type not in self.devices:
             return f"needs device in {self.devices}, got {q.device.type!r}"
         for what, value, allowed in (("a model dtype", q.dtype, self.dtypes),
@@ -83,7 +100,8 @@ def _load_cpu_kernel() -> BackendFactory:
 BACKENDS: dict[str, BackendEntry] = {
     "flashinfer": BackendEntry("flashinfer", ("cuda",), flashinfer_backend.Q_DTYPES,
                                flashinfer_backend.KV_DTYPES, flashinfer_backend.HEAD_DIMS,
-                               _load_flashinfer),
+                               _load_flashinfer, graphs=True,
+                               reserve=flashinfer_backend.reserved_bytes),
     "cpu_kernel": BackendEntry("cpu_kernel", ("cpu",), None, cpu_kernel.KV_DTYPES, None,
                                _load_cpu_kernel),
     "torch": BackendEntry("torch", ("cpu", "cuda"), None, None, None,
@@ -91,8 +109,10 @@ BACKENDS: dict[str, BackendEntry] = {
 }
 
 
-def backend_candidates(name: str | None, query: BackendQuery
-                       ) -> list[tuple[str, BackendFactory]]:
+Candidate = tuple[BackendEntry, BackendFactory]
+
+
+def backend_candidates(name: str | None, query: BackendQuery) -> list[Candidate]:
     """The backends to try, best first (only `name` when one is asked for). ValueError naming
     attention_backend when the one asked for cannot run here."""
     if name is not None:
@@ -100,7 +120,7 @@ def backend_candidates(name: str | None, query: BackendQuery
         reason = entry.unfit(query)
         if reason is None:
             try:
-                return [(name, entry.load())]
+                return [(entry, entry.load())]
             except BackendUnavailable as e:
                 reason = str(e)
         raise ValueError(f"attention_backend={name!r} cannot run here: {reason}")
@@ -109,7 +129,7 @@ def backend_candidates(name: str | None, query: BackendQuery
         reason = entry.unfit(query)
         if reason is None:
             try:
-                out.append((entry.name, entry.load()))
+                out.append((entry, entry.load()))
                 continue
             except BackendUnavailable as e:
                 reason = str(e)
@@ -119,12 +139,21 @@ def backend_candidates(name: str | None, query: BackendQuery
     return out
 
 
-def build_backend(candidates: list[tuple[str, BackendFactory]], specs: list[AttentionSpec],
-                  cache: KVCache, max_num_tokens: int, insisted: bool
-                  ) -> tuple[str, AttentionBackend]:
+def reserved_bytes(candidates: list[Candidate], specs: list[AttentionSpec],
+                   max_num_tokens: int, graph_sizes: list[int] | None) -> int:
+    """GPU bytes to keep beyond the pool for the backend: the most any candidate takes (the
+    one that runs is known only once it accepts the specs); graph wrappers for those with
+    graphs."""
+    return max((entry.reserve(specs, max_num_tokens, graph_sizes if entry.graphs else None)
+                for entry, _ in candidates), default=0)
+
+
+def build_backend(candidates: list[Candidate], specs: list[AttentionSpec], cache: KVCache,
+                  max_num_tokens: int, insisted: bool) -> tuple[str, AttentionBackend]:
     """The first candidate that accepts the layers' specs. A backend asked for by name that
     refuses them is a ValueError."""
-    for name, factory in candidates:
+    for entry, factory in candidates:
+        name = entry.name
         try:
             return name, factory(specs, cache, max_num_tokens)
         except BackendUnavailable as e:

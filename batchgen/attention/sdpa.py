@@ -168,6 +168,7 @@ class TiledBackend:
     LLM's; the plans are the backend's and live for one step."""
 
     name: str
+    supports_graphs = False  # no graph_plan: every step runs eagerly
 
     def __init__(self, specs: list[AttentionSpec], cache: KVCache) -> None:
         self.specs = specs

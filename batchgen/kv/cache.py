@@ -1,7 +1,8 @@
 """The KV pool: one preallocated tensor [layers, 2, blocks + 1, block_size, kv_heads, head_dim].
 
 KVCache owns the bytes; the BlockManager decides which block holds which tokens. Layer `l` is
-handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout.
+handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout. The shape comes
+from `kv_pool_shape` alone; backends declare the layout they read (registry `kv_layout`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ def num_blocks_for_memory(memory_bytes: int, block_size: int, bytes_per_token: i
     return int(memory_bytes) // (block_size * bytes_per_token)
 
 
+NHD = "NHD"  # per block: [block_size, kv_heads, head_dim], K and V in separate halves
+
+
+def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[int, ...]:
+    """The pool's shape in the NHD layout (vLLM's `get_kv_cache_shape`, FlashInfer's paged
+    layout per layer): [layers, 2 (K, V), blocks + 1 (the scratch block), block, heads, dim]."""
+    return num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim
+
+
 FP8_DTYPES = (torch.float8_e4m3fn,)
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn: larger values saturate, never NaN
 
@@ -33,6 +44,8 @@ class KVCache:
     Blocks 0..num_blocks-1 belong to the BlockManager; one more, `scratch_block`, takes the K/V
     of the runner's padding tokens and is never handed out. An fp8 pool stores K / k_scale and
     V / v_scale per layer (scales 1.0 without calibration, as vLLM); readers multiply back."""
+
+    layout = NHD  # the layout kv_pool_shape lays out; a backend must declare the same
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
@@ -46,8 +59,8 @@ class KVCache:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.pool = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads,
-                                head_dim, dtype=dtype, device=device)
+        self.pool = torch.zeros(kv_pool_shape(num_layers, num_blocks, block_size, num_kv_heads,
+                                              head_dim), dtype=dtype, device=device)
         slots = (num_blocks + 1) * block_size
         # Flat per-layer views [slots, kv_heads, head_dim]: writes index these.
         self.k_flat = [self.pool[i, 0].view(slots, num_kv_heads, head_dim)

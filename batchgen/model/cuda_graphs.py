@@ -5,21 +5,29 @@ Every graph reads the runner's step buffers (input ids, positions, slot mapping,
 fixed addresses; rows past the step's sequences are one-token dummies in the scratch block. The
 attention backend plans that size's decode wrappers outside the graph before every replay
 (`graph_plan`); a stale plan would replay yesterday's page tables. Mixed and prefill steps stay
-eager. Only a backend with `graph_plan` (FlashInfer) can be captured.
+eager. Only a GraphBackend (`supports_graphs`: FlashInfer) can be captured.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
+from batchgen.attention.backend import GraphBackend
 from batchgen.attention.interface import StepContext
 from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.kv.cache import KVCache
 from batchgen.model.inputs import StepInputs
+
+# GPU memory kept for the graphs' private pool when the KV pool is sized from free memory. An
+# allowance, not a measurement: the pool holds the largest captured decode step's intermediates
+# (max_num_seqs rows: hidden states, MLP activations, logits [rows, vocab] in the model dtype,
+# 63 MiB for 256 rows of a 128k vocabulary; smaller sizes reuse it); it also covers the
+# backend's graph index buffers (4 bytes a page: 2 MiB for 256 rows of 32k tokens).
+GRAPH_POOL_BYTES = 256 << 20
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -54,7 +62,7 @@ class DecodeGraphs:
     """One captured decode step per batch size, over the runner's step buffers and the
     backend's graph wrappers. The model, pool and backend are the runner's."""
 
-    def __init__(self, model: torch.nn.Module, cache: KVCache, backend: Any,
+    def __init__(self, model: torch.nn.Module, cache: KVCache, backend: GraphBackend,
                  inputs: StepInputs, sizes: list[int], max_pages: int,
                  capturer: GraphCapturer) -> None:
         self.model = model

@@ -4,9 +4,11 @@ the rows the sampler needs. Decode-only steps replay a captured CUDA graph when 
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
-from batchgen.attention.backend import AttentionBackend
+from batchgen.attention.backend import AttentionBackend, GraphBackend
 from batchgen.attention.interface import StepContext
 from batchgen.attention.metadata import StepRows
 from batchgen.kv.cache import KVCache
@@ -28,11 +30,11 @@ class ModelRunner:
 
     def use_graphs(self, sizes: list[int], max_pages: int, capturer: GraphCapturer) -> None:
         """Capture decode steps of these batch sizes; later decode steps replay them."""
-        if not hasattr(self.backend, "graph_plan"):
+        if not self.backend.supports_graphs:
             raise ValueError(f"CUDA graphs need a backend that plans outside the graph "
-                             f"(flashinfer), not {self.backend.name!r}")
-        graphs = DecodeGraphs(self.model, self.cache, self.backend, self.inputs, sizes,
-                              max_pages, capturer)
+                             f"(supports_graphs), not {self.backend.name!r}")
+        graphs = DecodeGraphs(self.model, self.cache, cast(GraphBackend, self.backend),
+                              self.inputs, sizes, max_pages, capturer)
         graphs.capture()
         self.graphs = graphs
 
