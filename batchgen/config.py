@@ -50,7 +50,7 @@ class EngineConfig:
     attention_backend: str | None = None
     seed: int | None = 0
     enforce_eager: bool = True  # CUDA graphs for decode steps when False (GPU + FlashInfer)
-    tensor_parallel_size: int = 1  # vLLM's name; one GPU per LLM today
+    tensor_parallel_size: int = 1  # vLLM's name: ranks (processes, GPUs) the weights split over
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
@@ -69,9 +69,7 @@ class EngineConfig:
         check_flag(self.enable_prefix_caching, "enable_prefix_caching")
         check_flag(self.enforce_eager, "enforce_eager")
         check_flag(self.trust_remote_code, "trust_remote_code")
-        check(self.tensor_parallel_size == 1 and is_int(self.tensor_parallel_size),
-              "tensor_parallel_size", "1 (tensor parallelism is not implemented: run one LLM "
-              "per GPU, or scale out with Ray Data)", self.tensor_parallel_size)
+        check_int(self.tensor_parallel_size, "tensor_parallel_size")
         self.seed = check_seed(self.seed)
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS

@@ -6,7 +6,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,10 @@ from batchgen.config import (
     pool_blocks,
     target_max_model_len,
 )
+from batchgen.distributed.driver import start_group
+from batchgen.distributed.plan import check_tp, rank_device
+from batchgen.distributed.runner import TPRunner
+from batchgen.distributed.worker import ShardSetup
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.engine import Engine
 from batchgen.engine.scheduler import Scheduler, StepStats
@@ -44,7 +48,7 @@ from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
 from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
-from batchgen.model.profile import activation_peak_bytes, gpu_kv_budget
+from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
 from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
@@ -107,9 +111,15 @@ class LLM:
             trust_remote_code=trust_remote_code)
         # Everything that can be checked is checked before the weights load.
         plan = self._check_before_loading(model, tokenizer, dtype, device, cfg)
-        specs = self._load(plan, cfg)
-        backend = self._allocate(cfg, plan, specs)
-        self._assemble(cfg, backend)
+        self._tp = start_group(self, plan.path, plan.config, self.dtype, self.device, cfg)
+        try:
+            specs = self._load(plan, cfg)
+            backend = self._allocate(cfg, plan, specs)
+            self._assemble(cfg, backend)
+        except BaseException:
+            if self._tp is not None:
+                self._tp.shutdown()
+            raise
         if not cfg.enforce_eager:
             self._capture_graphs(cfg)
         self._log_capacity()
@@ -126,10 +136,13 @@ class LLM:
         self.model_path = path
         config = loader.load_config(path, cfg.trust_remote_code)
         loader.check_weights(path)
-        self.device = _resolve_device(device)
+        self.device = rank_device(_resolve_device(device), 0) if cfg.tensor_parallel_size > 1 \
+            else _resolve_device(device)
+        check_tp(config, cfg.tensor_parallel_size, self.device)
         self.dtype = loader.resolve_dtype(dtype, config)
         kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)
-        geo = loader.kv_geometry(config)
+        geo = loader.kv_geometry(config)  # this rank's share of the KV heads:
+        geo = replace(geo, num_kv_heads=geo.num_kv_heads // cfg.tensor_parallel_size)
         backends = backend_candidates(cfg.attention_backend, BackendQuery(
             self.device, self.dtype, kv_dtype, geo.head_dim))
         target_len = target_max_model_len(cfg, geo.max_position_embeddings)
@@ -147,7 +160,7 @@ class LLM:
             cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
         self.tokenizer = loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
         self.model = loader.load_model(plan.path, plan.config, self.dtype, self.device,
-                                       cfg.trust_remote_code)
+                                       cfg.trust_remote_code, cfg.tensor_parallel_size)
         self.config = plan.config
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         self.generation_config = loader.load_generation_config(plan.path)
@@ -171,6 +184,12 @@ class LLM:
         self.attention_backend, backend = build_backend(
             plan.backends, specs, self.cache, self._max_step_tokens(cfg),
             insisted=cfg.attention_backend is not None)
+        if self._tp is not None:  # every worker builds the same over its local heads
+            max_pages = cfg.max_num_seqs * blocks_for(self.max_model_len, cfg.block_size)
+            self._tp.send(("setup", ShardSetup(
+                num_blocks, cfg.block_size, plan.kv_dtype, self.attention_backend,
+                self._max_step_tokens(cfg), (cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                             max_pages, self._min_rows()))))
         return backend
 
     def _assemble(self, cfg: EngineConfig, backend: AttentionBackend) -> None:
@@ -189,7 +208,8 @@ class LLM:
                             cfg.max_num_seqs * max_blocks, bs, self.cache.scratch_block,
                             self._min_rows(), self.device)
         runner = ModelRunner(self.model, self.cache, backend, inputs)
-        self.engine = Engine(self.scheduler, runner, Sampler())
+        self.engine = Engine(self.scheduler, runner if self._tp is None
+                             else TPRunner(runner, self._tp), Sampler())
         stops = StopFactory(self.tokenizer, self.eos_token_ids)
         self.requests = RequestBuilder(
             self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
@@ -201,6 +221,10 @@ class LLM:
 
     def _capture_graphs(self, cfg: EngineConfig) -> None:
         """Decode steps as CUDA graphs, where the device and the backend allow them."""
+        if self._tp is not None:
+            logger.info("enforce_eager=False: CUDA graphs are not captured with "
+                        "tensor_parallel_size > 1 (every rank would need them); running eagerly")
+            return
         if self.device.type != "cuda" or not self.engine.runner.backend.supports_graphs:
             logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that "
                         "supports them (here %s, %s); running eagerly", self.device.type,
@@ -237,13 +261,14 @@ class LLM:
         logger.info("attention backend: %s", self.attention_backend)
 
     def _gpu_budget(self, cfg: EngineConfig, other: int) -> int:
-        """Bytes for the GPU pool, after profiling the largest step's activations."""
-        peak = activation_peak_bytes(self.model, self._max_step_tokens(cfg), cfg.max_num_seqs,
-                                     self.device)
-        free, total = torch.cuda.mem_get_info(self.device)
-        return gpu_kv_budget(total, free, torch.cuda.memory_allocated(self.device),
-                             torch.cuda.memory_reserved(self.device), peak,
-                             cfg.gpu_memory_utilization, other)
+        """Bytes for the GPU pool, after profiling the largest step's activations (on every
+        rank under tensor parallelism: the pool is what the tightest rank can hold)."""
+        profile = (self._max_step_tokens(cfg), cfg.max_num_seqs)
+        if self._tp is not None:
+            self._tp.send(("profile", *profile, cfg.gpu_memory_utilization, other))
+        budget = device_kv_budget(self.model, *profile, self.device, cfg.gpu_memory_utilization,
+                                  other)
+        return budget if self._tp is None else self._tp.min_over_ranks(budget)
 
     def _min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""

@@ -15,6 +15,7 @@ from transformers import (
     GenerationConfig,
     PretrainedConfig,
 )
+from transformers.distributed import DistributedConfig
 from transformers.utils import logging as hf_logging
 
 from batchgen.attention.interface import register
@@ -141,18 +142,22 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
-               device: torch.device, trust_remote_code: bool = False) -> torch.nn.Module:
-    """Load safetensors weights with batchgen's attention registered and selected."""
+               device: torch.device, trust_remote_code: bool = False, tp_size: int = 1
+               ) -> torch.nn.Module:
+    """Load safetensors weights with batchgen's attention registered and selected; with
+    tp_size > 1 (inside a process group of that size), this rank's shard, split by
+    transformers' own tensor-parallel plan."""
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
+    extra = {} if tp_size == 1 else {"distributed_config": DistributedConfig(tp_size=tp_size)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, attn_implementation=register(),
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, **extra)
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
-    return model.to(device).eval()
+    return (model if tp_size > 1 else model.to(device)).eval()
 
 
 def load_generation_config(path: Path) -> GenerationConfig | None:

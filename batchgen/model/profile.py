@@ -45,3 +45,12 @@ def gpu_kv_budget(total: int, free: int, allocated: int, reserved: int, activati
     workspace and wrappers, CUDA-graph pools)."""
     outside_torch = (total - free) - reserved
     return int(total * utilization) - allocated - activation_peak - outside_torch - other
+
+
+def device_kv_budget(model: torch.nn.Module, num_tokens: int, num_logits: int,
+                     device: torch.device, utilization: float, other: int) -> int:
+    """This GPU's bytes for the KV pool: profile the largest step, then gpu_kv_budget."""
+    peak = activation_peak_bytes(model, num_tokens, num_logits, device)
+    free, total = torch.cuda.mem_get_info(device)
+    return gpu_kv_budget(total, free, torch.cuda.memory_allocated(device),
+                         torch.cuda.memory_reserved(device), peak, utilization, other)

@@ -1,0 +1,64 @@
+"""Rank 0's model runner under tensor parallelism: each step's block copies and rows go to the
+workers in one broadcast, then through rank 0's own shard; the logits (full vocabulary on every
+rank) are rank 0's to sample. Same interface as ModelRunner (the Engine's Runner)."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from batchgen.attention.metadata import StepRows
+from batchgen.distributed.group import TPGroup
+from batchgen.model.runner import ModelRunner
+
+
+class TPRunner:
+    """Wraps rank 0's ModelRunner (its shard, pool and buffers); the group is the LLM's."""
+
+    def __init__(self, local: ModelRunner, group: TPGroup) -> None:
+        self.local = local
+        self.group = group
+        self.backend = local.backend
+        self.pending: list[tuple[int, int]] = []  # copies the workers make before the next step
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        self.local.copy_blocks(copies)
+        self.pending.extend(copies)
+
+    def execute(self, rows: StepRows) -> torch.Tensor:
+        """One step on every rank. A Ctrl-C during it is held until every rank has finished the
+        step's forward, so the ranks' collectives never part."""
+        with _interrupts_held():
+            self.group.send(("step", self.pending, wire_rows(rows)))
+            self.pending = []
+            try:
+                return self.local.execute(rows)
+            except RuntimeError as e:  # a collective inside the forward: a rank is gone
+                raise self.group.failure(e) from e
+
+
+def wire_rows(rows: StepRows) -> StepRows:
+    """The step's rows with only their own block-table rows (not the whole batch's matrix)."""
+    return StepRows(np.arange(rows.num_rows, dtype=np.int64), rows.starts, rows.num_new,
+                    rows.num_logits, rows.token_ids, rows.block_tables[rows.slots])
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT during the block is raised as KeyboardInterrupt when it ends (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt

@@ -1,0 +1,106 @@
+"""A tensor-parallel worker (ranks 1..k-1): loads its shard of the weights, probes its layers,
+and then runs whatever rank 0 sends on the control channel: the pool and backend to build
+("setup"), a profiling forward on a GPU ("profile"), a step's block copies and forward
+("step"), "stop". Its logits are dropped: rank 0 samples. It owns its shard, its KV pool of
+local heads (same block ids as every rank) and its step buffers; rank 0 owns everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from batchgen.attention.registry import BACKENDS
+from batchgen.attention.spec import probe_specs
+from batchgen.distributed.group import WorkerSpec, init_rank
+from batchgen.distributed.plan import rank_device
+from batchgen.kv.cache import KVCache
+from batchgen.model import loader
+from batchgen.model.inputs import StepInputs
+from batchgen.model.profile import device_kv_budget
+from batchgen.model.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class ShardSetup:
+    """Rank 0's pool and step-buffer sizes, and the backend it chose: every rank builds the
+    same, over its local heads."""
+
+    num_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype
+    backend: str
+    max_step_tokens: int
+    inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
+
+
+def worker_main(rank: int, spec: WorkerSpec, life: Any) -> None:
+    """A worker's whole life; exits the process when done or when rank 0 is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
+    threading.Thread(target=_exit_with_parent, args=(life,), daemon=True).start()
+    torch.set_num_threads(spec.threads)
+    try:
+        _serve(rank, spec)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    os._exit(0)
+
+
+def _exit_with_parent(life: Any) -> None:
+    """Block until rank 0's end of the life pipe closes (it exited or stopped the group)."""
+    try:
+        life.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def _serve(rank: int, spec: WorkerSpec) -> None:
+    device = rank_device(spec.device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        os.environ["LOCAL_RANK"] = str(rank)  # transformers binds the rank's GPU by it
+    control = init_rank(rank, spec)
+    model = loader.load_model(spec.path, spec.config, spec.dtype, device,
+                              spec.trust_remote_code, tp_size=spec.tp_size)
+    specs = probe_specs(model, loader.kv_geometry(spec.config).num_layers, device)
+    runner: ModelRunner | None = None
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        kind, *args = box[0]
+        if kind == "stop":
+            return
+        if kind == "setup":
+            runner = _build(model, specs, args[0], device)
+        elif kind == "profile":  # rank 0 sizes the pool by the tightest rank's budget
+            budget = torch.tensor([device_kv_budget(model, *args[:2], device, *args[2:])])
+            dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=control)
+        elif kind == "step":
+            copies, rows = args
+            runner.copy_blocks(copies)
+            runner.execute(rows)
+
+
+def _build(model: torch.nn.Module, specs: list, setup: ShardSetup, device: torch.device
+           ) -> ModelRunner:
+    """The rank's pool (local KV heads, as its attention layers see them), backend and step
+    buffers, sized as rank 0's."""
+    s0 = specs[0]
+    cache = KVCache(len(specs), setup.num_blocks, setup.block_size, s0.num_kv_heads,
+                    s0.head_dim, setup.kv_dtype, device)
+    backend = BACKENDS[setup.backend].load()(specs, cache, setup.max_step_tokens)
+    tokens, rows, pages, min_rows = setup.inputs
+    inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
+                        device)
+    return ModelRunner(model, cache, backend, inputs)
