@@ -374,9 +374,10 @@ def test_pandas_series_of_prompts(run):
 
 
 # ---- engine arguments and conventions --------------------------------------------------------
-def test_tensor_parallelism_beyond_one_gpu_is_refused(folders):
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        LLM(folders[0], tensor_parallel_size=2)
+def test_a_tensor_parallel_size_that_is_no_rank_count_is_refused(folders):
+    for bad in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            LLM(folders[0], tensor_parallel_size=bad)
 
 
 def test_kv_cache_memory_and_its_vllm_name_are_exclusive(folders):

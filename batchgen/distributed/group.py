@@ -77,13 +77,14 @@ class TPGroup:
     failed: str | None = None
 
     @classmethod
-    def start(cls, spec: WorkerSpec) -> TPGroup:
-        """Start ranks 1..k-1 and join the group as rank 0 (blocks until all have joined)."""
+    def start(cls, spec: WorkerSpec, spawn: bool = True) -> TPGroup:
+        """Start ranks 1..k-1 (unless a launcher did) and join the group as rank 0 (blocks
+        until all have joined)."""
         from batchgen.distributed.worker import worker_main
 
         group = cls(spec)
         ctx = mp.get_context("spawn")
-        for rank in range(1, spec.tp_size):
+        for rank in range(1, spec.tp_size if spawn else 1):
             theirs, ours = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(rank, spec, theirs),
                                name=f"batchgen-tp{rank}", daemon=True)
@@ -94,7 +95,10 @@ class TPGroup:
         try:
             group.control = init_rank(0, spec)
         except BaseException:
+            group.failed = "rank 0 could not join the group"
             group.shutdown()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             raise
         return group
 
@@ -141,7 +145,7 @@ class TPGroup:
 
     def shutdown(self) -> None:
         """Stop every worker (asked, then terminated, then killed) and leave the group."""
-        if self.failed is None and self.control is not None and self.procs:
+        if self.failed is None and self.control is not None:
             try:
                 dist.broadcast_object_list([("stop",)], src=0, group=self.control)
             except RuntimeError:
@@ -157,6 +161,6 @@ class TPGroup:
                 p.kill()
                 p.join()
         self.procs, self.pipes = [], []
-        if dist.is_initialized():
+        if self.control is not None:  # this group joined the default one: leave it
             dist.destroy_process_group()
         self.control = None

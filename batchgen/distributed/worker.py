@@ -48,7 +48,7 @@ def worker_main(rank: int, spec: WorkerSpec, life: Any) -> None:
     threading.Thread(target=_exit_with_parent, args=(life,), daemon=True).start()
     torch.set_num_threads(spec.threads)
     try:
-        _serve(rank, spec)
+        serve(rank, spec)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
@@ -65,11 +65,14 @@ def _exit_with_parent(life: Any) -> None:
     os._exit(0)
 
 
-def _serve(rank: int, spec: WorkerSpec) -> None:
-    device = rank_device(spec.device, rank)
+def serve(rank: int, spec: WorkerSpec) -> None:
+    """Join the group, load the shard, and run rank 0's messages until "stop"."""
+    launched = spec.init_method == "env://"  # by torchrun: its LOCAL_RANK is the GPU index
+    local = int(os.environ.get("LOCAL_RANK", rank)) if launched else rank
+    device = rank_device(spec.device, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        os.environ["LOCAL_RANK"] = str(rank)  # transformers binds the rank's GPU by it
+        os.environ["LOCAL_RANK"] = str(local)  # transformers binds the rank's GPU by it
     control = init_rank(rank, spec)
     model = loader.load_model(spec.path, spec.config, spec.dtype, device,
                               spec.trust_remote_code, tp_size=spec.tp_size)
