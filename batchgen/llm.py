@@ -253,6 +253,11 @@ class LLM:
         """The capacity line, the GPU memory kept beyond the pool when the pool was sized from
         free memory, and the backend."""
         logger.info(self.cache_config.capacity_line(self.max_model_len))
+        if self._tp is not None:
+            k, pool = self._tp.spec.tp_size, self.cache.pool.nbytes / 2**20
+            logger.info("tensor parallel: %d ranks, each with that pool over %d of the model's "
+                        "%d KV heads (%.1f MiB per rank, %.1f MiB in all)", k,
+                        self.cache.num_kv_heads, self.cache.num_kv_heads * k, pool, pool * k)
         if self._reserve is not None:
             backend, graphs = self._reserve
             logger.info("GPU memory kept beyond the pool when sizing it: %.1f MiB for the "
