@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared run for a GPU host (the `device` tool), under 8 minutes: FlashInfer from the
 # offline bundle when the host lacks it, the GPU tests, then the GPU benchmark (issue 9's bar)
-# and the host overhead per decode step on CUDA (issue 17), printing short tables. Full logs go to $OUT when it is set. Exits non-zero if a step fails.
+# and the host overhead per decode step on CUDA (issue 17), printing short tables; on a host with
+# two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19, at most 2 more minutes;
+# skipped with one line otherwise). Full logs go to $OUT when it is set. Exits non-zero if a step fails.
 #
 # Here, once (the folder stays out of git):
 #   bash ../shared/tools/flashinfer-offline-bundle.sh flashinfer-bundle 0.7.4 312
@@ -56,6 +58,22 @@ if timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 
 else
   rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
   tail -20 "$logs/host_overhead.log"
+fi
+# Tensor parallelism needs a GPU per rank: a 600M-parameter Llama in bf16, TP=1 vs TP=2.
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+if [ "${gpus:-0}" -ge 2 ]; then
+  if timeout 120 python3 benchmarks/tensor_parallel.py --device cuda --tp 1,2 --repeats 2 \
+    --hidden-size 2048 --num-layers 8 --num-heads 32 --num-kv-heads 8 --intermediate-size 8192 \
+    --vocab-size 32000 --dtype bfloat16 --num-prompts 128 --min-prompt-len 64 \
+    --max-prompt-len 256 --output-len 64 --json "$logs/tensor_parallel.json" \
+    > "$logs/tensor_parallel.log" 2>&1; then
+    sed -n '/^model:/p; /^| TP/,$p' "$logs/tensor_parallel.log"
+  else
+    rc=$?; status=1; echo "gpu_check: tensor_parallel FAILED (rc $rc); the end of its log:"
+    tail -30 "$logs/tensor_parallel.log"
+  fi
+else
+  echo "gpu_check: tensor parallel skipped (fewer than 2 GPUs: ${gpus:-0} listed by nvidia-smi -L)"
 fi
 [ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: $logs)"
 exit "$status"

@@ -31,6 +31,9 @@ ALONE = {  # scripts with their own small settings
     "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
                          "--threads", "1", "--repeats", "1"],
     # the tiny random model (batchgen.tools.demo_model); no vLLM there, so it says it skips
+    # TP=1 and TP=2 (one worker process, a few seconds to start) on the smallest model
+    "tensor_parallel.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
+                           "--min-prompt-len", "4", "--max-prompt-len", "20"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -39,6 +42,9 @@ ALONE = {  # scripts with their own small settings
 EXPECT = {  # lines a script must print with the settings above
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],
+    "tensor_parallel.py": ["| TP | wall s", "| all-reduce (rowwise o_proj, down_proj)",
+                           "communication share of the step forward: ",
+                           "greedy agreement TP=2 vs TP=1: "],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }

@@ -75,6 +75,8 @@ def test_random_prompts() -> None:
     (["--max-prompt-len", "2000"], "must be <= max_model_len (1024)"),
     (["--block-size", "0"], "block_size"),
     (["--device", "tpu"], "device"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--tensor-parallel-size", "4"], "tensor_parallel_size=4 must divide"),  # 2 KV heads
 ])
 def test_bench_bad_values_exit_2(tiny_model_factory, argv: list[str], message: str,
                                  capsys) -> None:

@@ -4,6 +4,7 @@ bad flags and inputs print one line and exit with code 2 before the model is loa
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -14,8 +15,10 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed as dist
 
-from batchgen.cli import main
+from batchgen.cli import build_parser, main
+from batchgen.cli.generate import _engine_kwargs
 from batchgen.data.shards import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +117,8 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
     (["--prompt-column", "question", "--temperature", "-1"], "temperature"),
     (["--prompt-column", "question", "--chat-template", "/nonexistent/t.jinja"],
      "--chat-template '/nonexistent/t.jinja' cannot be read"),
+    (["--prompt-column", "question", "--tensor-parallel-size", "0"],
+     "--tensor-parallel-size must be >= 1, got 0"),
 ])
 def test_bad_values_exit_2_before_loading(jsonl: Path, tmp_path: Path, extra: list[str],
                                           message: str, capsys) -> None:
@@ -157,6 +162,42 @@ def test_existing_output_without_resume_exits_2(tiny_model_factory, jsonl: Path,
     code, err = run_main([*argv, "--resume", "--n", "2"], capsys)
     assert code == 2 and "holds a different job (params differ)" in err
     assert main([*argv, "--resume"]) == 0  # the finished job resumes to itself
+
+
+@pytest.mark.parametrize("command", [["generate"], ["beam", "--beam-width", "2"]])
+def test_tensor_parallel_size_reaches_the_llm_arguments(command: list[str]) -> None:
+    argv = [*command, "--model", "m", "--input", "x.jsonl", "--output", "o"]
+    assert _engine_kwargs(build_parser().parse_args(argv), None)["tensor_parallel_size"] == 1
+    args = build_parser().parse_args([*argv, "--tensor-parallel-size", "2"])
+    assert _engine_kwargs(args, None)["tensor_parallel_size"] == 2
+
+
+def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,
+                                         capsys) -> None:
+    """A real --tensor-parallel-size 2 job (one worker process, a few seconds to start):
+    greedy rows equal the one-process job's; the worker and the process group end with it."""
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    argv = ["generate", "--model", str(model), "--input", str(jsonl), "--prompt-column",
+            "question", "--temperature", "0", "--max-tokens", "6", "--device", "cpu", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "one")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "two"), "--tensor-parallel-size", "2"]) == 0
+    assert "batchgen: 5 rows, 5 samples" in capsys.readouterr().out
+    gc.collect()
+    assert not dist.is_initialized()
+    two, one = rows_by_id(tmp_path / "two"), rows_by_id(tmp_path / "one")
+    logprobs = [o.pop("cumulative_logprob") for r in (*two, *one) for o in r["outputs"]]
+    assert two == one  # tokens, text, finish reasons: the ranks sum in another order, so
+    assert logprobs[:5] == pytest.approx(logprobs[5:], rel=1e-5)  # logprobs agree to ~1e-7
+
+
+def test_ray_actors_need_a_gpu_per_rank(jsonl: Path, tmp_path: Path, capsys) -> None:
+    pytest.importorskip("ray.data")
+    code, err = run_main(["generate", "--model", str(tmp_path / "no-model"), "--input",
+                          str(jsonl), "--output", str(tmp_path / "out"), "--prompt-column",
+                          "question", "--ray", "--tensor-parallel-size", "2",
+                          "--gpus-per-actor", "1"], capsys)
+    assert code == 2 and "--gpus-per-actor must be 0 (CPU actors) or >= " \
+        "--tensor-parallel-size (2, a GPU per rank), got 1.0" in err, err
 
 
 def test_beam_command(tiny_model_factory, jsonl: Path, tmp_path: Path, capsys) -> None:

@@ -107,6 +107,22 @@ def test_beams_pre_and_postprocess(local_ray, model: Path) -> None:
     assert [r["best"] for r in got] == [o[0]["text"] for o in local["outputs"]]
 
 
+def test_tensor_parallel_actor_equals_the_local_runner(local_ray, model: Path) -> None:
+    """engine_kwargs' tensor_parallel_size reaches the actor's LLM, whose second rank is a
+    process the actor spawns (on GPUs the actor holds num_gpus=2): greedy rows equal a local
+    one-process job's."""
+    data = datasets.Dataset.from_list(rows(12))
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    local = generate_dataset(LLM(str(model), device="cpu"), data, greedy, seed=3,
+                             use_tqdm=False).to_list()
+    tp = config(model, sampling_params=greedy, concurrency=1, num_cpus=2,
+                engine_kwargs={"device": "cpu", "tensor_parallel_size": 2})
+    got = by_id(build_processor(tp)(ray.data.from_arrow(numbered_blocks(data, 6))).take_all())
+    logprobs = [o.pop("cumulative_logprob") for r in (*got, *local) for o in r["outputs"]]
+    assert got == local  # tokens, text, finish reasons; the ranks sum in another order:
+    assert logprobs[:12] == pytest.approx(logprobs[12:], rel=1e-5)
+
+
 def test_killed_actor_is_retried_without_loss_or_duplicates(local_ray, model: Path,
                                                             tmp_path: Path) -> None:
     data = datasets.Dataset.from_list(rows(240))

@@ -38,6 +38,8 @@ def config(**kw) -> BatchgenProcessorConfig:
     ({"max_tasks_in_flight_per_actor": 0},
      "max_tasks_in_flight_per_actor must be an integer >= 1 or None, got 0"),
     ({"runtime_env": ["pip"]}, "runtime_env must be None or a Ray runtime_env dict, got list"),
+    ({"num_gpus": 1, "engine_kwargs": {"tensor_parallel_size": 2}},
+     r"num_gpus must be >= engine_kwargs\['tensor_parallel_size'\] \(2\) on GPU actors, got 1"),
 ])
 def test_bad_fields_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -59,6 +61,8 @@ def test_model_source_must_be_a_path() -> None:
      "messages_column": "messages", "prompt_column": "", "chat_template": "{{ x }}",
      "chat_template_kwargs": {"a": 1}},
     {"sampling_params": SamplingParams(n=2), "engine_kwargs": {"device": "cpu"}},
+    {"num_gpus": 2, "engine_kwargs": {"tensor_parallel_size": 2}},  # a GPU per rank
+    {"engine_kwargs": {"tensor_parallel_size": 2, "device": "cpu"}},  # CPU actors
 ])
 def test_good_fields_are_accepted(kwargs: dict) -> None:
     config(**kwargs)

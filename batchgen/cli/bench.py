@@ -59,6 +59,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES)
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if any)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes; GPUs on CUDA) (default 1)")
     p.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the results as JSON to PATH")
     p.set_defaults(run=run)
@@ -114,7 +116,8 @@ def random_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int
 def check_args(args: argparse.Namespace) -> None:
     """A ValueError (or CliError) naming the flag for a workload that cannot run."""
     for flag, value in (("--num-prompts", args.num_prompts), ("--output-len", args.output_len),
-                        ("--n", args.n), ("--repeats", args.repeats)):
+                        ("--n", args.n), ("--repeats", args.repeats),
+                        ("--tensor-parallel-size", args.tensor_parallel_size)):
         check(value >= 1, flag, ">= 1", value)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         raise CliError(f"need 1 <= --min-prompt-len <= --max-prompt-len, got "
@@ -188,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     needed = args.max_prompt_len + args.output_len
     with model_folder(args.model, needed, args.seed) as folder:
         llm = LLM(folder, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  dtype=args.dtype, device=args.device, seed=args.seed)
+                  dtype=args.dtype, device=args.device, seed=args.seed,
+                  tensor_parallel_size=args.tensor_parallel_size)
         if needed > llm.max_model_len:
             raise CliError(f"--max-prompt-len + --output-len ({needed}) must be <= "
                            f"max_model_len ({llm.max_model_len})")
@@ -236,6 +240,8 @@ def report_lines(r: BenchResult, args: argparse.Namespace) -> list[str]:
     mode = "greedy" if r.n == 1 else f"n={r.n} samples at temperature 1"
     walls = ", ".join(f"{w:.3f}" for w in r.wall_s_all)
     gpu = f" ({m['gpu']})" if "gpu" in m else ""
+    tp = args.tensor_parallel_size
+    ranks = f", {tp} tensor-parallel ranks (processes)" if tp > 1 else ""
     return [
         f"model: {r.model}",
         f"workload: {r.num_prompts} prompts, lengths {args.min_prompt_len}-"
@@ -248,5 +254,5 @@ def report_lines(r: BenchResult, args: argparse.Namespace) -> list[str]:
         f"{kv['peak_blocks_in_use']} in use, {kv['preemptions']} preemptions, "
         f"{kv['cow_copies']} COW copies, {kv['prefix_hit_tokens']} prefix-hit tokens",
         f"machine: torch {m['torch']}, {m['torch_threads']} threads on {m['host_cpus']} CPUs, "
-        f"device {m['device']}{gpu}, attention backend {r.attention_backend}",
+        f"device {m['device']}{gpu}, attention backend {r.attention_backend}{ranks}",
     ]

@@ -75,6 +75,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default=None)
     e.add_argument("--attention-backend", default=None)
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (processes; GPUs on CUDA): N must divide "
+                        "its attention and KV heads (default 1)")
     r = p.add_argument_group("Ray Data (the batchgen[ray] extra)")
     r.add_argument("--ray", action="store_true",
                    help="run the job on Ray Data: one LLM per actor, output written by Ray")
@@ -82,7 +85,8 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                    help="an existing cluster ('auto', 'ray://host:10001'); default: a local Ray")
     r.add_argument("--actors", type=int, default=1, help="LLM actors (default 1)")
     r.add_argument("--gpus-per-actor", type=float, default=0.0,
-                   help="GPUs per actor: 1 on a GPU cluster (default 0: CPU actors)")
+                   help="GPUs per actor: 1 on a GPU cluster, N with --tensor-parallel-size N "
+                        "(default 0: CPU actors)")
     r.add_argument("--cpus-per-actor", type=float, default=1.0)
     r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
 
@@ -96,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
 
     params = _params(args)
     check(args.rows_per_shard >= 1, "--rows-per-shard", ">= 1", args.rows_per_shard)
+    check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
+          args.tensor_parallel_size)
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
@@ -163,7 +169,8 @@ def _engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dic
                 enable_prefix_caching=not args.no_prefix_caching,
                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
-                attention_backend=args.attention_backend, seed=args.seed)
+                attention_backend=args.attention_backend, seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _summary(ds: Any, seconds: float, output: str) -> None:

@@ -28,6 +28,10 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     check(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
     check(args.gpus_per_actor >= 0, "--gpus-per-actor", ">= 0", args.gpus_per_actor)
     check(args.cpus_per_actor >= 0, "--cpus-per-actor", ">= 0", args.cpus_per_actor)
+    tp = args.tensor_parallel_size
+    check(args.gpus_per_actor == 0 or args.gpus_per_actor >= tp, "--gpus-per-actor",
+          f"0 (CPU actors) or >= --tensor-parallel-size ({tp}, a GPU per rank)",
+          args.gpus_per_actor)
     if source.num_rows is None:
         raise CliError("--ray needs an input of known length (a file, a folder or a saved "
                        "dataset)")

@@ -45,7 +45,9 @@ class BatchgenProcessorConfig:
     seed: int | None = None  # the job seed (params.seed first), as in generate_dataset
     batch_size: int = 64  # rows per map_batches call
     concurrency: int | tuple[int, int] = 1  # actors: a fixed number or (min, max)
-    num_gpus: float = 0.0  # per actor: 1 on a GPU cluster (one LLM per GPU), 0 on CPUs
+    # per actor: 1 on a GPU cluster (one LLM per GPU), 0 on CPUs; with tensor_parallel_size k
+    # in engine_kwargs, k: the LLM's k ranks are processes of the actor, so on its node
+    num_gpus: float = 0.0
     num_cpus: float = 1.0  # per actor
     max_tasks_in_flight_per_actor: int | None = None
     runtime_env: dict[str, Any] | None = None
@@ -75,10 +77,21 @@ def _check(c: BatchgenProcessorConfig) -> None:
           "an integer >= 1 or a (min, max) pair of them with min <= max", c.concurrency)
     check_number(c.num_gpus, "num_gpus")
     check_number(c.num_cpus, "num_cpus")
+    _check_gpus_for_ranks(c.num_gpus, c.engine_kwargs.get("tensor_parallel_size", 1))
     check_int(c.max_tasks_in_flight_per_actor, "max_tasks_in_flight_per_actor",
               allow_none=True)
     if c.runtime_env is not None:
         check_type(c.runtime_env, "runtime_env", dict, "None or a Ray runtime_env dict")
+
+
+def _check_gpus_for_ranks(num_gpus: float, tp: Any) -> None:
+    """GPU actors hold a GPU per tensor-parallel rank: the ranks are the actor's own child
+    processes, and each binds one of the GPUs Ray makes visible to the actor."""
+    if num_gpus > 0 and is_int(tp) and tp > 1 and num_gpus < tp:
+        raise ValueError(
+            f"num_gpus must be >= engine_kwargs['tensor_parallel_size'] ({tp}) on GPU actors, "
+            f"got {num_gpus}: each actor's LLM runs {tp} ranks, one GPU each, as processes "
+            f"of the actor; set num_gpus={tp}")
 
 
 class _Generate:
