@@ -29,12 +29,12 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     """The full command line: every subcommand registered."""
-    from batchgen.cli import bench, generate, kv_plan
+    from batchgen.cli import bench, generate, kv_plan, run_batch
 
     parser = Parser(prog="batchgen", description="Offline batch inference on a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
-                                metavar="{generate,beam,kv-plan,bench}")
-    for module in (generate, kv_plan, bench):
+                                metavar="{generate,beam,kv-plan,bench,run-batch}")
+    for module in (generate, kv_plan, bench, run_batch):
         module.register(sub)
     return parser
 
