@@ -77,6 +77,12 @@ class RequestBuilder:
         return [kind.group(self, start + i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
 
+    def check_one(self, prompt: PromptType, params: Any, kind: RequestKind) -> None:
+        """Raise the ValueError `build` would for this one request, building nothing (callers
+        that must not let one bad request stop the others check each first: run-batch)."""
+        _, (ids,) = self._tokenize([prompt])
+        self._check(0, self._truncate(ids, params), params, kind)
+
     def render_chat(self, conversations: Conversation | Seq[Conversation],
                     chat_template: str | None, add_generation_prompt: bool,
                     continue_final_message: bool, tools: list[dict] | None,

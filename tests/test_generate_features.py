@@ -217,3 +217,24 @@ def test_the_capacity_line_prints_once(model_dir, configure):
     err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stderr
     assert err.count("KV cache: 16 blocks") == 1, err
+
+
+def test_prompt_logprobs_of_more_positions_than_max_num_seqs(tiny_model_factory) -> None:
+    """A step with prompt logprobs keeps a logits row per prompt position: more rows than
+    max_num_seqs (the step buffers once held only max_num_seqs and raised here)."""
+    from batchgen import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_factory("llama")), device="cpu", max_num_seqs=4, block_size=4,
+              num_kv_blocks=128)
+    prompts = [{"prompt_token_ids": [1] + [5 + (i * 7 + j) % 200 for j in range(n)]}
+               for i, n in enumerate((30, 40, 50, 20, 10, 33))]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                        use_tqdm=False)
+    one = [llm.generate(p, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0),
+                        use_tqdm=False)[0] for p in prompts]
+    for out, ref, p in zip(outs, one, prompts):
+        ids = p["prompt_token_ids"]
+        assert len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+        for pos in range(1, len(ids)):
+            got, want = out.prompt_logprobs[pos][ids[pos]], ref.prompt_logprobs[pos][ids[pos]]
+            assert abs(got.logprob - want.logprob) < 1e-4 and got.rank == want.rank

@@ -29,19 +29,23 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     """The full command line: every subcommand registered."""
-    from batchgen.cli import bench, generate, kv_plan
+    from batchgen.cli import bench, evaluate, generate, kv_plan, run_batch
 
     parser = Parser(prog="batchgen", description="Offline batch inference on a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
-                                metavar="{generate,beam,kv-plan,bench}")
-    for module in (generate, kv_plan, bench):
+                                metavar="{generate,beam,kv-plan,bench,run-batch,eval}")
+    for module in (generate, kv_plan, bench, run_batch, evaluate):
         module.register(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse, run the subcommand, and turn errors and Ctrl-C into exit codes."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "passthrough", False):  # only `eval` passes flags on
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.extra = extra
     try:
         return int(args.run(args) or 0)
     except (CliError, ValueError, FileNotFoundError) as e:

@@ -49,7 +49,8 @@ class StepInputs:
         self.min_rows = min_rows
         self.device = device
         sizes = {"input_ids": max(max_tokens, min_rows) + min_rows,
-                 "logits_indices": max(max_seqs, min_rows),
+                 # one logits row per sequence, or per prompt position with prompt logprobs
+                 "logits_indices": max(max_tokens, max_seqs, min_rows) + min_rows,
                  "qo_indptr": max_seqs + min_rows + 1, "kv_indptr": max_seqs + min_rows + 1,
                  "kv_indices": max_pages + min_rows, "kv_last_page_len": max_seqs + min_rows}
         sizes["positions"] = sizes["slot_mapping"] = sizes["input_ids"]

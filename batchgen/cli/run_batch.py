@@ -1,0 +1,80 @@
+"""`batchgen run-batch -i IN -o OUT --model DIR`: an OpenAI Batch API file (as `vllm
+run-batch` reads it) answered line by line into OUT, written atomically; `--resume` skips the
+custom_ids a stopped run already answered."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from batchgen.cli import EXIT_INTERRUPTED, CliError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run-batch", help="answer an OpenAI Batch API .jsonl file",
+                       description="Answer every line of an OpenAI Batch API file "
+                                   "(/v1/chat/completions, /v1/completions) into one output "
+                                   "line each, same custom_id.")
+    io = p.add_argument_group("input and output")
+    io.add_argument("-i", "--input-file", required=True, help="the batch file (.jsonl)")
+    io.add_argument("-o", "--output-file", required=True, help="the answers (.jsonl)")
+    io.add_argument("--model", required=True, help="model folder (or a hub id in the HF cache)")
+    io.add_argument("--served-model-name", default=None,
+                    help="the `model` in the answers (default: the model folder's name)")
+    io.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    io.add_argument("--resume", action="store_true",
+                    help="skip custom_ids already answered in --output-file or its progress "
+                         "file")
+    io.add_argument("--seed", type=int, default=0, help="engine seed (requests without one)")
+    io.add_argument("--quiet", action="store_true", help="no progress bar")
+    engine_args(p)
+    p.set_defaults(run=run)
+
+
+def engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine flags of `batchgen generate` (LLM's arguments), for commands that load one."""
+    e = p.add_argument_group("engine")
+    e.add_argument("--tokenizer", default=None)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=256)
+    e.add_argument("--max-num-batched-tokens", type=int, default=None)
+    e.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 4GiB")
+    e.add_argument("--num-kv-blocks", type=int, default=None)
+    e.add_argument("--kv-cache-dtype", default="auto")
+    e.add_argument("--dtype", default="auto")
+    e.add_argument("--device", default=None)
+    e.add_argument("--attention-backend", default=None)
+    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check the paths, load the model, serve the file, print one summary line."""
+    from batchgen.batch_api import run_batch
+    from batchgen.cli.generate import _chat_template, _engine_kwargs
+    from batchgen.cli.kv_plan import parse_memory
+    from batchgen.llm import LLM
+
+    if not Path(args.input_file).expanduser().is_file():
+        raise CliError(f"-i {args.input_file!r} is not a file")
+    if Path(args.output_file).expanduser().is_dir():
+        raise CliError(f"-o {args.output_file!r} is a folder: give a file path")
+    template = _chat_template(args.chat_template)
+    memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
+    llm = LLM(args.model, **_engine_kwargs(args, memory))
+    start = time.perf_counter()
+    try:
+        s = run_batch(llm, args.input_file, args.output_file, resume=args.resume,
+                      model_name=args.served_model_name, chat_template=template,
+                      use_tqdm=not args.quiet)
+    except KeyboardInterrupt:
+        sys.stderr.write("batchgen: interrupted; rerun with --resume to keep the answers "
+                         "finished so far\n")
+        return EXIT_INTERRUPTED
+    print(f"batchgen: {s.lines} lines in {args.output_file}: {s.answered} answered, "
+          f"{s.reused} reused, {s.errors} errors ({time.perf_counter() - start:.1f} s)")
+    return 0
