@@ -233,3 +233,112 @@ def test_beams_return_only_valid_hypotheses_when_fewer_exist(llm):
         assert {s.text for s in o.sequences} == {"yes", "no"}
         assert all(s.finish_reason == "stop" and s.score > -1e3 for s in o.sequences)
         assert len({tuple(s.token_ids) for s in o.sequences}) == len(o.sequences)
+
+
+# ---- dataset jobs -----------------------------------------------------------------------------
+def test_dataset_job_flags_valid_json_and_resumes(llm, tmp_path):
+    import datasets
+
+    from batchgen.data import generate_dataset
+
+    data = datasets.Dataset.from_list([{"prompt": p} for p in PROMPTS])
+    sp = SamplingParams(n=3, temperature=0.8, max_tokens=33,
+                        structured_outputs=S(json=SCHEMA, max_whitespace=2))
+    ds = generate_dataset(llm, data, sp, output_dir=tmp_path / "out", use_tqdm=False)
+    outs = [o for row in ds["outputs"] for o in row]
+    assert {o["valid"] for o in outs} == {True, False}  # some are cut by max_tokens
+    for o in outs:
+        assert o["valid"] == (o["finish_reason"] == "stop")
+        if o["valid"]:
+            jsonschema.validate(json.loads(o["text"]), SCHEMA)
+    again = generate_dataset(llm, data, sp, output_dir=tmp_path / "out", resume=True,
+                             use_tqdm=False)
+    assert again["outputs"] == ds["outputs"]
+    plain = generate_dataset(llm, data, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert "valid" not in plain["outputs"][0][0]
+
+
+def test_dataset_schema_column_gives_each_row_its_own_schema(llm):
+    import datasets
+
+    from batchgen.data import generate_dataset
+
+    schemas = [{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+               json.dumps({"type": "array", "items": {"type": "boolean"}, "maxItems": 3})]
+    data = datasets.Dataset.from_list([{"prompt": p, "schema": json.dumps(schemas[i % 2])
+                                        if i % 2 == 0 else schemas[1]}
+                                       for i, p in enumerate(PROMPTS)])
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=40)
+    ds = generate_dataset(llm, data, sp, schema_column="schema", use_tqdm=False)
+    for i, row in enumerate(ds["outputs"]):
+        for o in row:
+            if o["valid"]:
+                value = json.loads(o["text"])
+                assert isinstance(value, dict if i % 2 == 0 else list), o["text"]
+    bad = datasets.Dataset.from_list([{"prompt": "a", "schema": "{nope"}])
+    with pytest.raises(ValueError, match="row 0: schema_column 'schema'"):
+        generate_dataset(llm, bad, sp, schema_column="schema", use_tqdm=False)
+    with pytest.raises(ValueError, match="schema_column 'nope' is not a column"):
+        generate_dataset(llm, data, sp, schema_column="nope", use_tqdm=False)
+    with pytest.raises(ValueError, match="not both"):
+        generate_dataset(llm, data, SamplingParams(structured_outputs=S(regex="a")),
+                         schema_column="schema", use_tqdm=False)
+
+
+# ---- the CLI ----------------------------------------------------------------------------------
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "in.jsonl"
+    schema = json.dumps({"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+    path.write_text("".join(json.dumps({"q": p, "schema": schema}) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--regex", "[a-"], "structured_outputs.regex must be a valid regex"),
+    (["--json-schema", "SCHEMA_FILE"], "structured_outputs.json must be a JSON schema"),
+    (["--choice", ","], "structured_outputs.choice"),
+    (["--schema-column", "nope"], "--schema-column 'nope' is not a column of"),
+    (["--regex", "a", "--max-whitespace", "-2"], "--max-whitespace must be"),
+])
+def test_cli_refuses_bad_constraints_before_loading(jsonl, tmp_path, extra, message, capsys):
+    from batchgen.cli import main
+
+    (tmp_path / "bad.json").write_text("{oops")
+    extra = [str(tmp_path / "bad.json") if e == "SCHEMA_FILE" else e for e in extra]
+    code = main(["generate", "--model", str(tmp_path / "no-model"), "--input", str(jsonl),
+                 "--output", str(tmp_path / "out"), "--prompt-column", "q", *extra])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_cli_generate_and_beam_under_constraints(model_dir, jsonl, tmp_path, capsys):
+    import pyarrow.parquet as pq
+
+    from batchgen.cli import main
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    base = ["--model", str(model_dir), "--input", str(jsonl), "--prompt-column", "q",
+            "--max-tokens", "40", "--quiet"]
+    runs = {"json": ["generate", "--n", "2", "--json-schema", str(schema),
+                     "--max-whitespace", "2"],
+            "column": ["generate", "--n", "2", "--schema-column", "schema"],
+            "regex": ["beam", "--beam-width", "2", "--regex", REGEX],
+            "choice": ["generate", "--n", "2", "--choice", ",".join(CHOICES)]}
+    for name, argv in runs.items():
+        assert main([*argv, *base, "--output", str(tmp_path / name)]) == 0, name
+        outs = [o for row in pq.read_table(tmp_path / name).to_pylist() for o in row["outputs"]]
+        assert outs and any(o["valid"] for o in outs), name
+        for o in outs:
+            if not o["valid"]:
+                continue
+            if name == "json":
+                jsonschema.validate(json.loads(o["text"]), SCHEMA)
+            elif name == "column":
+                assert all(isinstance(v, int) for v in json.loads(o["text"]))
+            elif name == "regex":
+                assert re.fullmatch(REGEX, o["text"])
+            else:
+                assert o["text"] in CHOICES
+    capsys.readouterr()

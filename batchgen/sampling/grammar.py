@@ -51,6 +51,30 @@ def _message(e: Exception) -> str:
     return _XGR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
 
 
+def _invalid(kind: str, e: Exception) -> ValueError:
+    """The ValueError for a constraint xgrammar cannot compile, naming the field."""
+    what = {"json": "a JSON schema xgrammar can compile", "json_object": "valid",
+            "regex": "a valid regex", "choice": "a list of strings",
+            "grammar": "a valid EBNF grammar (GBNF style: root ::= ...)"}[kind]
+    return ValueError(f"structured_outputs.{kind} must be {what}: {_message(e)}")
+
+
+def check_constraint(so: StructuredOutputsParams) -> None:
+    """Parse the constraint without a tokenizer (the CLI, before the weights load): a
+    ValueError naming the field for a schema, regex or grammar xgrammar cannot read."""
+    xgr, kind = load_xgrammar(), so.kind
+    try:
+        if kind == "json":
+            schema = json.dumps(so.json) if isinstance(so.json, bool) else so.json
+            xgr.Grammar.from_json_schema(schema)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(so.regex)
+        elif kind in ("grammar", "choice"):
+            xgr.Grammar.from_ebnf(so.grammar if kind == "grammar" else choice_grammar(so.choice))
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise _invalid(kind, e) from None
+
+
 class Grammars:
     """One xgrammar compiler per LLM and its compiled grammars, cached per constraint; also
     the step's time spent filling masks (for benchmarks)."""
@@ -106,11 +130,7 @@ class Grammars:
                 return comp.compile_grammar(choice_grammar(list(so.choice)))
             return comp.compile_grammar(so.grammar)
         except (RuntimeError, ValueError, TypeError) as e:
-            what = {"json": "a JSON schema xgrammar can compile", "json_object": "valid",
-                    "regex": "a valid regex", "choice": "a list of strings",
-                    "grammar": "a valid EBNF grammar (GBNF style: root ::= ...)"}[kind]
-            raise ValueError(f"structured_outputs.{kind} must be {what}: {_message(e)}"
-                             ) from None
+            raise _invalid(kind, e) from None
 
     def constraint(self, so: StructuredOutputsParams) -> Constraint:
         """A fresh matcher for a sequence under `so`."""
