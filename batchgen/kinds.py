@@ -118,7 +118,9 @@ class Beams:
         state = BeamSearchState(
             p.beam_width, max_tokens, p.length_penalty,
             True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-            eos_token_ids=[] if p.ignore_eos else b.eos_token_ids,
+            # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
+            eos_token_ids=b.eos_token_ids if not p.ignore_eos or p.structured_outputs
+            else [],
             num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
             stop_token_ids=p.stop_ids)
         group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),

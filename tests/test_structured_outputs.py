@@ -217,6 +217,11 @@ def test_every_returned_beam_keeps_to_the_constraint(llm):
         assert len(o.sequences) == 4
         for s in o.sequences:
             assert s.finish_reason == "stop" and re.fullmatch(r"[a-z]{2,5}!", s.text), s.text
+    ignoring = BeamSearchParams(beam_width=4, max_tokens=24, ignore_eos=True,
+                                structured_outputs=S(regex=r"[a-z]{2,5}!"))
+    for o in llm.beam_search(PROMPTS[:2], ignoring, use_tqdm=False):  # the grammar's EOS ends
+        assert [s.text for s in o.sequences] == [s.text for s in outs[PROMPTS.index(
+            o.prompt)].sequences]
     bp = BeamSearchParams(beam_width=4, max_tokens=64,
                           structured_outputs=S(json=SCHEMA, max_whitespace=2))
     for o in llm.beam_search(PROMPTS[:2], bp, use_tqdm=False):
