@@ -347,3 +347,12 @@ def test_cli_generate_and_beam_under_constraints(model_dir, jsonl, tmp_path, cap
             else:
                 assert o["text"] in CHOICES
     capsys.readouterr()
+
+
+def test_streams_give_generates_outputs(llm):
+    sp = SamplingParams(n=2, temperature=0.8, max_tokens=24, seed=4,
+                        structured_outputs=S(choice=CHOICES))
+    want = llm.generate(PROMPTS, sp, use_tqdm=False)
+    got = dict(llm.generate_stream(iter(PROMPTS), sp, use_tqdm=False))
+    assert [[c.token_ids for c in got[i].outputs] for i in range(len(PROMPTS))] == \
+        [[c.token_ids for c in o.outputs] for o in want]
