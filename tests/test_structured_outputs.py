@@ -201,12 +201,15 @@ def test_sampler_masks_only_the_constrained_rows(llm):
     from batchgen.sampling.grammar import GrammarRows
 
     logits = torch.randn(3, llm.vocab_size)
+    before = logits.clone()
     rows = GrammarRows(np.array([1]), cons)
-    out = rows.apply(logits)
-    assert torch.equal(out[[0, 2]], logits[[0, 2]])
-    allowed = torch.isfinite(out[1]).nonzero()[:, 0].tolist()
-    assert [llm.tokenizer.decode([t]) for t in allowed][0].startswith("y")
+    saved = rows.apply(logits)
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+    allowed = torch.isfinite(logits[1]).nonzero()[:, 0].tolist()
+    assert allowed and all(llm.tokenizer.decode([t]).startswith("y") for t in allowed)
     assert rows.must_end.tolist() == [False]
+    rows.restore(logits, saved)
+    assert torch.equal(logits, before)
 
 
 # ---- beams ------------------------------------------------------------------------------------
@@ -356,3 +359,30 @@ def test_streams_give_generates_outputs(llm):
     got = dict(llm.generate_stream(iter(PROMPTS), sp, use_tqdm=False))
     assert [[c.token_ids for c in got[i].outputs] for i in range(len(PROMPTS))] == \
         [[c.token_ids for c in o.outputs] for o in want]
+
+
+def test_sampled_logprobs_stay_raw_and_logits_untouched(llm):
+    """The mask changes which token is drawn, never the reported (raw) logprobs, nor the
+    step's logits that beams and prompt logprobs read afterwards."""
+    from sampling_rows import Row, columns
+
+    from batchgen.sampling.grammar import GrammarRows
+    from batchgen.sampling.sampler import Sampler
+
+    g = llm.requests.grammars
+    rows = [Row(SamplingParams(temperature=0.0, logprobs=3), [1, 5, 6], 3),
+            Row(SamplingParams(temperature=1.0, logprobs=3), [1, 7], 2, seed=4)]
+    cols = columns(rows, llm.vocab_size, [2])
+    cols.grammar = GrammarRows(np.array([0, 1]), [g.constraint(S(choice=["no"]))
+                                                  for _ in rows])
+    with torch.inference_mode():
+        logits = torch.randn(2, llm.vocab_size)
+    before = logits.clone()
+    out = Sampler()(logits, cols)
+    assert torch.equal(logits, before)
+    raw = torch.log_softmax(before, dim=-1)
+    allowed = {t for t in range(llm.vocab_size) if llm.tokenizer.decode([t]) in ("n", "no")}
+    for j, t in enumerate(out.token_ids.tolist()):
+        assert t in allowed
+        assert out.logprobs[j] == pytest.approx(raw[j, t].item(), abs=1e-5)
+        assert out.top.entry(j)[t][1] == int((raw[j] > raw[j, t]).sum()) + 1  # its raw rank

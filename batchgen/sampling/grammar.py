@@ -221,14 +221,22 @@ class GrammarRows:
     constraints: list[Constraint]
     must_end: np.ndarray | None = None
 
-    def apply(self, raw: torch.Tensor) -> torch.Tensor:
-        """A copy of the logits with each constrained row's forbidden tokens at -inf."""
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set each constrained row's forbidden tokens to -inf in place; returns those rows'
+        values from before, for `restore` (a copy of k rows, not of the whole step)."""
         grammars = self.constraints[0].grammars
-        scores = raw.clone()
-        bitmask = grammars.mask(scores, self.constraints, self.rows)
+        index = torch.from_numpy(self.rows).to(logits.device)
+        with torch.inference_mode():  # the model's logits are inference tensors
+            saved = logits[index]
+            bitmask = grammars.mask(logits, self.constraints, self.rows)
         sub = bitmask[torch.from_numpy(self.rows)]
         self.must_end = ~(sub & grammars.not_stop).any(dim=1).numpy()
-        return scores
+        return saved
+
+    def restore(self, logits: torch.Tensor, saved: torch.Tensor) -> None:
+        """Put the rows' unmasked values back (raw logprobs are the model's)."""
+        with torch.inference_mode():
+            logits[torch.from_numpy(self.rows).to(logits.device)] = saved
 
 
 def mask_beams(logprobs: torch.Tensor, constraints: list[Constraint], rows: np.ndarray

@@ -341,11 +341,15 @@ class Sampler:
         dev = raw.device
         params = to_device(cols.params, dev)
         ops = cpu_ops.load() if dev.type == "cpu" and self.use_cpu_ops else None
-        scores = cols.grammar.apply(raw) if cols.grammar is not None else raw
-        scores = apply_controls(scores, cols.controls) if cols.controls else scores
+        # the grammar masks its rows in place (every later stage makes new tensors) and puts
+        # their values back once the tokens are chosen: raw logprobs stay the model's
+        saved = cols.grammar.apply(raw) if cols.grammar is not None else None
+        scores = apply_controls(raw, cols.controls) if cols.controls else raw
         scores = apply_penalties(scores, cols, params, ops)
         scores = apply_min_tokens(scores, cols)
         chosen = self._choose(scores, cols, params, ops)
+        if saved is not None:
+            cols.grammar.restore(raw, saved)
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
         top = _top_logprobs(raw, lse, chosen, cols.logprobs) if cols.any_logprobs else None
