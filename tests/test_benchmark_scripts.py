@@ -30,6 +30,8 @@ ALONE = {  # scripts with their own small settings
                    "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
     "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
                          "--threads", "1", "--repeats", "1"],
+    "structured.py": ["--model", "tiny", "--num-prompts", "2", "--n", "2", "--max-tokens", "8",
+                      "--bench-tokens", "4", "--repeats", "1", "--threads", "1", "--check"],
     # the tiny random model (batchgen.tools.demo_model); no vLLM there, so it says it skips
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
@@ -37,6 +39,7 @@ ALONE = {  # scripts with their own small settings
 }
 
 EXPECT = {  # lines a script must print with the settings above
+    "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
