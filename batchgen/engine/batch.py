@@ -53,7 +53,7 @@ _FLAGS = ("ignore_eos", "greedy",
           "beam",  # a beam: decodes with its group, never sampled
           "fork_pending",  # a leader whose siblings wait for its prompt (scheduler)
           "cow_check",  # forked since its last reservation: its block may be shared
-         "constrained")  # structured outputs: its grammar masks its logits
+          "constrained")  # structured outputs: its grammar masks its logits
 _MASK64 = (1 << 64) - 1
 
 
