@@ -8,7 +8,9 @@ compiles each constraint once (cached by `StructuredOutputsParams.key`). A `Cons
 sequence's matcher: n samples fork the prompt's, a beam forks its parent's; the scheduler
 advances it with each token the sequence keeps. Each step the sampler (and the beam step) fills
 the bitmask of the constrained rows in one batched call and sets every other token of those
-rows to -inf before any other stage; rows without a constraint are not touched.
+rows to -inf before any other stage; rows without a constraint are not touched. On a GPU the
+fill runs on the host while the step's forward is still queued (the sampler reaches it before
+the step's one synchronisation), and the mask goes over from pinned memory without waiting.
 
 xgrammar is imported only here, and only when a request carries a constraint.
 """
@@ -23,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+from batchgen.transfer import to_device
 
 if TYPE_CHECKING:
     from batchgen.params import StructuredOutputsParams
@@ -160,7 +164,7 @@ class Grammars:
         start = time.perf_counter()
         bitmask = self.fill(constraints, rows, scores.shape[0])
         xgr = load_xgrammar()
-        xgr.apply_token_bitmask_inplace(scores, bitmask.to(scores.device, non_blocking=True),
+        xgr.apply_token_bitmask_inplace(scores, to_device(bitmask.numpy(), scores.device),
                                         indices=rows.tolist())
         self.mask_seconds += time.perf_counter() - start
         self.mask_steps += 1
@@ -225,7 +229,7 @@ class GrammarRows:
         """Set each constrained row's forbidden tokens to -inf in place; returns those rows'
         values from before, for `restore` (a copy of k rows, not of the whole step)."""
         grammars = self.constraints[0].grammars
-        index = torch.from_numpy(self.rows).to(logits.device)
+        index = to_device(self.rows, logits.device)
         with torch.inference_mode():  # the model's logits are inference tensors
             saved = logits[index]
             bitmask = grammars.mask(logits, self.constraints, self.rows)
@@ -236,7 +240,7 @@ class GrammarRows:
     def restore(self, logits: torch.Tensor, saved: torch.Tensor) -> None:
         """Put the rows' unmasked values back (raw logprobs are the model's)."""
         with torch.inference_mode():
-            logits[torch.from_numpy(self.rows).to(logits.device)] = saved
+            logits[to_device(self.rows, logits.device)] = saved
 
 
 def mask_beams(logprobs: torch.Tensor, constraints: list[Constraint], rows: np.ndarray
