@@ -386,3 +386,17 @@ def test_sampled_logprobs_stay_raw_and_logits_untouched(llm):
         assert t in allowed
         assert out.logprobs[j] == pytest.approx(raw[j, t].item(), abs=1e-5)
         assert out.top.entry(j)[t][1] == int((raw[j] > raw[j, t]).sum()) + 1  # its raw rank
+
+
+def test_a_token_the_grammar_rejects_ends_the_sample_with_a_warning(llm, caplog):
+    """Logit controls run after the mask: a processor can revive a masked token. The sample
+    then ends there (its matcher cannot follow it), with a warning."""
+    def force_x(ids, logits):
+        logits[llm.tokenizer.convert_tokens_to_ids("x")] = 1e9
+        return logits
+
+    sp = SamplingParams(max_tokens=8, temperature=0, structured_outputs=S(regex="[0-9]+"),
+                        logits_processors=[force_x])
+    out = llm.generate(["hello"], sp, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text == "x"
+    assert "its grammar rejected token" in caplog.text
