@@ -13,10 +13,10 @@ from batchgen.outputs import (
     Logprob,
     RequestOutput,
 )
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.prompts import PromptType, TextPrompt, TokensPrompt
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "TextPrompt", "TokensPrompt",
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt",
            "PromptType", "RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput",
            "BeamSequence", "KVStats"]
 __version__ = "0.1.0"

@@ -15,7 +15,8 @@ from batchgen.engine.beam import BeamSearchState
 from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from batchgen.sampling.grammar import Constraint
 from batchgen.sampling.sampler import NO_LOGPROBS, NUM_PARAMS, PARAM_NAMES
 from batchgen.sampling.stop import StopFactory
 
@@ -32,6 +33,8 @@ class Builder(Protocol):
     def seed_of(self, seed: int | None, index: int) -> int: ...
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]: ...
+
+    def constraint(self, so: StructuredOutputsParams) -> Constraint: ...
 
 
 class Results(Protocol):
@@ -65,6 +68,7 @@ class Samples:
             Sequence(group, k, list(ids), b.stops(p, ids, max_tokens) if p.stop_strings else None,
                      b.seed_of(p.seed, k), logprobs=[] if p.logprobs is not None else None)
             for k in range(p.n)]
+        _constrain(b, group)
         return group
 
     def output(self, results: Results, group: SequenceGroup) -> RequestOutput:
@@ -114,13 +118,17 @@ class Beams:
         state = BeamSearchState(
             p.beam_width, max_tokens, p.length_penalty,
             True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-            eos_token_ids=[] if p.ignore_eos else b.eos_token_ids,
+            # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
+            eos_token_ids=b.eos_token_ids if not p.ignore_eos or p.structured_outputs
+            else [],
             num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
             stop_token_ids=p.stop_ids)
         group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),
-                              RowSpec(max_tokens=max_tokens, beam=True))
+                              RowSpec(max_tokens=max_tokens, beam=True,
+                                      constrained=p.structured_outputs is not None))
         stop = b.stops(p, ids, max_tokens) if p.stop_strings else None
         group.seqs = [Sequence(group, 0, list(ids), stop)]
+        _constrain(b, group)
         return group
 
     def output(self, results: Results, group: SequenceGroup) -> BeamSearchOutput:
@@ -173,7 +181,17 @@ def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
         controls=bool(p.allowed_token_ids or p.logit_bias or p.logits_processors or bad_words),
         stop_strings=bool(p.stop_strings), max_tokens=max_tokens, min_tokens=p.min_tokens,
         ignore_eos=p.ignore_eos, logprobs=NO_LOGPROBS if p.logprobs is None else p.logprobs,
-        stop_ids=tuple(p.stop_ids))
+        stop_ids=tuple(p.stop_ids), constrained=p.structured_outputs is not None)
+
+
+def _constrain(b: Builder, group: SequenceGroup) -> None:
+    """Under structured outputs, each sequence gets a fork of the prompt's matcher."""
+    so = group.params.structured_outputs
+    if so is None:
+        return
+    group.constraint = b.constraint(so)
+    for seq in group.seqs:
+        seq.constraint = group.constraint.fork()
 
 
 def _completion(c: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,93 @@ class _Stops:
         return self._stop_ids
 
 
+# Whitespace characters a JSON constraint allows between two JSON tokens unless told otherwise:
+# enough for pretty-printed JSON a few levels deep, few enough that a small model cannot spin in
+# whitespace forever (xgrammar's default, like vLLM's, is unbounded).
+DEFAULT_MAX_WHITESPACE = 16
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's names): a JSON schema, a regex, a choice of
+    strings, an EBNF grammar or any JSON object; exactly one. Compiled with xgrammar (the
+    `batchgen[structured]` extra) when the request is built."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    max_whitespace: int | None = DEFAULT_MAX_WHITESPACE
+
+    def __post_init__(self) -> None:
+        given = [n for n in _CONSTRAINTS if getattr(self, n) not in (None, False)]
+        check(len(given) == 1, "structured_outputs",
+              f"given exactly one of {', '.join(_CONSTRAINTS)}",
+              ", ".join(given) if given else "none")
+        self._check_spec()
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            check_flag(getattr(self, name), f"structured_outputs.{name}")
+        check(self.whitespace_pattern is None, "structured_outputs.whitespace_pattern",
+              "None: xgrammar takes no whitespace regex (use disable_any_whitespace=True "
+              "or max_whitespace=N)", self.whitespace_pattern)
+        m = self.max_whitespace
+        check(m is None or (is_int(m) and m >= 0), "structured_outputs.max_whitespace",
+              "None (unbounded) or an integer >= 0", m)
+
+    def _check_spec(self) -> None:
+        """The constraint's own form (its compilation, at request time, checks the rest)."""
+        if self.json is not None:
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as e:
+                    raise ValueError(f"structured_outputs.json must be a JSON schema (a dict "
+                                     f"or its JSON text), got text that is not JSON: {e}") from e
+            check(isinstance(schema, (dict, bool)), "structured_outputs.json",
+                  "a JSON schema (a dict or its JSON text)", type(schema).__name__)
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"structured_outputs.json must be JSON-serialisable: {e}"
+                                 ) from e
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            check(v is None or (isinstance(v, str) and bool(v)), f"structured_outputs.{name}",
+                  "a non-empty string", v)
+        c = self.choice
+        check(c is None or (isinstance(c, (list, tuple)) and bool(c)
+                            and all(isinstance(s, str) and s for s in c)),
+              "structured_outputs.choice", "a non-empty list of non-empty strings", c)
+        check(self.json_object in (None, True, False), "structured_outputs.json_object",
+              "True or None", self.json_object)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: json, regex, choice, grammar or json_object."""
+        return next(n for n in _CONSTRAINTS if getattr(self, n) not in (None, False))
+
+    @property
+    def key(self) -> tuple:
+        """What its compiled grammar depends on (the compile cache's key)."""
+        spec = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(spec, dict):
+            spec = json.dumps(spec, sort_keys=True)
+        elif self.kind == "choice":
+            spec = tuple(spec)
+        return (self.kind, spec, self.disable_any_whitespace, self.max_whitespace)
+
+
+def _check_structured(value: object) -> None:
+    check(value is None or isinstance(value, StructuredOutputsParams), "structured_outputs",
+          "None or a StructuredOutputsParams", type(value).__name__)
+
+
 @dataclass
 class SamplingParams(_Stops):
     """How to sample one request; the names and defaults follow vLLM's `SamplingParams`."""
@@ -85,6 +173,7 @@ class SamplingParams(_Stops):
     logits_processors: list[LogitsProcessor] | None = None
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -96,6 +185,7 @@ class SamplingParams(_Stops):
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
         check(self.detokenize or not self._stop_strs, "stop",
               "empty when detokenize=False (stop strings are matched on text)", self.stop)
+        _check_structured(self.structured_outputs)
 
     def _check_sampling(self) -> None:
         """n, temperature and the warpers and penalties."""
@@ -183,6 +273,7 @@ class BeamSearchParams(_Stops):
     ignore_eos: bool = False
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -203,6 +294,7 @@ class BeamSearchParams(_Stops):
         check_flag(self.ignore_eos, "ignore_eos")
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
+        _check_structured(self.structured_outputs)
 
     @property
     def width(self) -> int:

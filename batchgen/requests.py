@@ -15,8 +15,9 @@ from batchgen.checks import check, check_type
 from batchgen.engine.scheduler import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.kinds import RequestKind
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.prompts import Conversation, PromptType, TokensPrompt
+from batchgen.sampling.grammar import Constraint, Grammars
 from batchgen.sampling.stop import StopFactory
 
 Params = SamplingParams | BeamSearchParams
@@ -43,6 +44,8 @@ class RequestBuilder:
         self.limits = limits
         self.stops = stops
         self.eos_token_ids = eos_token_ids
+        # structured outputs: one xgrammar compiler, made on the first constrained request
+        self.grammars = Grammars(tokenizer, limits.vocab_size, eos_token_ids)
         # unseeded samples draw their seeds here: reproducible under the LLM's seed, in the
         # order requests are built (seed None: from the OS)
         self._rng = random.Random(seed)
@@ -196,6 +199,8 @@ class RequestBuilder:
                                  f"vocabulary [0, {vocab})")
         if p.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; the model folder has none")
+        if p.structured_outputs is not None:  # compiled now: a bad one fails before any work
+            self.grammars.compile(p.structured_outputs)
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
         """vLLM's rule: each word's ids, and those of " word" when that is as long but starts
@@ -212,6 +217,10 @@ class RequestBuilder:
     @property
     def vocab_size(self) -> int:
         return self.limits.vocab_size
+
+    def constraint(self, so: StructuredOutputsParams) -> Constraint:
+        """A new matcher for a sequence under `so` (compiled once per constraint)."""
+        return self.grammars.constraint(so)
 
     def seed_of(self, seed: int | None, index: int) -> int:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a

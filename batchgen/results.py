@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from batchgen.engine.beam import _NEG as IMPOSSIBLE
+from batchgen.engine.beam import BeamHypothesis
 from batchgen.engine.policy import BeamPolicy
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.outputs import (
@@ -64,7 +66,7 @@ class ResultBuilder:
             logprobs=[_logprobs({t: lp}, decode) for t, lp in zip(h.token_ids,
                                                                   h.token_logprobs)],
             prompt_token_ids=group.prompt_token_ids)
-            for h in group.policy.state.finalize()]
+            for h in group.policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
                                 sequences=seqs)
 
@@ -87,6 +89,17 @@ class ResultBuilder:
                 memo[token] = self.tokenizer.decode([token])
             return memo[token]
         return decode
+
+
+def _grammar_accepts(group: SequenceGroup, h: BeamHypothesis) -> bool:
+    """Whether a hypothesis keeps to the group's constraint (always, without one). When
+    fewer valid hypotheses exist than beams, HF's buffer returns some with an impossible score
+    (its -1e9 penalty in the sum); under a grammar those are dropped, with any whose tokens
+    the grammar rejects, so every returned beam is a real one that satisfies it."""
+    if group.constraint is None:
+        return True
+    c = group.constraint.fork()
+    return h.sum_logprobs > IMPOSSIBLE / 2 and all(c.accept(t) for t in h.token_ids)
 
 
 def _logprobs(entry: RankedLogprobs, decode) -> TokenLogprobs:

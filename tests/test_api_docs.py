@@ -14,7 +14,7 @@ import pytest
 
 import batchgen
 import batchgen.data as bg_data
-from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.data import generate_dataset
 
 API = Path(__file__).resolve().parents[1] / "docs" / "api.md"
@@ -69,6 +69,7 @@ def documented() -> list[tuple[str, dict[str, str]]]:
         ("`LLM.chat(messages, sampling_params=None, ...)`", signature_defaults(LLM.chat)),
         ("`SamplingParams(...)`", dataclass_defaults(SamplingParams)),
         ("`BeamSearchParams(...)`", dataclass_defaults(BeamSearchParams)),
+        ("`StructuredOutputsParams(...)`", dataclass_defaults(StructuredOutputsParams)),
         ("`batchgen.data.generate_dataset(llm, data, params=None, **kwargs)`",
          signature_defaults(generate_dataset)),
     ]

@@ -30,6 +30,8 @@ ALONE = {  # scripts with their own small settings
                    "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
     "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
                          "--threads", "1", "--repeats", "1"],
+    "structured.py": ["--model", "tiny", "--num-prompts", "2", "--n", "2", "--max-tokens", "8",
+                      "--bench-tokens", "4", "--repeats", "1", "--threads", "1", "--check"],
     # the tiny random model (batchgen.tools.demo_model); no vLLM there, so it says it skips
     # TP=1 and TP=2 (one worker process, a few seconds to start) on the smallest model
     "tensor_parallel.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
@@ -40,6 +42,7 @@ ALONE = {  # scripts with their own small settings
 }
 
 EXPECT = {  # lines a script must print with the settings above
+    "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],
     "tensor_parallel.py": ["| TP | wall s", "| all-reduce (rowwise o_proj, down_proj)",

@@ -25,6 +25,8 @@ MARKERS = {
     "beam_search_experiment": ["mean best score", "   16 |", "all widths agree with HF"],
     "prefix_sharing": ["32 questions sharing one system prompt", "prefix caching",
                        "greedy outputs identical with and without caching: True"],
+    "structured_outputs": ["JSON schema: 6 rows x n=4 samples", "finished and valid",
+                           "every returned beam matches the regex"],
 }
 NO_ARG = "samples_over_dataset"  # the one run without a model folder
 

@@ -62,6 +62,7 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--max-tokens", type=int, default=16)
     io.add_argument("--seed", type=int, default=0, help="job seed: row seeds derive from it")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
+    _constraint_args(p)
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None)
     e.add_argument("--block-size", type=int, default=16)
@@ -91,6 +92,24 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
 
 
+def _constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured outputs (the batchgen[structured] extra): one constraint for every row, or
+    each row's own JSON schema from a column."""
+    g = p.add_argument_group("structured outputs (the batchgen[structured] extra)")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="every output is JSON valid under this schema file")
+    one.add_argument("--regex", default=None, help="every output matches this regex in full")
+    one.add_argument("--choice", default=None, metavar="A,B,C",
+                     help="every output is one of these comma-separated strings")
+    one.add_argument("--grammar", default=None, metavar="FILE",
+                     help="every output follows this EBNF grammar file (root ::= ...)")
+    one.add_argument("--schema-column", default=None, metavar="COLUMN",
+                     help="a column holding each row's own JSON schema")
+    g.add_argument("--max-whitespace", type=int, default=16,
+                   help="longest whitespace run between JSON tokens (default 16; -1: unbounded)")
+
+
 def run(args: argparse.Namespace) -> int:
     """Check everything that can be checked before the weights load, then run the job."""
     from batchgen.cli.kv_plan import parse_memory
@@ -102,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     check(args.rows_per_shard >= 1, "--rows-per-shard", ">= 1", args.rows_per_shard)
     check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
           args.tensor_parallel_size)
+    if args.ray and args.schema_column:
+        raise CliError("--schema-column is for local jobs; on Ray (--ray) pass one constraint "
+                       "(--json-schema, --regex, --choice or --grammar)")
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
@@ -109,10 +131,12 @@ def run(args: argparse.Namespace) -> int:
     template = _chat_template(args.chat_template)
     source = open_source(args.input)
     column = args.messages_column or args.prompt_column or "prompt"
-    if source.column_names is not None and column not in source.column_names:
-        flag = "--messages-column" if args.messages_column else "--prompt-column"
-        raise CliError(f"{flag} {column!r} is not a column of {args.input} (columns: "
-                       f"{', '.join(source.column_names)})")
+    for flag, name in (("--messages-column" if args.messages_column else "--prompt-column",
+                        column), ("--schema-column", args.schema_column)):
+        if name is not None and source.column_names is not None \
+                and name not in source.column_names:
+            raise CliError(f"{flag} {name!r} is not a column of {args.input} (columns: "
+                           f"{', '.join(source.column_names)})")
     engine = _engine_kwargs(args, None if args.kv_cache_memory is None
                             else parse_memory(args.kv_cache_memory))
     if args.ray:
@@ -128,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
                               messages_column=args.messages_column, output_dir=args.output,
                               resume=args.resume, seed=args.seed,
                               rows_per_shard=args.rows_per_shard, chat_template=template,
-                              use_tqdm=not args.quiet)
+                              schema_column=args.schema_column, use_tqdm=not args.quiet)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")
@@ -140,16 +164,53 @@ def run(args: argparse.Namespace) -> int:
 def _params(args: argparse.Namespace) -> Any:
     from batchgen.params import BeamSearchParams, SamplingParams
 
+    so = _constraint(args)
     if args.kind == "beam":
         return BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens,
                                 length_penalty=args.length_penalty,
                                 early_stopping=args.early_stopping,
-                                num_return_sequences=args.num_return_sequences)
+                                num_return_sequences=args.num_return_sequences,
+                                structured_outputs=so)
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty,
                           max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
-                          logprobs=args.logprobs, ignore_eos=args.ignore_eos, seed=args.seed)
+                          logprobs=args.logprobs, ignore_eos=args.ignore_eos, seed=args.seed,
+                          structured_outputs=so)
+
+
+def _constraint(args: argparse.Namespace) -> Any:
+    """The constraint the flags give (None without one), parsed now: a bad schema, regex or
+    grammar fails before the weights load."""
+    from batchgen.params import StructuredOutputsParams
+    from batchgen.sampling.grammar import check_constraint
+
+    ws = None if args.max_whitespace == -1 else args.max_whitespace
+    check(ws is None or ws >= 0, "--max-whitespace", ">= 0 or -1", args.max_whitespace)
+    if args.json_schema is not None:
+        so = StructuredOutputsParams(json=_read(args.json_schema, "--json-schema"),
+                                     max_whitespace=ws)
+    elif args.regex is not None:
+        so = StructuredOutputsParams(regex=args.regex)
+    elif args.choice is not None:
+        so = StructuredOutputsParams(choice=[c for c in args.choice.split(",") if c])
+    elif args.grammar is not None:
+        so = StructuredOutputsParams(grammar=_read(args.grammar, "--grammar"))
+    else:
+        if args.schema_column is not None:
+            from batchgen.sampling.grammar import load_xgrammar
+
+            load_xgrammar()  # the extra is there before the weights load
+        return None
+    check_constraint(so)
+    return so
+
+
+def _read(path: str, flag: str) -> str:
+    try:
+        return Path(path).expanduser().read_text()
+    except OSError as e:
+        raise CliError(f"{flag} {path!r} cannot be read: {e.strerror}") from e
 
 
 def _chat_template(path: str | None) -> str | None:

@@ -4,6 +4,7 @@ one fixed Arrow schema so every shard reads back as one table."""
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import pyarrow as pa
@@ -49,16 +50,46 @@ _BEAM = [("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
 _FIELDS = {SAMPLES.name: _COMPLETION, BEAMS.name: _BEAM}  # one list item of `outputs`
 
 
-def output_type(params: SamplingParams | BeamSearchParams) -> pa.DataType:
-    """The Arrow type of the `outputs` column: a list of completions (or beam hypotheses)."""
+def output_type(params: SamplingParams | BeamSearchParams, constraint: str | None = None
+                ) -> pa.DataType:
+    """The Arrow type of the `outputs` column: a list of completions (or beam hypotheses);
+    under a constraint (its kind, see `constraint_of`) each also has a `valid` flag."""
     fields = list(_FIELDS[kind_of(params).name])
+    if constraint is not None:
+        fields.append(("valid", pa.bool_()))
     if params.logprobs is not None:
         fields.append(("logprobs", pa.list_(pa.list_(_LOGPROB))))
     return pa.list_(pa.struct(fields))
 
 
-def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamSearchParams
-                  ) -> pa.Schema | None:
+def constraint_of(params: SamplingParams | BeamSearchParams, schema_column: str | None = None
+                  ) -> str | None:
+    """The kind of the job's constraint (json, regex, ...; json for a schema column), or
+    None: it decides whether outputs carry a `valid` flag."""
+    if schema_column is not None:
+        return "json"
+    so = params.structured_outputs
+    return None if so is None else so.kind
+
+
+def mark_valid(records: list[dict[str, Any]], constraint: str | None) -> list[dict[str, Any]]:
+    """Each output's `valid` flag under a constraint: it finished ("stop", so its grammar
+    ended) and, for JSON, its raw text parses (the text itself is kept as generated)."""
+    if constraint is None:
+        return records
+    for r in records:
+        ok = r["finish_reason"] == "stop"
+        if ok and constraint in ("json", "json_object"):
+            try:
+                json.loads(r["text"])
+            except ValueError:
+                ok = False
+        r["valid"] = ok
+    return records
+
+
+def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamSearchParams,
+                  constraint: str | None = None) -> pa.Schema | None:
     """Input columns, then row_id, num_prompt_tokens and outputs (None while the input's
     columns are unknown: they are inferred from the first rows)."""
     if input_schema is None:
@@ -68,12 +99,13 @@ def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamS
         raise ValueError(f"data already has column(s) {clash}: batchgen adds {list(ADDED_COLUMNS)}"
                          "; rename them first")
     added = [pa.field(ROW_ID, pa.int64()), pa.field(NUM_PROMPT_TOKENS, pa.int32()),
-             pa.field(OUTPUTS, output_type(params))]
+             pa.field(OUTPUTS, output_type(params, constraint))]
     return pa.schema(list(input_schema.remove_metadata()) + added)
 
 
 def output_row(row: dict[str, Any], row_id: int, out: RequestOutput | BeamSearchOutput,
-               kind: RequestKind) -> dict[str, Any]:
-    """The input row plus its id and completions (the kind's records of `out`)."""
+               kind: RequestKind, constraint: str | None = None) -> dict[str, Any]:
+    """The input row plus its id and completions (the kind's records of `out`, flagged
+    valid or not under a constraint)."""
     return {**row, ROW_ID: row_id, NUM_PROMPT_TOKENS: len(out.prompt_token_ids),
-            OUTPUTS: kind.records(out)}
+            OUTPUTS: mark_valid(kind.records(out), constraint)}

@@ -16,12 +16,19 @@ from tqdm.auto import tqdm
 
 from batchgen.checks import check_flag, check_int, check_seed, check_type
 from batchgen.data.prompts import PromptSpec
-from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
+from batchgen.data.rows import (
+    ROW_ID,
+    constraint_of,
+    job_seed,
+    output_row,
+    output_schema,
+    row_params,
+)
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
 from batchgen.kinds import kind_of
 from batchgen.outputs import BeamSearchOutput, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import datasets
@@ -37,6 +44,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
                      seed: int | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                      chat_template: str | None = None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
+                     schema_column: str | None = None,
                      use_tqdm: bool = True) -> datasets.Dataset:
     """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
     Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
@@ -50,23 +58,31 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     whatever ran with it. With `output_dir`, finished rows go to Parquet shards of
     `rows_per_shard` rows (written atomically, listed in a manifest); `resume=True` skips the
     rows of whole shards and redoes the rest, so a resumed run's data equal an uninterrupted
-    run's. Rows finished when an error or Ctrl-C stops the job are written first."""
+    run's. Rows finished when an error or Ctrl-C stops the job are written first.
+
+    Under `params.structured_outputs`, or with `schema_column` (a column holding each row's
+    own JSON schema, a dict or its JSON text), every output also gets a `valid` flag: it
+    finished and, for JSON, its raw text (kept as generated) parses."""
     params = llm.get_default_sampling_params() if params is None else params
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
                       chat_template, add_generation_prompt, chat_template_kwargs)
     _check_args(params, rows_per_shard, resume, output_dir, seed)
+    _check_schema_column(params, schema_column)
     source = open_source(data)
-    if source.column_names is not None and spec.column not in source.column_names:
+    names = source.column_names
+    if names is not None and spec.column not in names:
         raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
-                         f"{spec.column!r} is not a column of data (columns: "
-                         f"{source.column_names})")
+                         f"{spec.column!r} is not a column of data (columns: {names})")
+    if names is not None and schema_column is not None and schema_column not in names:
+        raise ValueError(f"schema_column {schema_column!r} is not a column of data (columns: "
+                         f"{names})")
     seed = job_seed(params, seed)
-    schema = output_schema(source.schema, params)
+    schema = output_schema(source.schema, params, constraint_of(params, schema_column))
     store = None
     if output_dir is not None:
         store = ShardStore(Path(output_dir).expanduser(), _job(llm, params, seed, spec,
-                                                                source), resume)
-    job = _Job(llm, source, params, spec, seed, schema, store, rows_per_shard)
+                                                                source, schema_column), resume)
+    job = _Job(llm, source, params, spec, seed, schema, store, rows_per_shard, schema_column)
     job.run(use_tqdm)
     return job.result()
 
@@ -77,7 +93,8 @@ class _Job:
 
     def __init__(self, llm: LLM, source: Source, params: SamplingParams | BeamSearchParams,
                  spec: PromptSpec, seed: int, schema: pa.Schema | None,
-                 store: ShardStore | None, rows_per_shard: int) -> None:
+                 store: ShardStore | None, rows_per_shard: int,
+                 schema_column: str | None = None) -> None:
         self.llm, self.source, self.params, self.spec = llm, source, params, spec
         self.seed, self.schema, self.store = seed, schema, store
         self.rows_per_shard = rows_per_shard
@@ -85,6 +102,8 @@ class _Job:
         self.inflight: dict[int, tuple[int, dict[str, Any]]] = {}  # stream index -> row
         self.buffer: list[dict[str, Any]] = []  # finished rows not yet in a shard
         self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
+        self.schema_column = schema_column  # a column of per-row JSON schemas
+        self.constraint = constraint_of(params, schema_column)  # outputs get a valid flag
 
     def run(self, use_tqdm: bool) -> None:
         """Stream every row not done yet; on any error or Ctrl-C, write what finished first."""
@@ -120,13 +139,16 @@ class _Job:
                 continue
             self.inflight[index] = (row_id, row)
             index += 1
-            yield self.spec.prompt(self.llm, row_id, row), row_params(self.params, self.seed,
-                                                                      row_id)
+            params = row_params(self.params, self.seed, row_id)
+            if self.schema_column is not None:
+                params = dataclasses.replace(params, structured_outputs=row_constraint(
+                    self.llm, row_id, row, self.schema_column))
+            yield self.spec.prompt(self.llm, row_id, row), params
 
     def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:
         """File one finished request's row (and write a shard when one is full)."""
         row_id, row = self.inflight.pop(index)
-        self.buffer.append(output_row(row, row_id, out, self.kind))
+        self.buffer.append(output_row(row, row_id, out, self.kind, self.constraint))
         if len(self.buffer) >= self.rows_per_shard:
             self._flush()
 
@@ -194,16 +216,45 @@ def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any,
     check_seed(seed)  # the job seed: validated only (-1 stays -1, as the manifest has it)
 
 
-def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source) -> dict[str, Any]:
+def _check_schema_column(params: Any, schema_column: Any) -> None:
+    """A column name, and not with params that carry their own constraint."""
+    if schema_column is None:
+        return
+    check_type(schema_column, "schema_column", str, "None or a column name")
+    if params.structured_outputs is not None:
+        raise ValueError("pass schema_column (a schema per row) or params.structured_outputs "
+                         "(one for every row), not both")
+
+
+def row_constraint(llm: LLM, row_id: int, row: dict[str, Any], column: str
+                   ) -> StructuredOutputsParams:
+    """A row's own JSON schema as its constraint, compiled now (ValueError naming the row)."""
+    try:
+        so = StructuredOutputsParams(json=row.get(column))
+        llm.requests.grammars.compile(so)
+    except ValueError as e:
+        raise ValueError(f"row {row_id}: schema_column {column!r}: {e}") from None
+    return so
+
+
+def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
+         schema_column: str | None = None) -> dict[str, Any]:
     """What identifies a job for resume: model, params, seed, prompt source, input."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
     if fields.get("logits_processors"):
         fields["logits_processors"] = [getattr(f, "__qualname__", repr(f))
                                        for f in fields["logits_processors"]]
+    if fields.get("structured_outputs") is not None:
+        fields["structured_outputs"] = dataclasses.asdict(fields["structured_outputs"])
+    else:  # absent, as in manifests written before it existed (they stay resumable)
+        fields.pop("structured_outputs", None)
     fields["seed"] = None  # the job seed below covers it
-    return {"model": str(llm.model_path), "kind": type(params).__name__,
-            "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
-            "input": source.fingerprint, "input_rows": source.num_rows}
+    job = {"model": str(llm.model_path), "kind": type(params).__name__,
+           "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
+           "input": source.fingerprint, "input_rows": source.num_rows}
+    if schema_column is not None:  # (absent otherwise: older manifests stay resumable)
+        job["schema_column"] = schema_column
+    return job
 
 
 def json_safe(value: Any) -> Any:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from batchgen.sampling import cpu_ops
+from batchgen.sampling.grammar import GrammarRows
 from batchgen.sampling.sampler import (
     FREQUENCY,
     NO_LOGPROBS,
@@ -51,7 +52,8 @@ _FLAGS = ("ignore_eos", "greedy",
           "stop_strings",  # stops are its StopChecker's (per-row Python)
           "beam",  # a beam: decodes with its group, never sampled
           "fork_pending",  # a leader whose siblings wait for its prompt (scheduler)
-          "cow_check")  # forked since its last reservation: its block may be shared
+          "cow_check",  # forked since its last reservation: its block may be shared
+          "constrained")  # structured outputs: its grammar masks its logits
 _MASK64 = (1 << 64) - 1
 
 
@@ -164,7 +166,8 @@ class PersistentBatch:
                            group.num_prompt_tokens, spec.max_tokens, spec.min_tokens,
                            spec.logprobs, 0, _mix_seed(seq.seed))
         self.flags[slot] = (spec.ignore_eos, spec.greedy, spec.penalized, spec.controls,
-                            spec.stop_strings, spec.beam, group.fork_pending, False)
+                            spec.stop_strings, spec.beam, group.fork_pending, False,
+                            spec.constrained)
         self.params[slot] = spec.params
         self.cum_logprob[slot] = seq.cumulative_logprob
         self.stop_ids[slot] = -1
@@ -248,7 +251,7 @@ class PersistentBatch:
                          ) -> SamplingColumns:
         """What the sampler reads for rows drawing from these slots (views when the slots are
         0..k-1; `rows`: their `rows(slots)` when known), with the rows whose logit controls
-        need per-row Python."""
+        need per-row Python, and those under a grammar."""
         c = self.cols
         rows = self.rows(slots) if rows is None else rows
         logprobs = c["logprobs"][rows]
@@ -257,6 +260,11 @@ class PersistentBatch:
             seq = self.seqs[int(slots[j])]
             controls.append(ControlRow(j, seq.group.params, seq.token_ids,
                                        seq.group.num_prompt_tokens, seq.group.bad_word_ids))
+        grammar = None
+        constrained = c["constrained"][rows]
+        if constrained.any():
+            js = np.flatnonzero(constrained)
+            grammar = GrammarRows(js, [self.seqs[int(slots[j])].constraint for j in js.tolist()])
         seen = offsets = None
         if self.penalties is not None and c["penalized"][rows].any():
             idx = rows if isinstance(rows, slice) else to_device(rows, self.device)
@@ -267,7 +275,7 @@ class PersistentBatch:
             min_tokens=c["min_tokens"][rows], stop_ids=self.stop_ids[rows],
             ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=logprobs,
             seen=seen, offsets=offsets, controls=controls,
-            any_logprobs=bool((logprobs != NO_LOGPROBS).any()))
+            any_logprobs=bool((logprobs != NO_LOGPROBS).any()), grammar=grammar)
 
     def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None,
                rows: np.ndarray | slice | None = None) -> None:

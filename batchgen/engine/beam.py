@@ -61,6 +61,7 @@ __all__ = ["BeamHypothesis", "BeamSearchState", "BeamStep", "StopFn"]
 StopFn = Callable[[int, int], bool]
 
 _NEG = -1.0e9  # HF's "impossible" score
+IMPOSSIBLE = _NEG  # (public: under a grammar, results drop hypotheses that carry it)
 
 #: finish codes stored per finished-buffer slot
 _UNSET, _STOP, _LENGTH = 0, 1, 2

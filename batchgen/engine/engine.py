@@ -11,6 +11,7 @@ import torch
 from batchgen.attention.metadata import StepRows
 from batchgen.engine.scheduler import Scheduler, SchedulerOutput, StepStats
 from batchgen.engine.sequence import SequenceGroup
+from batchgen.sampling.grammar import mask_beams
 from batchgen.sampling.sampler import RankedLogprobs, Sampler, ranked_logprobs
 from batchgen.transfer import to_device
 
@@ -106,10 +107,14 @@ class Engine:
 def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
                   ) -> dict[SequenceGroup, torch.Tensor]:
     """Each beam group's float32 log-probabilities, rows in its beam order (one log_softmax
-    for the step's beams)."""
+    for the step's beams); a constrained beam's forbidden tokens at -inf."""
     rows = [beam_rows[g][s] for g in beam_rows for s in g.seqs]
     lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)].float(),
                            dim=-1)
+    constrained = [s.constraint for g in beam_rows for s in g.seqs]
+    if any(c is not None for c in constrained):  # each beam's grammar, after the log_softmax
+        at = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
+        mask_beams(lp, [constrained[j] for j in at.tolist()], at)
     out, at = {}, 0
     for g in beam_rows:
         out[g] = lp[at:at + len(g.seqs)]

@@ -32,8 +32,9 @@ from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, PoolExhausted, blocks_for, chain_hashes
+from batchgen.log import logger
 from batchgen.sampling.sampler import RankedLogprobs, SamplerOutput
-from batchgen.sampling.stop import EOS_STOP, ID_STOP, finish_of
+from batchgen.sampling.stop import EOS_STOP, GOES_ON, ID_STOP, finish_of
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -475,6 +476,9 @@ class Scheduler:
         if res.top is not None:
             for j, row in enumerate(res.top.rows.tolist()):
                 seqs[row].logprobs.append((res.top, j))
+        constrained = self.batch.cols["constrained"][index]
+        if constrained.any():
+            self._advance_grammars(seqs, token_list, np.flatnonzero(constrained), codes, reasons)
         for j in sorted([*np.flatnonzero(codes).tolist(), *reasons]):
             seq = seqs[j]
             if j in reasons:
@@ -485,6 +489,24 @@ class Scheduler:
             done[seq.group] = None
         return len(token_list)
 
+    @staticmethod
+    def _advance_grammars(seqs: list[Sequence], tokens: list[int], rows: np.ndarray,
+                          codes: np.ndarray, reasons: dict[int, tuple[str, int | str | None]]
+                          ) -> None:
+        """Each constrained sampler's matcher accepts its new token. A matcher that ended on
+        its stop token ends the sequence ("stop", also under min_tokens or ignore_eos, and
+        before a stop string or max_tokens); a rejected token (a logits processor revived a
+        masked one) ends it too, with a warning."""
+        for j in rows.tolist():
+            c = seqs[j].constraint
+            if not c.accept(tokens[j]):
+                logger.warning("request %d: its grammar rejected token %d; the sample ends "
+                               "there", seqs[j].group.index, tokens[j])
+                codes[j], reasons[j] = GOES_ON, ("stop", None)
+            elif c.terminated:
+                codes[j] = EOS_STOP
+                reasons.pop(j, None)
+
     def _apply(self, ops: list[Op]) -> int:
         """Carry out a beam group's operations; returns the number of tokens appended."""
         slots, tokens = [], []
@@ -492,6 +514,8 @@ class Scheduler:
             match op:
                 case Append(seq, token):
                     seq.token_ids.append(token)
+                    if seq.constraint is not None:  # a rejected token: an impossible beam
+                        seq.constraint.accept(token)
                     if seq.stop is not None:  # keeps its text for would_stop
                         seq.stop.append(token, seq.num_generated)
                     slots.append(seq.slot)

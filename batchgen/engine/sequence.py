@@ -18,6 +18,7 @@ from batchgen.sampling.stop import StopChecker
 if TYPE_CHECKING:
     from batchgen.engine.batch import PersistentBatch
     from batchgen.params import BeamSearchParams, SamplingParams
+    from batchgen.sampling.grammar import Constraint
 
 
 class SequenceStatus(enum.Enum):
@@ -51,6 +52,7 @@ class RowSpec:
     logprobs: int = -2  # sampler.NO_LOGPROBS
     stop_ids: tuple[int, ...] = ()
     beam: bool = False  # its sequences are beams (decoded together, never sampled)
+    constrained: bool = False  # structured outputs: each sequence has a Constraint
 
 
 class GroupPolicy(Protocol):
@@ -86,6 +88,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)
     cached_blocks: int = 0
     slot: int = -1  # its row in the persistent batch while RUNNING
+    # structured outputs: its grammar matcher, advanced by every token it keeps (never
+    # replayed: a preempted sequence keeps it, since its tokens are unchanged)
+    constraint: Constraint | None = field(default=None, repr=False)
     batch: PersistentBatch | None = field(default=None, repr=False)
     _num_computed: int = field(default=0, repr=False)
 
@@ -138,11 +143,12 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def clone(self, index: int) -> Sequence:
-        """A new sequence continuing this one (a beam's extra child): same tokens, score and
-        stop state, no KV yet (the scheduler forks this one's blocks to it)."""
+        """A new sequence continuing this one (a beam's extra child): same tokens, score, stop
+        and grammar state, no KV yet (the scheduler forks this one's blocks to it)."""
         return Sequence(self.group, index, list(self.token_ids),
                         self.stop.fork() if self.stop is not None else None, self.seed,
-                        cumulative_logprob=self.cumulative_logprob)
+                        cumulative_logprob=self.cumulative_logprob,
+                        constraint=None if self.constraint is None else self.constraint.fork())
 
 
 @dataclass(eq=False)
@@ -170,6 +176,8 @@ class SequenceGroup:
     order: int = 0  # its place in the scheduler's running order (set at each admission)
     # prompt logprobs, filled position by position as the leader computes the prompt
     prompt_logprobs: list | None = None
+    # structured outputs: the prompt's matcher, never advanced (samples and beams fork it)
+    constraint: Constraint | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
 
     def __post_init__(self) -> None:

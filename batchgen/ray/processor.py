@@ -20,7 +20,14 @@ import pyarrow as pa
 
 from batchgen.checks import check, check_int, check_number, check_seed, check_type, is_int
 from batchgen.data.prompts import PromptSpec
-from batchgen.data.rows import ROW_ID, job_seed, output_row, output_schema, row_params
+from batchgen.data.rows import (
+    ROW_ID,
+    constraint_of,
+    job_seed,
+    output_row,
+    output_schema,
+    row_params,
+)
 from batchgen.kinds import kind_of
 from batchgen.params import BeamSearchParams, SamplingParams
 
@@ -111,8 +118,9 @@ class _Generate:
         p = self.config.sampling_params
         kind, seed = kind_of(p), job_seed(p, self.config.seed)
         outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids])
-        schema = output_schema(_without(batch.schema, ROW_ID), p)
-        return pa.Table.from_pylist([output_row(r, i, o, kind)
+        constraint = constraint_of(p)
+        schema = output_schema(_without(batch.schema, ROW_ID), p, constraint)
+        return pa.Table.from_pylist([output_row(r, i, o, kind, constraint)
                                      for r, i, o in zip(rows, ids, outs)], schema=schema)
 
 

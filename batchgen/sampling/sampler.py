@@ -4,14 +4,16 @@ One call handles a whole step: ``logits [R, V]`` and the rows' parameter columns
 (:class:`SamplingColumns`, views of the persistent batch). Processing follows HF ``generate``
 order exactly:
 
-    logit controls -> repetition penalty -> presence/frequency penalties -> min_tokens ban
+    grammar mask -> logit controls -> repetition penalty -> presence/frequency penalties -> min_tokens ban
     -> temperature -> top-k -> top-p -> min-p -> softmax -> sample
 
 Every stage works on the whole batch with per-row parameter columns; a stage is skipped
 entirely when no row needs it, and rows that do not use a stage get neutral values
 (temperature 1, penalty 1, ...) that leave their logits bit-for-bit unchanged, so a row's
 result never depends on its neighbours. Only the logit controls (allowed ids, bias, bad words,
-user processors) run per row, and only on the rows that set them.
+user processors) run per row, and only on the rows that set them. Rows under a structured-output
+constraint first get every token their grammar forbids set to -inf (one batched bitmask fill and
+one masked write for those rows, sampling/grammar.py), as vLLM does before its other stages.
 
 Sampling is by inverse CDF: one uniform ``u`` per row, and the token whose interval of the
 cumulative distribution holds ``u * total`` (masked tokens have empty intervals, so they are
@@ -23,7 +25,8 @@ penalised logits.
 Penalties: repetition (HF) over every distinct prompt + generated id; presence/frequency
 (vLLM/OpenAI) over generated ids only, from per-sequence tables the batch keeps. While a row
 has generated fewer than ``min_tokens``, its stop ids and EOS are set to -inf (EOS not when
-``ignore_eos``: it is no stop token then, as in vLLM).
+``ignore_eos``: it is no stop token then, as in vLLM; nor when its grammar allows only a stop
+token: the grammar is complete and must end).
 
 Returned logprobs are *raw*: ``log_softmax`` of the unprocessed logits in fp32 (vLLM's
 default), with the chosen token always present in the top-logprobs. Everything the host needs
@@ -35,6 +38,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +46,9 @@ import torch
 from batchgen.sampling import cpu_ops
 from batchgen.sampling.cpu_ops import SamplingOps
 from batchgen.transfer import designated_sync, to_device
+
+if TYPE_CHECKING:
+    from batchgen.sampling.grammar import GrammarRows
 
 _NEG_INF = float("-inf")
 
@@ -92,6 +99,7 @@ class SamplingColumns:
     offsets: torch.Tensor | None = None  # [R, V] f32: freq * count + presence * (count > 0)
     controls: list[ControlRow] | None = None
     any_logprobs: bool = True  # False: no row asked for top logprobs (the step skips them)
+    grammar: GrammarRows | None = None  # rows under a structured-output constraint
 
 
 @dataclass
@@ -217,8 +225,11 @@ def apply_penalties(scores: torch.Tensor, cols: SamplingColumns, params: torch.T
 
 
 def apply_min_tokens(scores: torch.Tensor, cols: SamplingColumns) -> torch.Tensor:
-    """Rows below min_tokens: their stop ids and EOS (unless ignore_eos) become -inf."""
+    """Rows below min_tokens: their stop ids and EOS (unless ignore_eos) become -inf, except
+    rows whose grammar allows nothing but a stop token."""
     below = cols.num_generated < cols.min_tokens
+    if cols.grammar is not None and cols.grammar.must_end is not None and below.any():
+        below[cols.grammar.rows[cols.grammar.must_end]] = False  # the grammar must end here
     if not below.any():
         return scores
     rows = np.flatnonzero(below)
@@ -330,10 +341,15 @@ class Sampler:
         dev = raw.device
         params = to_device(cols.params, dev)
         ops = cpu_ops.load() if dev.type == "cpu" and self.use_cpu_ops else None
+        # the grammar masks its rows in place (every later stage makes new tensors) and puts
+        # their values back once the tokens are chosen: raw logprobs stay the model's
+        saved = cols.grammar.apply(raw) if cols.grammar is not None else None
         scores = apply_controls(raw, cols.controls) if cols.controls else raw
         scores = apply_penalties(scores, cols, params, ops)
         scores = apply_min_tokens(scores, cols)
         chosen = self._choose(scores, cols, params, ops)
+        if saved is not None:
+            cols.grammar.restore(raw, saved)
         lse = torch.logsumexp(raw, dim=-1)
         chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
         top = _top_logprobs(raw, lse, chosen, cols.logprobs) if cols.any_logprobs else None
