@@ -18,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from batchgen.cli import build_parser, main
-from batchgen.cli.generate import _engine_kwargs
+from batchgen.cli.engine import engine_kwargs
 from batchgen.data.shards import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,9 +167,9 @@ def test_existing_output_without_resume_exits_2(tiny_model_factory, jsonl: Path,
 @pytest.mark.parametrize("command", [["generate"], ["beam", "--beam-width", "2"]])
 def test_tensor_parallel_size_reaches_the_llm_arguments(command: list[str]) -> None:
     argv = [*command, "--model", "m", "--input", "x.jsonl", "--output", "o"]
-    assert _engine_kwargs(build_parser().parse_args(argv), None)["tensor_parallel_size"] == 1
+    assert engine_kwargs(build_parser().parse_args(argv), None)["tensor_parallel_size"] == 1
     args = build_parser().parse_args([*argv, "--tensor-parallel-size", "2"])
-    assert _engine_kwargs(args, None)["tensor_parallel_size"] == 2
+    assert engine_kwargs(args, None)["tensor_parallel_size"] == 2
 
 
 def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,

@@ -11,6 +11,7 @@ from typing import Any
 
 from batchgen.checks import check
 from batchgen.cli import EXIT_INTERRUPTED, CliError
+from batchgen.cli.engine import engine_args, engine_kwargs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -63,22 +64,7 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--seed", type=int, default=0, help="job seed: row seeds derive from it")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     _constraint_args(p)
-    e = p.add_argument_group("engine")
-    e.add_argument("--tokenizer", default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 4GiB")
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-dtype", default="auto")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default=None)
-    e.add_argument("--attention-backend", default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (processes; GPUs on CUDA): N must divide "
-                        "its attention and KV heads (default 1)")
+    engine_args(p)
     r = p.add_argument_group("Ray Data (the batchgen[ray] extra)")
     r.add_argument("--ray", action="store_true",
                    help="run the job on Ray Data: one LLM per actor, output written by Ray")
@@ -137,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                 and name not in source.column_names:
             raise CliError(f"{flag} {name!r} is not a column of {args.input} (columns: "
                            f"{', '.join(source.column_names)})")
-    engine = _engine_kwargs(args, None if args.kv_cache_memory is None
+    engine = engine_kwargs(args, None if args.kv_cache_memory is None
                             else parse_memory(args.kv_cache_memory))
     if args.ray:
         from batchgen.cli.ray_job import run_on_ray
@@ -220,18 +206,6 @@ def _chat_template(path: str | None) -> str | None:
         return Path(path).expanduser().read_text()
     except OSError as e:
         raise CliError(f"--chat-template {path!r} cannot be read: {e.strerror}") from e
-
-
-def _engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict[str, Any]:
-    """LLM's arguments from the engine flags."""
-    return dict(tokenizer=args.tokenizer, block_size=args.block_size,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=not args.no_prefix_caching,
-                kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
-                num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
-                attention_backend=args.attention_backend, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size)
 
 
 def _summary(ds: Any, seconds: float, output: str) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from batchgen.cli import EXIT_INTERRUPTED, CliError
+from batchgen.cli.engine import engine_args, engine_kwargs
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,29 +34,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def engine_args(p: argparse.ArgumentParser) -> None:
-    """The engine flags of `batchgen generate` (LLM's arguments), for commands that load one."""
-    e = p.add_argument_group("engine")
-    e.add_argument("--tokenizer", default=None)
-    e.add_argument("--block-size", type=int, default=16)
-    e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--kv-cache-memory", default=None, help="KV pool bytes, e.g. 4GiB")
-    e.add_argument("--num-kv-blocks", type=int, default=None)
-    e.add_argument("--kv-cache-dtype", default="auto")
-    e.add_argument("--dtype", default="auto")
-    e.add_argument("--device", default=None)
-    e.add_argument("--attention-backend", default=None)
-    e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                   help="split the model over N ranks (default 1)")
-
-
 def run(args: argparse.Namespace) -> int:
     """Check the paths, load the model, serve the file, print one summary line."""
     from batchgen.batch_api import run_batch
-    from batchgen.cli.generate import _chat_template, _engine_kwargs
+    from batchgen.cli.generate import _chat_template
     from batchgen.cli.kv_plan import parse_memory
     from batchgen.llm import LLM
 
@@ -65,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"-o {args.output_file!r} is a folder: give a file path")
     template = _chat_template(args.chat_template)
     memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
-    llm = LLM(args.model, **_engine_kwargs(args, memory))
+    llm = LLM(args.model, **engine_kwargs(args, memory))
     start = time.perf_counter()
     try:
         s = run_batch(llm, args.input_file, args.output_file, resume=args.resume,
