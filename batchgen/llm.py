@@ -136,8 +136,8 @@ class LLM:
         self.model_path = path
         config = loader.load_config(path, cfg.trust_remote_code)
         loader.check_weights(path)
-        self.device = rank_device(_resolve_device(device), 0) if cfg.tensor_parallel_size > 1 \
-            else _resolve_device(device)
+        dev = _resolve_device(device)  # under TP, rank 0's: the first visible GPU
+        self.device = dev if cfg.tensor_parallel_size == 1 else rank_device(dev, 0)
         check_tp(config, cfg.tensor_parallel_size, self.device)
         self.dtype = loader.resolve_dtype(dtype, config)
         kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, self.dtype)

@@ -77,6 +77,14 @@ class _Wrapper:
         self.num_plans += 1
         PLAN_LOG.append((self.kind, id(self)))
 
+    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *,
+            q_scale: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None, out: torch.Tensor | None = None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """The plain wrappers' run (the sink variant has its own)."""
+        _refuse_sinks(sinks, q_scale)
+        return self._run(q, paged_kv_cache, k_scale, v_scale, out)
+
     def _run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor],
              k_scale: float | None, v_scale: float | None, out: torch.Tensor | None,
              sinks: torch.Tensor | None = None, sm_scale: float | None = None
@@ -193,13 +201,6 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
                      logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                      kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode)
 
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *,
-            q_scale: float | None = None, k_scale: float | None = None,
-            v_scale: float | None = None, out: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
-        _refuse_sinks(sinks, q_scale)
-        return self._run(q, paged_kv_cache, k_scale, v_scale, out)
-
 
 def _refuse_sinks(sinks: torch.Tensor | None, q_scale: float | None) -> None:
     """FlashInfer 0.7.4's fa2 path takes `sinks=` and drops it: the stand-in refuses it."""
@@ -253,13 +254,6 @@ class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
                      page_size, causal=True, sm_scale=sm_scale, window_left=window_left,
                      logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                      kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode)
-
-    def run(self, q: torch.Tensor, paged_kv_cache: tuple[torch.Tensor, torch.Tensor], *,
-            q_scale: float | None = None, k_scale: float | None = None,
-            v_scale: float | None = None, out: torch.Tensor | None = None,
-            sinks: torch.Tensor | None = None) -> torch.Tensor:
-        _refuse_sinks(sinks, q_scale)
-        return self._run(q, paged_kv_cache, k_scale, v_scale, out)
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Under a graph the kernels read the buffers (what plan() last wrote there)."""

@@ -19,8 +19,11 @@ from batchgen.distributed.group import WorkerDied
 from tests.test_tensor_parallel import CFG, PROMPTS
 
 
-def test_a_worker_killed_mid_generation_raises_on_rank_0(tiny_model_factory):
-    llm = LLM(tiny_model_factory("llama"), tensor_parallel_size=2, **CFG)
+def test_a_worker_killed_mid_generation_raises_on_rank_0(tiny_model_factory, caplog):
+    with caplog.at_level("INFO", logger="batchgen"):
+        llm = LLM(tiny_model_factory("llama"), tensor_parallel_size=2, **CFG)
+    assert ("tensor parallel: 2 ranks, each with that pool over 1 of the model's 2 KV heads"
+            in caplog.text)  # the capacity line, per rank and in all
     worker = llm._tp.procs[0]
     calls = []
 
