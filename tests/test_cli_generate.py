@@ -164,6 +164,25 @@ def test_existing_output_without_resume_exits_2(tiny_model_factory, jsonl: Path,
     assert main([*argv, "--resume"]) == 0  # the finished job resumes to itself
 
 
+def test_output_format_jsonl_holds_the_parquet_rows(tiny_model_factory, jsonl: Path,
+                                                   tmp_path: Path, capsys) -> None:
+    from batchgen.data.writers import WRITERS
+
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    argv = ["generate", "--model", str(model), "--input", str(jsonl), "--prompt-column",
+            "question", "--n", "2", "--max-tokens", "4", "--rows-per-shard", "2", "--quiet"]
+    assert main([*argv, "--output", str(tmp_path / "pq")]) == 0
+    assert main([*argv, "--output", str(tmp_path / "js"), "--output-format", "jsonl"]) == 0
+    assert "batchgen: 5 rows, 10 samples" in capsys.readouterr().out
+    files = sorted((tmp_path / "js").glob("part-*"))
+    assert [f.name for f in files] == [f"part-{i:05d}.jsonl" for i in range(3)]
+    got = sorted((r for f in files for r in WRITERS["jsonl"].read(f).to_pylist()),
+                 key=lambda r: r["row_id"])
+    assert got == rows_by_id(tmp_path / "pq")
+    code, err = run_main([*argv, "--output", str(tmp_path / "js"), "--resume"], capsys)
+    assert code == 2 and "holds a different job (output_format differ)" in err
+
+
 @pytest.mark.parametrize("command", [["generate"], ["beam", "--beam-width", "2"]])
 def test_tensor_parallel_size_reaches_the_llm_arguments(command: list[str]) -> None:
     argv = [*command, "--model", "m", "--input", "x.jsonl", "--output", "o"]
@@ -221,6 +240,7 @@ def test_beam_command(tiny_model_factory, jsonl: Path, tmp_path: Path, capsys) -
     ["generate", "--input", "x.jsonl", "--output", "o"],  # no --model
     ["generate", "--model", "m", "--input", "x", "--output", "o", "--n", "two"],
     ["beam", "--model", "m", "--input", "x", "--output", "o"],  # no --beam-width
+    ["generate", "--model", "m", "--input", "x", "--output", "o", "--output-format", "csv"],
     ["generate", "--model", "m", "--input", "x", "--output", "o", "--prompt-column", "a",
      "--messages-column", "b"],
 ])

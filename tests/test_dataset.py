@@ -1,6 +1,6 @@
 """`batchgen.data.generate_dataset`: equal to `LLM.generate` / `chat` / `beam_search` on the same
-rows with the row seeds; every input form; Parquet shards that a resume continues (torn, partial,
-interrupted, or another job's); bad input refused before any work."""
+rows with the row seeds; every input form; Parquet and JSONL shards that a resume continues (torn,
+partial, interrupted, or another job's); bad input refused before any work."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ import json
 from pathlib import Path
 
 import datasets
-import pyarrow.parquet as pq
+import pyarrow.dataset as pads
 import pytest
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.data import generate_dataset, row_seed
 from batchgen.data.rows import row_params
 from batchgen.data.shards import MANIFEST
+from batchgen.data.writers import WRITERS
 
 WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
 PARAMS = SamplingParams(n=3, temperature=1.0, top_p=0.95, max_tokens=8)
+FORMATS = pytest.mark.parametrize("fmt", list(WRITERS))
 
 
 def rows(count: int) -> list[dict]:
@@ -75,17 +77,21 @@ def test_row_seed_depends_on_job_and_row_only() -> None:
     assert len({row_seed(5, i) for i in range(1000)} | {row_seed(6, 0)}) == 1001
 
 
-def test_shards_equal_in_memory_and_manifest(llm, data, reference, tmp_path) -> None:
+@FORMATS
+def test_shards_equal_in_memory_and_manifest(llm, data, reference, tmp_path, fmt) -> None:
     out = tmp_path / "out"
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
-                          use_tqdm=False)
+                          output_format=fmt, use_tqdm=False)
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
+    assert ds.features == generate_dataset(llm, data.select(range(2)), PARAMS, seed=5,
+                                           use_tqdm=False).features  # the same types
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["complete"] and manifest["rows"] == len(data)
     assert [s["rows"] for s in manifest["shards"]] == [5, 5, 5, 5, 3]
     files = sorted(p.name for p in out.iterdir())
-    assert files == [MANIFEST] + [f"part-{i:05d}.parquet" for i in range(5)]
-    table = pq.read_table(out)  # the folder reads as one table with plain pyarrow
+    assert files == [MANIFEST] + [f"part-{i:05d}.{fmt}" for i in range(5)]
+    # the folder reads as one table with plain pyarrow
+    table = pads.dataset(out, format="parquet" if fmt == "parquet" else "json").to_table()
     assert sorted(table.column("row_id").to_pylist()) == list(range(len(data)))
 
 
@@ -176,57 +182,63 @@ class Counting:
                 yield item
 
 
-def test_truncated_last_shard_is_redone(llm, data, reference, tmp_path, monkeypatch) -> None:
+@FORMATS
+def test_truncated_last_shard_is_redone(llm, data, reference, tmp_path, monkeypatch, fmt
+                                        ) -> None:
     out = tmp_path / "out"
     generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
-                     use_tqdm=False)
-    last = out / "part-00004.parquet"
+                     output_format=fmt, use_tqdm=False)
+    last = out / f"part-00004.{fmt}"
     last.write_bytes(last.read_bytes()[:-40])  # torn by a crash
-    (out / ".part-00009.parquet.tmp").write_bytes(b"half a shard")
+    (out / f".part-00009.{fmt}.tmp").write_bytes(b"half a shard")
     counting = Counting(llm, monkeypatch)
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
-                          resume=True, use_tqdm=False)
+                          output_format=fmt, resume=True, use_tqdm=False)
     assert counting.pulled == 3  # only the torn shard's rows
     assert ds["row_id"] == list(range(len(data)))
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
-    assert not (out / ".part-00009.parquet.tmp").exists()
+    assert not (out / f".part-00009.{fmt}.tmp").exists()
     assert json.loads((out / MANIFEST).read_text())["complete"]
 
 
+@FORMATS
 def test_interrupt_keeps_finished_rows_and_resume_completes(llm, data, reference, tmp_path,
-                                                            monkeypatch) -> None:
+                                                            monkeypatch, fmt) -> None:
     out = tmp_path / "out"
     Counting(llm, monkeypatch, interrupt_after=9)
     with pytest.raises(KeyboardInterrupt):
         generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=4,
-                         use_tqdm=False)
+                         output_format=fmt, use_tqdm=False)
     manifest = json.loads((out / MANIFEST).read_text())
     assert not manifest["complete"] and manifest["rows"] == 9  # 2 full shards + the rest
     assert llm.block_manager.num_blocks_in_use() == 0
     monkeypatch.undo()
     counting = Counting(llm, monkeypatch)
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=4,
-                          resume=True, use_tqdm=False)
+                          output_format=fmt, resume=True, use_tqdm=False)
     assert counting.pulled == len(data) - 9
     assert ds["row_id"] == list(range(len(data)))  # none lost, none twice
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
     # a finished job resumes to itself without computing anything
     counting.pulled = 0
     again = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, resume=True,
-                             use_tqdm=False)
+                             output_format=fmt, use_tqdm=False)
     assert counting.pulled == 0 and again["outputs"] == ds["outputs"]
 
 
+@FORMATS
 @pytest.mark.parametrize("target, call", [
-    ("ShardStore._write_manifest", 2),  # shard 2 renamed and listed in memory, manifest not
-    ("_fsync_dir", 3),  # shard 2 renamed into place, not listed anywhere
+    ("shards.ShardStore._write_manifest", 2),  # shard 2 renamed, listed in memory, manifest not
+    ("writers._fsync_dir", 3),  # shard 2 renamed into place, not listed anywhere
 ])
 def test_ctrl_c_inside_a_shard_write_loses_and_duplicates_nothing(
-        llm, data, reference, tmp_path, monkeypatch, target, call) -> None:
-    from batchgen.data import shards
+        llm, data, reference, tmp_path, monkeypatch, target, call, fmt) -> None:
+    from batchgen.data import shards, writers
 
-    owner, _, name = target.rpartition(".")
-    holder = getattr(shards, owner) if owner else shards
+    module, _, rest = target.partition(".")
+    owner, _, name = rest.rpartition(".")
+    holder = {"shards": shards, "writers": writers}[module]
+    holder = getattr(holder, owner) if owner else holder
     real, calls = getattr(holder, name), []
 
     def interrupted(*args, **kwargs):
@@ -239,13 +251,15 @@ def test_ctrl_c_inside_a_shard_write_loses_and_duplicates_nothing(
     out = tmp_path / "out"
     with pytest.raises(KeyboardInterrupt):
         generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
-                         use_tqdm=False)
+                         output_format=fmt, use_tqdm=False)
     monkeypatch.undo()
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
-                          resume=True, use_tqdm=False)
+                          output_format=fmt, resume=True, use_tqdm=False)
     assert ds["row_id"] == list(range(len(data)))
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
-    assert sorted(pq.read_table(out).column("row_id").to_pylist()) == list(range(len(data)))
+    written = WRITERS[fmt].read  # every shard file on disk: each row once
+    ids = [i for p in sorted(out.glob(f"part-*.{fmt}")) for i in written(p)["row_id"].to_pylist()]
+    assert sorted(ids) == list(range(len(data)))
 
 
 def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> None:
@@ -260,6 +274,9 @@ def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> Non
     with pytest.raises(ValueError, match=r"holds a different job \(input differ\)"):
         generate_dataset(llm, data.select(range(1, 4)), PARAMS, seed=5, output_dir=out,
                          resume=True, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"holds a different job \(output_format differ\)"):
+        generate_dataset(llm, sub, PARAMS, seed=5, output_dir=out, resume=True,
+                         output_format="jsonl", use_tqdm=False)
 
 
 # ---- bad input --------------------------------------------------------------------------------
@@ -275,6 +292,8 @@ def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> Non
     ({"messages_column": ""}, "messages_column must be None or a column name"),
     ({"seed": 1.5}, r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be None or a dict"),
+    ({"output_format": "csv"},
+     r"output_format must be one of \('parquet', 'jsonl'\), got 'csv'"),
 ])
 def test_bad_arguments(llm, data, kwargs, message) -> None:
     kwargs = {"params": PARAMS, **kwargs}

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import datasets
+import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 import pytest
 
@@ -165,6 +166,11 @@ def test_cli_ray_equals_local_cli(local_ray, model: Path, tmp_path: Path, capsys
     assert "batchgen: 30 rows, 90 samples in" in capsys.readouterr().out
     assert by_id(pq.read_table(tmp_path / "ray").to_pylist()) == by_id(
         pq.read_table(tmp_path / "local").to_pylist())
+    assert main([*common, "--output", str(tmp_path / "ray-jsonl"), "--ray", "--actors", "2",
+                 "--batch-size", "8", "--output-format", "jsonl"]) == 0
+    assert "batchgen: 30 rows, 90 samples in" in capsys.readouterr().out
+    lines = pads.dataset(tmp_path / "ray-jsonl", format="json").to_table().to_pylist()
+    assert by_id(lines) == by_id(pq.read_table(tmp_path / "local").to_pylist())
 
 
 def test_bad_config_and_flags(local_ray, model: Path, tmp_path: Path, capsys) -> None:

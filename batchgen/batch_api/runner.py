@@ -1,10 +1,10 @@
 """`run_batch`: an OpenAI Batch API file through one `LLM` in one streamed call, one output
-line per input line (same custom_id, input order), written atomically; finished answers are
-appended to a progress file as they come, so `resume=True` skips what a stopped run answered."""
+line per input line (same custom_id, input order), written atomically by the dataset jobs'
+JSONL writer (batchgen.data.writers); finished answers are appended to a progress file as they
+come, so `resume=True` skips what a stopped run answered."""
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +21,7 @@ from batchgen.batch_api.requests import (
 )
 from batchgen.batch_api.responses import answer_line, error_line
 from batchgen.checks import check_flag
+from batchgen.data.writers import jsonl_text, read_jsonl, write_jsonl
 from batchgen.kinds import SAMPLES
 
 if TYPE_CHECKING:
@@ -61,9 +62,9 @@ def run_batch(llm: LLM, input_path: str | os.PathLike, output_path: str | os.Pat
     lines, todo = _prepare(llm, src.read_text().splitlines(), done, chat_template)
     reused = sum(1 for v in lines if isinstance(v, dict) and v.get("custom_id") in done
                  and v is done[v["custom_id"]])
-    with open(progress, "a" if resume else "w") as log:
+    with open(progress, "a" if resume else "w", encoding="utf-8") as log:
         _serve(llm, todo, lines, name, log, use_tqdm)
-    _write_atomically(out, [json.dumps(v, ensure_ascii=False) for v in lines])
+    write_jsonl(lines, out)
     progress.unlink(missing_ok=True)
     errors = sum(1 for v in lines if v.get("error") is not None)
     return BatchSummary(len(todo), reused, errors)
@@ -136,7 +137,7 @@ def _serve(llm: LLM, todo: list[BatchRequest], lines: list[Any], model: str, log
             req = todo[index]
             answer = answer_line(req, out, model)
             lines[req.line] = answer
-            log.write(json.dumps(answer, ensure_ascii=False) + "\n")
+            log.write(jsonl_text([answer]))
             log.flush()
     finally:
         log.flush()
@@ -150,23 +151,10 @@ def _answered(out: Path, progress: Path) -> dict[str, dict[str, Any]]:
     for path in (out, progress):
         if not path.is_file():
             continue
-        for text in path.read_text().splitlines():
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError:
-                continue
+        for obj in read_jsonl(path, skip_torn=True):
             response = obj.get("response") if isinstance(obj, dict) else None
             if isinstance(response, dict) and response.get("status_code") == 200 \
                     and isinstance(obj.get("custom_id"), str):
                 done[obj["custom_id"]] = obj
     return done
 
-
-def _write_atomically(path: Path, lines: list[str]) -> None:
-    """Write to a temporary file beside `path`, fsync, rename over it."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

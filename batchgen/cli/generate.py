@@ -1,5 +1,5 @@
 """`batchgen generate` and `batchgen beam`: a dataset job from the command line, written as
-Parquet shards that `--resume` continues after a crash or Ctrl-C."""
+Parquet or JSONL shards that `--resume` continues after a crash or Ctrl-C."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from batchgen.cli.engine import engine_args, engine_kwargs
 def register(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="n samples for every row of a dataset",
                          description="Sample completions for every row of a dataset into "
-                                     "Parquet shards (resumable).")
+                                     "Parquet or JSONL shards (resumable).")
     _job_args(gen)
     s = gen.add_argument_group("sampling")
     s.add_argument("--n", type=int, default=1, help="samples per row (default 1)")
@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     beam = sub.add_parser("beam", help="beam search for every row of a dataset",
                           description="Beam search (HF semantics) for every row of a dataset "
-                                      "into Parquet shards (resumable).")
+                                      "into Parquet or JSONL shards (resumable).")
     _job_args(beam)
     b = beam.add_argument_group("beam search")
     b.add_argument("--beam-width", type=int, required=True)
@@ -57,7 +57,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--messages-column", default=None,
                      help="chat messages column, rendered through the chat template")
     io.add_argument("--chat-template", default=None, help="a Jinja chat template file")
-    io.add_argument("--output", required=True, help="folder for the Parquet shards")
+    io.add_argument("--output", required=True, help="folder for the shards")
+    io.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
+                    help="shard file format (default parquet)")
     io.add_argument("--resume", action="store_true", help="continue the job in --output")
     io.add_argument("--rows-per-shard", type=int, default=256)
     io.add_argument("--max-tokens", type=int, default=16)
@@ -138,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
                               messages_column=args.messages_column, output_dir=args.output,
                               resume=args.resume, seed=args.seed,
                               rows_per_shard=args.rows_per_shard, chat_template=template,
-                              schema_column=args.schema_column, use_tqdm=not args.quiet)
+                              schema_column=args.schema_column,
+                              output_format=args.output_format, use_tqdm=not args.quiet)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")

@@ -1,6 +1,7 @@
 """`batchgen generate|beam --ray`: the same dataset job on Ray Data. The input is read here
 (the driver), numbered with its row ids (its positions, as in a local job) and handed to Ray as
-Arrow blocks of `--batch-size` rows; the actors generate and Ray writes the Parquet output."""
+Arrow blocks of `--batch-size` rows; the actors generate and Ray writes the output in
+`--output-format` (the local job's shard writers: Parquet or JSON Lines)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from batchgen.cli import CliError
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import output_schema
 from batchgen.data.source import Source
+from batchgen.data.writers import ShardWriter, writer_for
 
 
 def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, source: Source,
                engine: dict[str, Any]) -> int:
-    """Start (or join) Ray, run the processor over the input, write Parquet, print a summary."""
+    """Start (or join) Ray, run the processor over the input, write the output in
+    `--output-format`, print a summary."""
     ray = _import_ray()
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
 
@@ -36,6 +39,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
         raise CliError("--ray needs an input of known length (a file, a folder or a saved "
                        "dataset)")
     output_schema(source.schema, params)  # a ValueError for a column batchgen would add
+    writer = writer_for(args.output_format)
     spec = PromptSpec(None if args.messages_column else args.prompt_column or "prompt",
                       args.messages_column, template)
     config = BatchgenProcessorConfig(
@@ -55,12 +59,12 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     try:
         start = time.perf_counter()
         ds = ray.data.from_arrow(numbered_blocks(source.dataset, args.batch_size))
-        build_processor(config)(ds).write_parquet(str(Path(args.output).expanduser()))
+        writer.write_ray(build_processor(config)(ds), str(Path(args.output).expanduser()))
         seconds = time.perf_counter() - start
     finally:
         if started:
             ray.shutdown()
-    rows, samples = _count(Path(args.output).expanduser())
+    rows, samples = _count(Path(args.output).expanduser(), writer)
     print(f"batchgen: {rows} rows, {samples} samples in {args.output} (Ray, {args.actors} "
           f"actor{'s' if args.actors > 1 else ''}, {seconds:.1f} s)")
     return 0
@@ -75,13 +79,13 @@ def _import_ray() -> Any:
     return ray
 
 
-def _count(output: Path) -> tuple[int, int]:
-    """Rows and samples in the written Parquet files (read a batch at a time)."""
+def _count(output: Path, writer: ShardWriter) -> tuple[int, int]:
+    """Rows and samples in the written files (read a batch at a time)."""
     import pyarrow.compute as pc
     import pyarrow.dataset as pads
 
     rows = samples = 0
-    for batch in pads.dataset(output, format="parquet").to_batches(columns=["outputs"]):
+    for batch in pads.dataset(output, format=writer.arrow_format).to_batches(columns=["outputs"]):
         rows += batch.num_rows
         samples += pc.sum(pc.list_value_length(batch.column("outputs"))).as_py() or 0
     return rows, samples

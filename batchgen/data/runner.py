@@ -1,5 +1,5 @@
 """`generate_dataset`: n samples (or beams) for every row of a dataset, streamed through one
-`LLM`, optionally into crash-safe Parquet shards that a rerun resumes."""
+`LLM`, optionally into crash-safe Parquet or JSONL shards that a rerun resumes."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from batchgen.data.rows import (
 )
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
+from batchgen.data.writers import ShardWriter, writer_for
 from batchgen.kinds import kind_of
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -44,7 +45,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
                      seed: int | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
                      chat_template: str | None = None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
-                     schema_column: str | None = None,
+                     schema_column: str | None = None, output_format: str = "parquet",
                      use_tqdm: bool = True) -> datasets.Dataset:
     """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
     Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
@@ -55,8 +56,9 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     from `prompt_column` (text or token ids) or, with `messages_column`, from chat messages
     through the chat template. Sample seeds derive from (seed, row id, sample index),
     `seed` being `params.seed`, else this argument, else 0: a row's samples are the same
-    whatever ran with it. With `output_dir`, finished rows go to Parquet shards of
-    `rows_per_shard` rows (written atomically, listed in a manifest); `resume=True` skips the
+    whatever ran with it. With `output_dir`, finished rows go to shards of `rows_per_shard`
+    rows in `output_format` ("parquet" or "jsonl"; written atomically, listed in a
+    manifest); `resume=True` skips the
     rows of whole shards and redoes the rest, so a resumed run's data equal an uninterrupted
     run's. Rows finished when an error or Ctrl-C stops the job are written first.
 
@@ -67,6 +69,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
                       chat_template, add_generation_prompt, chat_template_kwargs)
     _check_args(params, rows_per_shard, resume, output_dir, seed)
+    writer = writer_for(output_format)
     _check_schema_column(params, schema_column)
     source = open_source(data)
     names = source.column_names
@@ -80,8 +83,8 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     schema = output_schema(source.schema, params, constraint_of(params, schema_column))
     store = None
     if output_dir is not None:
-        store = ShardStore(Path(output_dir).expanduser(), _job(llm, params, seed, spec,
-                                                                source, schema_column), resume)
+        fingerprint = _job(llm, params, seed, spec, source, schema_column, writer)
+        store = ShardStore(Path(output_dir).expanduser(), fingerprint, resume, writer)
     job = _Job(llm, source, params, spec, seed, schema, store, rows_per_shard, schema_column)
     job.run(use_tqdm)
     return job.result()
@@ -175,11 +178,10 @@ class _Job:
             if self.store is None:
                 table = pa.Table.from_pylist(self.kept, schema=self.schema)
                 return datasets.Dataset(table.sort_by(ROW_ID))
-            files = [str(f) for f in self.store.files()]
+            files = self.store.files()
             if not files:
                 raise ValueError("data has no rows")
-            ds = datasets.load_dataset("parquet", data_files=files, split="train")
-            return ds.sort(ROW_ID)
+            return self.store.writer.load(files, self.schema).sort(ROW_ID)
 
 
 class _Rate:
@@ -238,8 +240,10 @@ def row_constraint(llm: LLM, row_id: int, row: dict[str, Any], column: str
 
 
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
-         schema_column: str | None = None) -> dict[str, Any]:
-    """What identifies a job for resume: model, params, seed, prompt source, input."""
+         schema_column: str | None = None, writer: ShardWriter | None = None
+         ) -> dict[str, Any]:
+    """What identifies a job for resume: model, params, seed, prompt source, input, and the
+    output format."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
     if fields.get("logits_processors"):
         fields["logits_processors"] = [getattr(f, "__qualname__", repr(f))
@@ -254,6 +258,8 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
            "input": source.fingerprint, "input_rows": source.num_rows}
     if schema_column is not None:  # (absent otherwise: older manifests stay resumable)
         job["schema_column"] = schema_column
+    if writer is not None and writer.name != "parquet":  # (absent for Parquet, as before)
+        job["output_format"] = writer.name
     return job
 
 

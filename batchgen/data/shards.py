@@ -1,6 +1,7 @@
-"""Crash-safe output of a dataset job: Parquet shards written atomically plus a manifest.
+"""Crash-safe output of a dataset job: shards (Parquet or JSONL, see writers.py) written
+atomically plus a manifest.
 
-A shard is written to `.part-NNNNN.parquet.tmp`, fsynced, renamed into place, and only then
+A shard is written to `.part-NNNNN.SUFFIX.tmp`, fsynced, renamed into place, and only then
 listed (with its size and SHA-256) in `_manifest.json`, itself replaced atomically. So after a
 crash at any point a shard is either listed and whole, or not listed: on resume, listed shards
 are checked against their size and hash, and whatever is not a whole listed shard (a `.tmp`,
@@ -12,23 +13,24 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from batchgen.data import writers
 from batchgen.data.rows import ROW_ID
+from batchgen.data.writers import WRITERS, ShardWriter
 
 logger = logging.getLogger("batchgen")
 
 MANIFEST = "_manifest.json"  # "_" and "." names: pyarrow, pandas, polars skip them
 FORMAT = "batchgen-shards/1"
-_SHARD = re.compile(r"^part-(\d{5,})\.parquet$")
-_TMP = re.compile(r"^\.part-(\d{5,})\.parquet\.tmp$")
+_SUFFIXES = "|".join(re.escape(w.suffix) for w in WRITERS.values())
+_SHARD = re.compile(rf"^part-(\d{{5,}})(?:{_SUFFIXES})$")
+_TMP = re.compile(rf"^\.part-(\d{{5,}})(?:{_SUFFIXES})\.tmp$")
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class ShardInfo:
 class ShardStore:
     """Owns `output_dir`: writes shards and the manifest, and knows which rows are done."""
 
-    def __init__(self, output_dir: Path, job: dict[str, Any], resume: bool) -> None:
+    def __init__(self, output_dir: Path, job: dict[str, Any], resume: bool,
+                 writer: ShardWriter = WRITERS["parquet"]) -> None:
         self.dir = output_dir
         self.job = job
+        self.writer = writer
         self.shards: list[ShardInfo] = []
         self.done_ids: set[int] = set()  # rows of the shards found on resume (not updated)
         self.schema: pa.Schema | None = None  # of the shards already written, when resuming
@@ -73,10 +77,10 @@ class ShardStore:
                             p.name)
                 p.unlink()
         for s in self.shards:
-            table = pq.read_table(self.dir / s.file, columns=[ROW_ID])
+            table = self.writer.read(self.dir / s.file, columns=[ROW_ID])
             self.done_ids.update(table.column(ROW_ID).to_pylist())
         if self.shards:
-            self.schema = pq.read_schema(self.dir / self.shards[0].file)
+            self.schema = self.writer.schema(self.dir / self.shards[0].file)
         self._write_manifest(complete=False)
 
     def _check_same_job(self, stored: dict[str, Any]) -> None:
@@ -100,12 +104,8 @@ class ShardStore:
         table = pa.Table.from_pylist(rows, schema=schema or self.schema)
         if self.schema is None:
             self.schema = table.schema
-        name = f"part-{self._next_index():05d}.parquet"
-        tmp = self.dir / f".{name}.tmp"
-        pq.write_table(table, tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, self.dir / name)
-        _fsync_dir(self.dir)
+        name = f"part-{self._next_index():05d}{self.writer.suffix}"
+        self.writer.write(table, self.dir / name)
         info = ShardInfo(name, table.num_rows, (self.dir / name).stat().st_size,
                          _sha256(self.dir / name))
         self.shards.append(info)
@@ -139,11 +139,8 @@ class ShardStore:
         payload = {"format": FORMAT, "job": self.job, "complete": complete,
                    "rows": sum(s.rows for s in self.shards),
                    "shards": [asdict(s) for s in self.shards]}
-        tmp = self.dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps(payload, indent=1) + "\n")
-        _fsync_file(tmp)
-        os.replace(tmp, self.dir / MANIFEST)
-        _fsync_dir(self.dir)
+        writers.atomic_write(self.dir / MANIFEST,
+                             lambda tmp: tmp.write_text(json.dumps(payload, indent=1) + "\n"))
 
 
 def check_output_dir(path: Path, resume: bool) -> None:
@@ -168,16 +165,3 @@ def _sha256(path: Path) -> str:
             h.update(chunk)
     return h.hexdigest()
 
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (the directory entry itself)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
