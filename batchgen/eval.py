@@ -1,6 +1,6 @@
 """lm-evaluation-harness on batchgen: `BatchgenLM`, an lm-eval model registered as "batchgen"
 (the `[eval]` extra). Each request list is one batched `generate` call: loglikelihoods from
-prompt logprobs, rolling loglikelihoods over lm-eval's own windows, and `generate_until`.
+prompt logprobs of the continuations (contexts shared through the prefix cache), rolling loglikelihoods over lm-eval's own windows, and `generate_until`.
 Tokenisation, windows and truncation follow lm-eval's `hf` backend, so the metrics equal it."""
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class BatchgenLM(TemplateLM):
             prompts.append(ids)
             starts.append(max(len(ids) - len(cont), 1))
         results = []
-        for lps, start, (key, _, _) in zip(self._score(prompts), starts, requests):
+        for lps, start, (key, _, _) in zip(self._score(prompts, starts), starts, requests):
             answer = (sum(lp for lp, _ in lps[start:]),
                       all(rank == 1 for _, rank in lps[start:]))
             results.append(answer)
@@ -121,16 +121,24 @@ class BatchgenLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", key, answer)
         return results
 
-    def _score(self, prompts: list[list[int]]) -> list[list[Any]]:
-        """Per token list: None, then (logprob, rank) of each later token given the ones
-        before it (rank 1: the argmax); identical lists are scored once, all in one call."""
-        unique = list(dict.fromkeys(tuple(p) for p in prompts))
-        params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
-                                detokenize=False)
+    def _score(self, prompts: list[list[int]], starts: list[int]) -> list[list[Any]]:
+        """Per token list: (logprob, rank) of each token from its start on, given the tokens
+        before it (rank 1: the argmax; None before the start). Identical lists are scored
+        once, all in one call, sorted so that the choices of one question run one after the
+        other: the first computes the shared context, the others hit its blocks in the prefix
+        cache (only the continuation, from the token before it, is computed again)."""
+        first: dict[tuple[int, ...], int] = {}
+        for p, start in zip(prompts, starts):
+            key = tuple(p)
+            first[key] = min(start, first.get(key, start))
+        unique = sorted(first)
+        params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
+                                 prompt_logprobs_start=first[u], detokenize=False)
+                  for u in unique]
         outs = self.llm.generate([{"prompt_token_ids": list(u)} for u in unique], params,
                                  use_tqdm=self.use_tqdm)
-        scored = {u: [None] + [(e[t].logprob, e[t].rank)
-                               for t, e in zip(u[1:], out.prompt_logprobs[1:])]
+        scored = {u: [None if e is None else (e[t].logprob, e[t].rank)
+                      for t, e in zip(u, out.prompt_logprobs)]
                   for u, out in zip(unique, outs)}
         return [scored[tuple(p)] for p in prompts]
 

@@ -174,6 +174,9 @@ class SamplingParams(_Stops):
     truncate_prompt_tokens: int | None = None
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    # batchgen's own: prompt logprobs from this position on (earlier entries None), so a
+    # prefix-cache hit may serve the tokens before it (a shared multiple-choice context)
+    prompt_logprobs_start: int = 0
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -232,6 +235,10 @@ class SamplingParams(_Stops):
         t = self.truncate_prompt_tokens
         check(t is None or (is_int(t) and (t >= 1 or t == -1)), "truncate_prompt_tokens",
               "None, -1 (max_model_len) or an integer >= 1", t)
+        start = self.prompt_logprobs_start
+        check(is_int(start) and start >= 0, "prompt_logprobs_start", "an integer >= 0", start)
+        check(start == 0 or self.prompt_logprobs is not None, "prompt_logprobs_start",
+              "0 unless prompt_logprobs is set", start)
 
     def _check_controls(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, logits_processors (vLLM's forms)."""

@@ -114,6 +114,27 @@ def test_loglikelihood_is_one_call_and_greedy_flags_follow_ranks(lm, monkeypatch
     assert lp2 < lp
 
 
+def test_choices_share_their_context_through_the_prefix_cache(model_dir, lm) -> None:
+    """Loglikelihoods equal (1e-5) with the prefix cache off; with it on, the choices of one
+    question hit the blocks of the first one's context."""
+    off = BatchgenLM(str(model_dir), max_length=MAX_LENGTH, device="cpu", block_size=4,
+                     num_kv_blocks=512, max_num_seqs=16, enable_prefix_caching=False)
+    runs = {}
+    for name, model in (("on", lm), ("off", off)):
+        with in_tasks_dir():
+            runs[name] = lm_eval.simple_evaluate(
+                model=model, tasks=["bg_mc"], log_samples=True,
+                task_manager=TaskManager(include_path=str(TASKS_DIR)))
+        runs[name + "_stats"] = model.llm.kv_stats()
+    on, off_stats = runs["on_stats"], runs["off_stats"]
+    assert on.prefix_hit_tokens > 0 and off_stats.prefix_hit_tokens == 0
+    assert on.prompt_tokens_computed + on.prefix_hit_tokens == off_stats.prompt_tokens_computed
+    pairs = zip(runs["on"]["samples"]["bg_mc"], runs["off"]["samples"]["bg_mc"], strict=True)
+    for a, b in pairs:
+        for (lpa, ga), (lpb, gb) in ((ra[0], rb[0]) for ra, rb in zip(a["resps"], b["resps"])):
+            assert lpa == pytest.approx(lpb, abs=1e-5) and ga == gb
+
+
 def test_generate_until_gen_kwargs(lm) -> None:
     req = [Instance("generate_until", {}, ("Q: the cat\nA:", {"until": ["\n"],
                                                                   "max_gen_toks": 3}), 0),

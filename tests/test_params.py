@@ -61,6 +61,9 @@ BAD_SAMPLING = [
     ("logits_processors", {"logits_processors": print}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": 0}),
     ("truncate_prompt_tokens", {"truncate_prompt_tokens": -2}),
+    ("prompt_logprobs_start", {"prompt_logprobs": 0, "prompt_logprobs_start": -1}),
+    ("prompt_logprobs_start", {"prompt_logprobs": 0, "prompt_logprobs_start": True}),
+    ("prompt_logprobs_start", {"prompt_logprobs_start": 3}),  # without prompt_logprobs
     ("detokenize", {"detokenize": "no"}),
     ("stop", {"stop": ["x"], "detokenize": False}),
 ]
@@ -107,6 +110,7 @@ def test_sampling_defaults_follow_vllm() -> None:
     {"max_tokens": None}, {"min_tokens": 4, "max_tokens": 4}, {"seed": -3}, {"logprobs": 0},
     {"presence_penalty": -2, "frequency_penalty": 2}, {"repetition_penalty": 0.5},
     {"logprobs": -1}, {"prompt_logprobs": 0}, {"truncate_prompt_tokens": -1},
+    {"prompt_logprobs": 0, "prompt_logprobs_start": 7},
     {"logit_bias": {3: -100}}, {"allowed_token_ids": [3]}, {"detokenize": False},
 ])
 def test_edge_values_are_accepted(kwargs: dict) -> None:

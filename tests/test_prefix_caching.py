@@ -153,6 +153,32 @@ def test_n_samples_and_beams_with_caching(model_dir):
     _no_leak(on)
 
 
+@pytest.mark.parametrize("start, hit", [(0, 0), (17, 16), (48, 32), (49, 48)])
+def test_prompt_logprobs_from_a_start_share_the_blocks_before_it(model_dir, start, hit):
+    """The logprob of token `start` is read from the logits of token `start - 1`, so a hit
+    covers at most `start - 1` tokens (whole blocks): 48 shared tokens, block size 16."""
+    prompts = _shared(48, 6, seed=3, qmin=3, qmax=9)
+    on, off = _pair(model_dir, num_kv_blocks=256)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1,
+                        prompt_logprobs_start=start)
+    a = on.generate(_ids(prompts), sp, use_tqdm=False)
+    b = off.generate(_ids(prompts), SamplingParams(temperature=0, max_tokens=1,
+                                                   prompt_logprobs=1), use_tqdm=False)
+    assert on.kv_stats().prefix_hit_tokens == 5 * hit  # every prompt but the first
+    assert [o.num_cached_tokens for o in a] == [0] + [hit] * 5
+    assert on.kv_stats().prompt_tokens_computed == sum(map(len, prompts)) - 5 * hit
+    for x, y, ids in zip(a, b, prompts):
+        assert x.outputs[0].token_ids == y.outputs[0].token_ids
+        assert x.prompt_logprobs[:max(start, 1)] == [None] * max(start, 1)
+        for pos in range(max(start, 1), len(ids)):
+            got, want = x.prompt_logprobs[pos], y.prompt_logprobs[pos]
+            assert got.keys() == want.keys()
+            for t in want:
+                assert got[t].rank == want[t].rank
+                assert got[t].logprob == pytest.approx(want[t].logprob, abs=1e-5)
+    _no_leak(on)
+
+
 def test_lru_keeps_the_most_recent_prefixes(model_dir):
     llm = LLM(model_dir, block_size=B, num_kv_blocks=20)
     old, new = [1] + _tokens(63, 20), [1] + _tokens(63, 21)

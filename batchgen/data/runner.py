@@ -252,6 +252,8 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
         fields["structured_outputs"] = dataclasses.asdict(fields["structured_outputs"])
     else:  # absent, as in manifests written before it existed (they stay resumable)
         fields.pop("structured_outputs", None)
+    if not fields.get("prompt_logprobs_start"):  # absent when 0, as in older manifests
+        fields.pop("prompt_logprobs_start", None)
     fields["seed"] = None  # the job seed below covers it
     job = {"model": str(llm.model_path), "kind": type(params).__name__,
            "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),

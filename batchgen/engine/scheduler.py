@@ -355,8 +355,8 @@ class Scheduler:
         """The runner's rows and who reads each logits row: the leading decode rows by vector
         ops (each samples its own row); for the others, samplers draw from a row's last
         logits (an n > 1 leader's last prompt row serves every sample), beams hand theirs to
-        their policy, and a request with prompt logprobs keeps every row of its prompt
-        chunks."""
+        their policy, and a request with prompt logprobs keeps the rows of its prompt chunks
+        that score the prompt tokens it asked for."""
         k, c = out.decode_rows, self.batch.cols
         fresh = out.moves == self.batch.moves  # no slot moved since the decodes were found
         first = k if fresh else 0
@@ -377,9 +377,8 @@ class Scheduler:
             want = end == len(token_ids)
             p = group.num_prompt_tokens
             rows = int(want)
-            if group.prompt_logprobs is not None and start < p - 1:
-                rows = n  # every position scores the next prompt token
-                out.prompt_rows.append((group, start + 1, row, min(end, p - 1) - start))
+            if group.prompt_logprobs is not None:
+                rows = self._prompt_rows(out, group, start, end, row) or rows
             starts.append([start])
             num_logits.append([rows])
             tokens.append(token_ids[start:end])
@@ -402,6 +401,19 @@ class Scheduler:
         identity = row == k and not sample_rows
         out.sample_rows = None if identity else np.concatenate(
             (np.arange(k), np.array(sample_rows, np.int64)))
+
+    @staticmethod
+    def _prompt_rows(out: SchedulerOutput, group: SequenceGroup, start: int, end: int, row: int
+                     ) -> int:
+        """The logits rows a chunk [start, end) of a prompt-logprobs leader keeps: its tail from
+        the first position that scores a wanted prompt token (position i scores token i + 1;
+        tokens before `prompt_logprobs_start` are not wanted) to its end; 0 if none is."""
+        first = max(start, group.params.prompt_logprobs_start - 1)
+        last = min(end, group.num_prompt_tokens - 1)  # positions [first, last) score tokens
+        if first >= last:
+            return 0
+        out.prompt_rows.append((group, first + 1, row, last - first))
+        return end - first
 
     # ---- after the forward ----------------------------------------------------------------------
     def computed(self, out: SchedulerOutput) -> None:
@@ -600,11 +612,15 @@ class Scheduler:
     def _prefix_hit(self, leader: Sequence, limit: int) -> tuple[list[bytes], list[int]]:
         """Hashes of the leader's full blocks within its first `limit` tokens, and the cached
         blocks of their longest prefix. At least two tokens are left to compute (one would run
-        as a decode row; see _chunk_size), or the one a one-token prompt has."""
-        if not self.bm.enable_prefix_caching or leader.group.prompt_logprobs is not None:
-            return [], []  # prompt logprobs need every prompt position computed
+        as a decode row; see _chunk_size), or the one a one-token prompt has; with prompt
+        logprobs, every position from `prompt_logprobs_start - 1` on is computed."""
+        if not self.bm.enable_prefix_caching:
+            return [], []
         hashes = self._hashes(leader, limit)[:limit // self.block_size]
-        return hashes, self.bm.lookup(hashes[:max(limit - 2, 0) // self.block_size])
+        usable = max(limit - 2, 0)
+        if leader.group.prompt_logprobs is not None:  # the logprob of token s needs token s-1
+            usable = min(usable, max(leader.group.params.prompt_logprobs_start - 1, 0))
+        return hashes, self.bm.lookup(hashes[:usable // self.block_size])
 
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """The sequence's block-hash memo, extended to the full blocks of `num_tokens` tokens
