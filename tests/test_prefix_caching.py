@@ -153,12 +153,14 @@ def test_n_samples_and_beams_with_caching(model_dir):
     _no_leak(on)
 
 
-@pytest.mark.parametrize("start, hit", [(0, 0), (17, 16), (48, 32), (49, 48)])
-def test_prompt_logprobs_from_a_start_share_the_blocks_before_it(model_dir, start, hit):
+@pytest.mark.parametrize("start, hit, chunk", [(0, 0, None), (17, 16, None), (48, 32, None),
+                                               (49, 48, None), (50, 48, 7)])
+def test_prompt_logprobs_from_a_start_share_the_blocks_before_it(model_dir, start, hit, chunk):
     """The logprob of token `start` is read from the logits of token `start - 1`, so a hit
-    covers at most `start - 1` tokens (whole blocks): 48 shared tokens, block size 16."""
+    covers at most `start - 1` tokens (whole blocks): 48 shared tokens, block size 16; also
+    with prompts computed in chunks of 7 tokens (a chunk's tail holds the wanted rows)."""
     prompts = _shared(48, 6, seed=3, qmin=3, qmax=9)
-    on, off = _pair(model_dir, num_kv_blocks=256)
+    on, off = _pair(model_dir, num_kv_blocks=256, max_num_batched_tokens=chunk)
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1,
                         prompt_logprobs_start=start)
     a = on.generate(_ids(prompts), sp, use_tqdm=False)
