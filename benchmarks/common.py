@@ -366,6 +366,20 @@ def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: i
     return out
 
 
+def resolve_model(spec: str) -> Path:
+    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools (the real-model
+    benchmarks' --model)."""
+    if spec == "smollm2":
+        from batchgen.tools import smollm2
+
+        return smollm2.smollm2_folder(smollm2.default_folder())
+    if spec == "tiny":
+        from batchgen.tools.demo_model import tiny_model
+
+        return tiny_model()
+    return Path(spec).expanduser()
+
+
 def quiet_logging() -> None:
     """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
     info lines, as the benchmarks do unless ``--verbose``."""

@@ -32,7 +32,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info, machine_line, markdown_table, quiet_logging, write_json  # noqa: E402
+from common import (  # noqa: E402
+    machine_info,
+    machine_line,
+    markdown_table,
+    quiet_logging,
+    resolve_model,
+    write_json,
+)
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -66,19 +73,6 @@ def chat(tokenizer: Any, texts: list[str]) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": list(tokenizer.apply_chat_template(
         [{"role": "user", "content": t}], tokenize=True, add_generation_prompt=True,
         return_dict=False))} for t in texts]
-
-
-def resolve_model(spec: str) -> Path:
-    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools."""
-    if spec == "smollm2":
-        from batchgen.tools import smollm2
-
-        return smollm2.smollm2_folder(smollm2.default_folder())
-    if spec == "tiny":
-        from batchgen.tools.demo_model import tiny_model
-
-        return tiny_model()
-    return Path(spec).expanduser()
 
 
 def constraint(kind: str, max_whitespace: int | None) -> Any:

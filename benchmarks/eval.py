@@ -1,0 +1,199 @@
+"""lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
+
+The local tasks in ``tests/eval_tasks`` (``bg_mc`` multiple choice: acc, acc_norm; ``bg_gen``
+generation with ``until``: exact_match; ``bg_ppl`` rolling perplexity: word / byte perplexity,
+bits per byte) run task by task through ``lm_eval.simple_evaluate`` twice: with the ``hf``
+backend (``HFLM``, float32, ``--hf-batch-size``) and with ``batchgen.eval.BatchgenLM`` (float32,
+the prefix cache on). Both models are loaded before the clock starts; the same ``max_length``
+is given to both, so rolling windows and truncation are the same. Printed: every metric side by
+side with its relative difference (they must agree to ``--rtol``, else exit code 1), each
+task's time inside each backend's request methods (the model's own work) and their ratio, the
+wall time of each whole ``simple_evaluate`` call (lm-eval's task building and metrics included),
+and batchgen's prefix-cache hits and prompt tokens computed per task.
+
+Usage (from the repository root)::
+
+    PYTHONPATH=. python benchmarks/eval.py --model smollm2
+    PYTHONPATH=. python benchmarks/eval.py --model tiny --limit 4 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    fmt_ratio,
+    machine_info,
+    machine_line,
+    markdown_table,
+    quiet_logging,
+    resolve_model,
+    write_json,
+)
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "tests" / "eval_tasks"
+TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
+
+
+class ModelClock:
+    """Seconds spent inside an LM's request methods (loglikelihood, loglikelihood_rolling,
+    generate_until): the backend's own time, without lm-eval's task building and metrics."""
+
+    METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
+
+    def __init__(self, lm: Any) -> None:
+        self.seconds = 0.0
+        for name in self.METHODS:
+            setattr(lm, name, self._timed(getattr(lm, name)))
+
+    def _timed(self, method: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+        return timed
+
+
+def evaluate(model: Any, task: str, args: argparse.Namespace, manager: Any
+             ) -> tuple[dict[str, float], float, float]:
+    """One task through lm-eval on `model` (an lm-eval LM instance): its metrics (stderr
+    left out), the wall time of the whole call and the time inside the model's request
+    methods. Runs in the tasks' folder (relative data files)."""
+    import lm_eval
+
+    clock = model.clock
+    before = clock.seconds
+    old = os.getcwd()
+    os.chdir(args.tasks_dir)
+    try:
+        start = time.perf_counter()
+        out = lm_eval.simple_evaluate(model=model, tasks=[task], limit=args.limit,
+                                      task_manager=manager)
+        seconds = time.perf_counter() - start
+    finally:
+        os.chdir(old)
+    metrics = {k: float(v) for k, v in out["results"][task].items()
+               if "," in k and "stderr" not in k}
+    return metrics, seconds, clock.seconds - before
+
+
+def load_models(folder: Path, args: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
+    """(hf LM, batchgen LM, load seconds of each): float32 both, one max_length."""
+    from lm_eval.models.huggingface import HFLM
+
+    from batchgen.eval import BatchgenLM
+
+    t0 = time.perf_counter()
+    bg = BatchgenLM(str(folder), device="cpu", dtype="float32", max_length=args.max_length,
+                    max_num_seqs=args.max_num_seqs)
+    t1 = time.perf_counter()
+    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu",
+              batch_size=args.hf_batch_size, max_length=bg.max_length)
+    t2 = time.perf_counter()
+    return hf, bg, {"batchgen": t1 - t0, "hf": t2 - t1}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every task on both backends; metrics, times, prefix hits."""
+    from lm_eval.tasks import TaskManager
+
+    hf, bg, load = load_models(resolve_model(args.model), args)
+    hf.clock, bg.clock = ModelClock(hf), ModelClock(bg)
+    manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
+    tasks: dict[str, Any] = {}
+    for task in args.tasks:
+        hf_metrics, hf_s, hf_model_s = evaluate(hf, task, args, manager)
+        bg_metrics, bg_s, bg_model_s = evaluate(bg, task, args, manager)
+        stats = bg.llm.kv_stats()  # the task's last batchgen call (its one request type)
+        tasks[task] = {"hf": hf_metrics, "batchgen": bg_metrics, "hf_s": hf_s,
+                       "batchgen_s": bg_s, "hf_model_s": hf_model_s,
+                       "batchgen_model_s": bg_model_s,
+                       "prefix_hit_tokens": stats.prefix_hit_tokens,
+                       "prompt_tokens_computed": stats.prompt_tokens_computed}
+    return {"load_s": load, "max_length": bg.max_length, "tasks": tasks}
+
+
+def agreement(result: dict[str, Any], rtol: float) -> tuple[list[list[str]], bool]:
+    """Table rows (task, metric, hf, batchgen, relative difference, ok) and whether all agree."""
+    rows, ok = [], True
+    for task, r in result["tasks"].items():
+        names = sorted(set(r["hf"]) | set(r["batchgen"]))
+        for name in names:
+            a, b = r["hf"].get(name), r["batchgen"].get(name)
+            rel = abs(b - a) / max(abs(a), 1e-12) if a is not None and b is not None else None
+            good = rel is not None and (rel <= rtol or abs(b - a) <= 1e-9)
+            ok &= good
+            rows.append([task, name, f"{a:.6g}" if a is not None else "-",
+                         f"{b:.6g}" if b is not None else "-",
+                         f"{rel:.1e}" if rel is not None else "-", "yes" if good else "NO"])
+    return rows, ok
+
+
+def print_result(result: dict[str, Any], rtol: float) -> bool:
+    """The metrics side by side, then the wall times; returns whether the metrics agree."""
+    rows, ok = agreement(result, rtol)
+    print(markdown_table(["task", "metric", "hf", "batchgen", "rel. diff", f"<= {rtol:g}"],
+                         rows))
+    times = [[task, f"{r['hf_model_s']:.2f}", f"{r['batchgen_model_s']:.2f}",
+              fmt_ratio(r["hf_model_s"], r["batchgen_model_s"]), f"{r['hf_s']:.2f}",
+              f"{r['batchgen_s']:.2f}", r["prefix_hit_tokens"], r["prompt_tokens_computed"]]
+             for task, r in result["tasks"].items()]
+    total = {k: sum(r[k] for r in result["tasks"].values())
+             for k in ("hf_model_s", "batchgen_model_s", "hf_s", "batchgen_s")}
+    times.append(["all", f"{total['hf_model_s']:.2f}", f"{total['batchgen_model_s']:.2f}",
+                  fmt_ratio(total["hf_model_s"], total["batchgen_model_s"]),
+                  f"{total['hf_s']:.2f}", f"{total['batchgen_s']:.2f}", "", ""])
+    print(markdown_table(["task", "hf model s", "batchgen model s", "hf / batchgen",
+                          "hf lm-eval s", "batchgen lm-eval s", "prefix-hit tokens",
+                          "prompt tokens computed"], times))
+    load = result["load_s"]
+    print(f"load (not timed above): hf {load['hf']:.1f} s, batchgen {load['batchgen']:.1f} s; "
+          f"max_length {result['max_length']}")
+    print("metrics agree" if ok else "METRICS DISAGREE")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
+    p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
+    p.add_argument("--tasks-dir", type=Path, default=TASKS_DIR,
+                   help="folder of the task YAMLs and their data (lm-eval's --include_path)")
+    p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="both backends' max_length (default: batchgen's max_model_len - 2)")
+    p.add_argument("--hf-batch-size", type=int, default=8)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", type=Path, default=None, metavar="PATH")
+    args = p.parse_args(argv)
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.tasks_dir = args.tasks_dir.resolve()
+    if args.limit is not None and args.limit < 1:
+        p.error("--limit must be >= 1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    quiet_logging()
+    info = machine_info("cpu")
+    print(machine_line(info))
+    result = run(args)
+    ok = print_result(result, args.rtol)
+    if args.json:
+        write_json(args.json, {"args": vars(args) | {"json": None}, "machine": info,
+                               **result, "agree": ok})
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
