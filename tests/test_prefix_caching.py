@@ -181,6 +181,22 @@ def test_prompt_logprobs_from_a_start_share_the_blocks_before_it(model_dir, star
     _no_leak(on)
 
 
+def test_prompt_logprobs_do_not_wait_for_blocks_they_cannot_use(model_dir, monkeypatch):
+    """Prompts sharing 48 tokens but asking for logprobs from position 10 on can use no cached
+    block: they are admitted together, as with the cache off (same number of steps)."""
+    prompts = _shared(48, 6, seed=4, qmin=3, qmax=9)
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0, prompt_logprobs_start=10)
+    steps = []
+    for llm in _pair(model_dir, num_kv_blocks=256):
+        count = [0]
+        real = llm.engine.step
+        monkeypatch.setattr(llm.engine, "step", lambda out, real=real, count=count: (
+            count.__setitem__(0, count[0] + 1), real(out))[1])
+        llm.generate(_ids(prompts), sp, use_tqdm=False)
+        steps.append(count[0])
+    assert steps[0] == steps[1]
+
+
 def test_lru_keeps_the_most_recent_prefixes(model_dir):
     llm = LLM(model_dir, block_size=B, num_kv_blocks=20)
     old, new = [1] + _tokens(63, 20), [1] + _tokens(63, 21)

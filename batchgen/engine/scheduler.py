@@ -613,13 +613,15 @@ class Scheduler:
         """Hashes of the leader's full blocks within its first `limit` tokens, and the cached
         blocks of their longest prefix. At least two tokens are left to compute (one would run
         as a decode row; see _chunk_size), or the one a one-token prompt has; with prompt
-        logprobs, every position from `prompt_logprobs_start - 1` on is computed."""
+        logprobs, every position from `prompt_logprobs_start - 1` on is computed (and only
+        the blocks before it are hashed: admission waits for no block the hit cannot use)."""
         if not self.bm.enable_prefix_caching:
             return [], []
         hashes = self._hashes(leader, limit)[:limit // self.block_size]
         usable = max(limit - 2, 0)
         if leader.group.prompt_logprobs is not None:  # the logprob of token s needs token s-1
             usable = min(usable, max(leader.group.params.prompt_logprobs_start - 1, 0))
+            hashes = hashes[:usable // self.block_size]  # never waits for a block it can't use
         return hashes, self.bm.lookup(hashes[:usable // self.block_size])
 
     def _hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
