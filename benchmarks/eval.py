@@ -78,7 +78,8 @@ def evaluate(model: Any, task: str, args: argparse.Namespace, manager: Any
     try:
         start = time.perf_counter()
         out = lm_eval.simple_evaluate(model=model, tasks=[task], limit=args.limit,
-                                      task_manager=manager)
+                                      num_fewshot=args.num_fewshot if task in args.fewshot_tasks
+                                      else None, task_manager=manager)
         seconds = time.perf_counter() - start
     finally:
         os.chdir(old)
@@ -87,80 +88,97 @@ def evaluate(model: Any, task: str, args: argparse.Namespace, manager: Any
     return metrics, seconds, clock.seconds - before
 
 
-def load_models(folder: Path, args: argparse.Namespace) -> tuple[Any, Any, dict[str, float]]:
-    """(hf LM, batchgen LM, load seconds of each): float32 both, one max_length."""
+def load_models(folder: Path, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, float]]:
+    """The systems by name (hf; batchgen; batchgen without its prefix cache with
+    --no-cache-too) and their load seconds: float32 all, one max_length."""
     from lm_eval.models.huggingface import HFLM
 
     from batchgen.eval import BatchgenLM
 
+    kinds = [("batchgen", True)] + ([("batchgen, no prefix cache", False)]
+                                    if args.no_cache_too else [])
+    systems, load = {}, {}
+    for name, cache in kinds:
+        t0 = time.perf_counter()
+        systems[name] = BatchgenLM(str(folder), device="cpu", dtype="float32",
+                                   max_length=args.max_length, max_num_seqs=args.max_num_seqs,
+                                   enable_prefix_caching=cache)
+        load[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    bg = BatchgenLM(str(folder), device="cpu", dtype="float32", max_length=args.max_length,
-                    max_num_seqs=args.max_num_seqs)
-    t1 = time.perf_counter()
-    hf = HFLM(pretrained=str(folder), dtype="float32", device="cpu",
-              batch_size=args.hf_batch_size, max_length=bg.max_length)
-    t2 = time.perf_counter()
-    return hf, bg, {"batchgen": t1 - t0, "hf": t2 - t1}
+    systems["hf"] = HFLM(pretrained=str(folder), dtype="float32", device="cpu",
+                         batch_size=args.hf_batch_size,
+                         max_length=systems["batchgen"].max_length)
+    load["hf"] = time.perf_counter() - t0
+    return {"hf": systems.pop("hf"), **systems}, load
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every task on both backends; metrics, times, prefix hits."""
+    """Every task on every system: metrics, model and lm-eval times, batchgen's prefix hits."""
     from lm_eval.tasks import TaskManager
 
-    hf, bg, load = load_models(resolve_model(args.model), args)
-    hf.clock, bg.clock = ModelClock(hf), ModelClock(bg)
+    systems, load = load_models(resolve_model(args.model), args)
+    for lm in systems.values():
+        lm.clock = ModelClock(lm)
     manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
     tasks: dict[str, Any] = {}
     for task in args.tasks:
-        hf_metrics, hf_s, hf_model_s = evaluate(hf, task, args, manager)
-        bg_metrics, bg_s, bg_model_s = evaluate(bg, task, args, manager)
-        stats = bg.llm.kv_stats()  # the task's last batchgen call (its one request type)
-        tasks[task] = {"hf": hf_metrics, "batchgen": bg_metrics, "hf_s": hf_s,
-                       "batchgen_s": bg_s, "hf_model_s": hf_model_s,
-                       "batchgen_model_s": bg_model_s,
-                       "prefix_hit_tokens": stats.prefix_hit_tokens,
-                       "prompt_tokens_computed": stats.prompt_tokens_computed}
-    return {"load_s": load, "max_length": bg.max_length, "tasks": tasks}
+        tasks[task] = {}
+        for name, lm in systems.items():
+            metrics, lm_eval_s, model_s = evaluate(lm, task, args, manager)
+            row = {"metrics": metrics, "model_s": model_s, "lm_eval_s": lm_eval_s}
+            if name != "hf":  # the task's last batchgen call (its one request type)
+                stats = lm.llm.kv_stats()
+                row |= {"prefix_hit_tokens": stats.prefix_hit_tokens,
+                        "prompt_tokens_computed": stats.prompt_tokens_computed}
+            tasks[task][name] = row
+    return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
 
 
 def agreement(result: dict[str, Any], rtol: float) -> tuple[list[list[str]], bool]:
-    """Table rows (task, metric, hf, batchgen, relative difference, ok) and whether all agree."""
+    """Table rows (task, metric, hf, each batchgen run, worst relative difference, ok) and
+    whether every metric agrees."""
     rows, ok = [], True
     for task, r in result["tasks"].items():
-        names = sorted(set(r["hf"]) | set(r["batchgen"]))
-        for name in names:
-            a, b = r["hf"].get(name), r["batchgen"].get(name)
-            rel = abs(b - a) / max(abs(a), 1e-12) if a is not None and b is not None else None
-            good = rel is not None and (rel <= rtol or abs(b - a) <= 1e-9)
+        ref = r["hf"]["metrics"]
+        others = [s["metrics"] for name, s in r.items() if name != "hf"]
+        for name in sorted(set(ref).union(*others)):
+            a, bs = ref.get(name), [m.get(name) for m in others]
+            if a is None or None in bs:
+                rel, good = None, False
+            else:
+                rel = max(abs(b - a) / max(abs(a), 1e-12) for b in bs)
+                good = rel <= rtol or max(abs(b - a) for b in bs) <= 1e-9
             ok &= good
-            rows.append([task, name, f"{a:.6g}" if a is not None else "-",
-                         f"{b:.6g}" if b is not None else "-",
+            rows.append([task, name, *(f"{v:.6g}" if v is not None else "-" for v in [a, *bs]),
                          f"{rel:.1e}" if rel is not None else "-", "yes" if good else "NO"])
     return rows, ok
 
 
 def print_result(result: dict[str, Any], rtol: float) -> bool:
-    """The metrics side by side, then the wall times; returns whether the metrics agree."""
+    """The metrics side by side, then the times; returns whether the metrics agree."""
     rows, ok = agreement(result, rtol)
-    print(markdown_table(["task", "metric", "hf", "batchgen", "rel. diff", f"<= {rtol:g}"],
-                         rows))
-    times = [[task, f"{r['hf_model_s']:.2f}", f"{r['batchgen_model_s']:.2f}",
-              fmt_ratio(r["hf_model_s"], r["batchgen_model_s"]), f"{r['hf_s']:.2f}",
-              f"{r['batchgen_s']:.2f}", r["prefix_hit_tokens"], r["prompt_tokens_computed"]]
-             for task, r in result["tasks"].items()]
-    total = {k: sum(r[k] for r in result["tasks"].values())
-             for k in ("hf_model_s", "batchgen_model_s", "hf_s", "batchgen_s")}
-    times.append(["all", f"{total['hf_model_s']:.2f}", f"{total['batchgen_model_s']:.2f}",
-                  fmt_ratio(total["hf_model_s"], total["batchgen_model_s"]),
-                  f"{total['hf_s']:.2f}", f"{total['batchgen_s']:.2f}", "", ""])
-    print(markdown_table(["task", "hf model s", "batchgen model s", "hf / batchgen",
-                          "hf lm-eval s", "batchgen lm-eval s", "prefix-hit tokens",
-                          "prompt tokens computed"], times))
-    load = result["load_s"]
-    print(f"load (not timed above): hf {load['hf']:.1f} s, batchgen {load['batchgen']:.1f} s; "
-          f"max_length {result['max_length']}")
+    names = list(next(iter(result["tasks"].values())))
+    print(markdown_table(["task", "metric", *names, "rel. diff", f"<= {rtol:g}"], rows))
+    times = []
+    for task, r in [*result["tasks"].items(), ("all", _totals(result, names))]:
+        for name in names:
+            s = r[name]
+            times.append([task, name, f"{s['model_s']:.2f}",
+                          fmt_ratio(r["hf"]["model_s"], s["model_s"]),
+                          f"{s['lm_eval_s']:.2f}", s.get("prefix_hit_tokens", "-"),
+                          s.get("prompt_tokens_computed", "-")])
+    print(markdown_table(["task", "system", "model s", "hf / system", "lm-eval s",
+                          "prefix-hit tokens", "prompt tokens computed"], times))
+    load = ", ".join(f"{k} {v:.1f} s" for k, v in result["load_s"].items())
+    print(f"load (not timed above): {load}; max_length {result['max_length']}")
     print("metrics agree" if ok else "METRICS DISAGREE")
     return ok
+
+
+def _totals(result: dict[str, Any], names: list[str]) -> dict[str, dict[str, Any]]:
+    """Per system, its model and lm-eval seconds summed over the tasks."""
+    return {n: {k: sum(r[n][k] for r in result["tasks"].values())
+                for k in ("model_s", "lm_eval_s")} for n in names}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,15 +188,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks-dir", type=Path, default=TASKS_DIR,
                    help="folder of the task YAMLs and their data (lm-eval's --include_path)")
     p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's)")
+    p.add_argument("--num-fewshot", type=int, default=None,
+                   help="few-shot examples per question (lm-eval's; longer shared contexts)")
+    p.add_argument("--fewshot-tasks", default="bg_mc,bg_gen",
+                   help="the tasks --num-fewshot applies to (not rolling perplexity)")
     p.add_argument("--max-length", type=int, default=None,
                    help="both backends' max_length (default: batchgen's max_model_len - 2)")
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--no-cache-too", action="store_true",
+                   help="also run batchgen with its prefix cache off (what the cache saves)")
     p.add_argument("--rtol", type=float, default=1e-3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
     args.tasks = [t for t in args.tasks.split(",") if t]
+    args.fewshot_tasks = [t for t in args.fewshot_tasks.split(",") if t]
     args.tasks_dir = args.tasks_dir.resolve()
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")

@@ -30,7 +30,8 @@ ALONE = {  # scripts with their own small settings
                    "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
     "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
                          "--threads", "1", "--repeats", "1"],
-    "eval.py": ["--model", "tiny", "--limit", "3", "--max-length", "64", "--threads", "1"],
+    "eval.py": ["--model", "tiny", "--limit", "3", "--max-length", "128", "--threads", "1",
+                "--num-fewshot", "2", "--no-cache-too"],
     "structured.py": ["--model", "tiny", "--num-prompts", "2", "--n", "2", "--max-tokens", "8",
                       "--bench-tokens", "4", "--repeats", "1", "--threads", "1", "--check"],
     # the tiny random model (batchgen.tools.demo_model); no vLLM there, so it says it skips
@@ -44,7 +45,7 @@ ALONE = {  # scripts with their own small settings
 
 EXPECT = {  # lines a script must print with the settings above
     "eval.py": ["| bg_mc  | acc_norm,none", "| bg_ppl | bits_per_byte,none", "metrics agree",
-                "hf / batchgen"],
+                "| bg_mc  | batchgen, no prefix cache |"],
     "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],
