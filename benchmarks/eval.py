@@ -4,8 +4,9 @@ The local tasks in ``tests/eval_tasks`` (``bg_mc`` multiple choice: acc, acc_nor
 generation with ``until``: exact_match; ``bg_ppl`` rolling perplexity: word / byte perplexity,
 bits per byte) run task by task through ``lm_eval.simple_evaluate`` twice: with the ``hf``
 backend (``HFLM``, float32, ``--hf-batch-size``) and with ``batchgen.eval.BatchgenLM`` (float32,
-the prefix cache on). Both models are loaded before the clock starts; the same ``max_length``
-is given to both, so rolling windows and truncation are the same. Printed: every metric side by
+the prefix cache on; with ``--no-cache-too`` also with it off). The models are loaded and
+warmed up (one untimed document) before the clock starts; the same ``max_length`` is given to
+all, so rolling windows and truncation are the same; ``--repeats`` keeps each one's fastest. Printed: every metric side by
 side with its relative difference (they must agree to ``--rtol``, else exit code 1), each
 task's time inside each backend's request methods (the model's own work) and their ratio, the
 wall time of each whole ``simple_evaluate`` call (lm-eval's task building and metrics included),
@@ -72,6 +73,8 @@ def evaluate(model: Any, task: str, args: argparse.Namespace, manager: Any
     import lm_eval
 
     clock = model.clock
+    if hasattr(model, "llm"):  # batchgen: a cold prefix cache (no hit from an earlier run)
+        model.llm.reset_prefix_cache()
     before = clock.seconds
     old = os.getcwd()
     os.chdir(args.tasks_dir)
@@ -120,11 +123,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for lm in systems.values():
         lm.clock = ModelClock(lm)
     manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
+    for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
+        evaluate(lm, args.tasks[0], argparse.Namespace(**{**vars(args), "limit": 1}), manager)
     tasks: dict[str, Any] = {}
     for task in args.tasks:
         tasks[task] = {}
         for name, lm in systems.items():
-            metrics, lm_eval_s, model_s = evaluate(lm, task, args, manager)
+            runs = [evaluate(lm, task, args, manager) for _ in range(args.repeats)]
+            metrics = runs[0][0]
+            lm_eval_s, model_s = min(r[1] for r in runs), min(r[2] for r in runs)
             row = {"metrics": metrics, "model_s": model_s, "lm_eval_s": lm_eval_s}
             if name != "hf":  # the task's last batchgen call (its one request type)
                 stats = lm.llm.kv_stats()
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cache-too", action="store_true",
                    help="also run batchgen with its prefix cache off (what the cache saves)")
     p.add_argument("--rtol", type=float, default=1e-3)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs of each task per system (after one untimed warm-up); the "
+                        "fastest is reported")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", type=Path, default=None, metavar="PATH")
     args = p.parse_args(argv)
@@ -207,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     args.tasks_dir = args.tasks_dir.resolve()
     if args.limit is not None and args.limit < 1:
         p.error("--limit must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
     quiet_logging()
