@@ -124,14 +124,12 @@ class BatchgenLM(TemplateLM):
     def _score(self, prompts: list[list[int]], starts: list[int]) -> list[list[Any]]:
         """Per token list: (logprob, rank) of each token from its start on, given the tokens
         before it (rank 1: the argmax; None before the start). Identical lists are scored
-        once, all in one call, sorted so that the choices of one question run one after the
-        other: the first computes the shared context, the others hit its blocks in the prefix
-        cache (only the continuation, from the token before it, is computed again)."""
+        once, all in one call: one list per context first, then the others (see `_order`)."""
         first: dict[tuple[int, ...], int] = {}
         for p, start in zip(prompts, starts):
             key = tuple(p)
             first[key] = min(start, first.get(key, start))
-        unique = sorted(first)
+        unique = _order(first)
         params = [SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0,
                                  prompt_logprobs_start=first[u], detokenize=False)
                   for u in unique]
@@ -196,3 +194,15 @@ class BatchgenLM(TemplateLM):
             kw["temperature"] = 0.0
         stop = [s for s in until if s and s != eos]
         return SamplingParams(max_tokens=max_tokens, stop=stop or None, **kw), until
+
+
+def _order(starts: dict[tuple[int, ...], int]) -> list[tuple[int, ...]]:
+    """The token lists in submission order: the first (in sorted order) of each context, then
+    the rest. The scheduler admits in order, so the first wave computes every context once and
+    the second takes them from the prefix cache (the choices of a question share their
+    context; the hit covers the tokens before `start - 1`, see `prompt_logprobs_start`)."""
+    leaders: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for u in sorted(starts):
+        leaders.setdefault(u[:starts[u] - 1], u)
+    lead = set(leaders.values())
+    return list(leaders.values()) + [u for u in sorted(starts) if u not in lead]
