@@ -6,7 +6,8 @@ bits per byte) run task by task through ``lm_eval.simple_evaluate`` twice: with 
 backend (``HFLM``, float32, ``--hf-batch-size``) and with ``batchgen.eval.BatchgenLM`` (float32,
 the prefix cache on; with ``--no-cache-too`` also with it off). The models are loaded and
 warmed up (one untimed document) before the clock starts; the same ``max_length`` is given to
-all, so rolling windows and truncation are the same; ``--repeats`` keeps each one's fastest. Printed: every metric side by
+all, so rolling windows and truncation are the same; ``--repeats`` runs the systems in rounds
+and keeps each one's fastest. Printed: every metric side by
 side with its relative difference (they must agree to ``--rtol``, else exit code 1), each
 task's time inside each backend's request methods (the model's own work) and their ratio, the
 wall time of each whole ``simple_evaluate`` call (lm-eval's task building and metrics included),
@@ -125,20 +126,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
     for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
         evaluate(lm, args.tasks[0], argparse.Namespace(**{**vars(args), "limit": 1}), manager)
-    tasks: dict[str, Any] = {}
-    for task in args.tasks:
-        tasks[task] = {}
+    tasks = {task: _task(systems, task, args, manager) for task in args.tasks}
+    return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
+
+
+def _task(systems: dict[str, Any], task: str, args: argparse.Namespace, manager: Any
+          ) -> dict[str, Any]:
+    """One task on every system, `--repeats` rounds (A B C, A B C: each system samples the
+    same quiet and busy spells of a shared machine); the fastest run of each is kept."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
+    for _ in range(args.repeats):
         for name, lm in systems.items():
-            runs = [evaluate(lm, task, args, manager) for _ in range(args.repeats)]
-            metrics = runs[0][0]
-            lm_eval_s, model_s = min(r[1] for r in runs), min(r[2] for r in runs)
+            metrics, lm_eval_s, model_s = evaluate(lm, task, args, manager)
             row = {"metrics": metrics, "model_s": model_s, "lm_eval_s": lm_eval_s}
             if name != "hf":  # the task's last batchgen call (its one request type)
                 stats = lm.llm.kv_stats()
                 row |= {"prefix_hit_tokens": stats.prefix_hit_tokens,
                         "prompt_tokens_computed": stats.prompt_tokens_computed}
-            tasks[task][name] = row
-    return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
+            runs[name].append(row)
+    return {name: min(rows, key=lambda r: r["model_s"]) for name, rows in runs.items()}
 
 
 def agreement(result: dict[str, Any], rtol: float) -> tuple[list[list[str]], bool]:
