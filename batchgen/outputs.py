@@ -91,3 +91,8 @@ class KVStats:
     preemptions: int
     prefix_hit_tokens: int
     prompt_tokens_computed: int = 0  # prompt positions the model ran (after hits, with recomputes)
+    num_host_blocks: int = 0  # the swap pool (swap_space)
+    swap_outs: int = 0  # preemptions that swapped a group out (the rest recomputed)
+    swap_ins: int = 0  # groups swapped back in
+    blocks_swapped_out: int = 0  # distinct blocks copied to the host pool
+    blocks_swapped_in: int = 0  # and back

@@ -28,6 +28,7 @@ def _assert_whole(llm: FakeLLM) -> None:
     bm = llm.block_manager
     check_pool_invariants(bm)
     assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
+    assert not bm.host_blocks_in_use() and not any(bm.host_ref_count) and not bm.host_tables()
     assert not llm.scheduler.has_unfinished() and not llm.batch.num_seqs
 
 
@@ -201,12 +202,15 @@ def _interrupted_workload(llm: FakeLLM, event: int | None) -> tuple[object, int]
             [[s.token_ids for s in o.sequences] for o in b]), count[0]
 
 
-def test_an_interrupt_anywhere_leaves_every_block_free():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_interrupt_anywhere_leaves_every_block_free(mode):
     """Ctrl-C injected at 60 points spread over every line the scheduler, policies, block
-    manager and request builder execute: each time the pool is whole and consistent, and the
-    next call gives the uninterrupted outputs."""
+    manager and request builder execute (swaps out and in included): each time the device
+    and host pools are whole and consistent, and the next call gives the uninterrupted
+    outputs."""
     def make():
-        return FakeLLM(num_blocks=22, block_size=2, max_num_batched_tokens=8)
+        return FakeLLM(num_blocks=22, block_size=2, max_num_batched_tokens=8,
+                       num_host_blocks=40 if mode == "swap" else 0, preemption_mode=mode)
 
     want, _ = _interrupted_workload(make(), None)
     total = _interrupted_workload(make(), 0)[1]  # lines a whole run executes
@@ -220,6 +224,7 @@ def test_an_interrupt_anywhere_leaves_every_block_free():
         _assert_whole(llm)
     assert _interrupted_workload(llm, None)[0] == want
     assert llm.scheduler.num_preemptions > 0  # the workload preempts, so those paths were hit
+    assert (llm.scheduler.num_swap_ins > 0) == (mode == "swap")
 
 
 def test_penalty_state_follows_each_sequence_through_forks_moves_growth_and_preemption():
