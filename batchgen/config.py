@@ -20,7 +20,7 @@ from batchgen.checks import (
 )
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import num_blocks_for_memory
-from batchgen.kv.swap import GIB, host_available_bytes
+from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 
 # CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
 DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -152,6 +152,18 @@ def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
             "gpu_memory_utilization, lower max_model_len, or pass kv_cache_memory")
     useful = cfg.max_num_seqs * blocks_for(model_max_len, bs) + 1
     return max(1, min(num_blocks_for_memory(budget, bs, bytes_per_token), useful))
+
+
+def host_pool_blocks(swap_space: float, block_size: int, bytes_per_token: int) -> int:
+    """Blocks of the host swap pool: the whole blocks in swap_space GiB, at least one when a
+    pool is asked for (0 without one)."""
+    if not swap_space:
+        return 0
+    n = host_blocks_for(swap_space, block_size, bytes_per_token)
+    if n < 1:
+        raise ValueError(f"swap_space must hold at least one block of {block_size} tokens "
+                         f"({block_size * bytes_per_token} bytes), got {swap_space} GiB")
+    return n
 
 
 def target_max_model_len(cfg: EngineConfig, model_max: int | None) -> int:

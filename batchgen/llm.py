@@ -28,6 +28,7 @@ from batchgen.config import (
     CacheConfig,
     EngineConfig,
     fit_max_model_len,
+    host_pool_blocks,
     kv_cache_torch_dtype,
     pool_blocks,
     target_max_model_len,
@@ -43,7 +44,7 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
-from batchgen.kv.swap import HostPool, host_blocks_for
+from batchgen.kv.swap import HostPool
 from batchgen.log import configure_logging, logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
@@ -181,7 +182,7 @@ class LLM:
             num_blocks = self._size_pool(cfg, plan.beta, plan.target_len,
                                          self._gpu_budget(cfg, sum(self._reserve)))
         geo = plan.geo
-        host_blocks = _host_blocks(cfg, plan.beta)
+        host_blocks = host_pool_blocks(cfg.swap_space, cfg.block_size, plan.beta)
         self.cache_config = CacheConfig(cfg.block_size, num_blocks, plan.beta, host_blocks)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
                              geo.head_dim, plan.kv_dtype, self.device)
@@ -444,17 +445,6 @@ def _counters(sched: Scheduler) -> tuple[int, int, int, int]:
     """The scheduler's running totals a call's KV figures are differences of."""
     return (sched.num_preemptions, sched.prompt_tokens_computed, sched.num_swap_outs,
             sched.num_swap_ins)
-
-
-def _host_blocks(cfg: EngineConfig, beta: int) -> int:
-    """Blocks of the host swap pool: swap_space GiB of them, at least one when asked for."""
-    if not cfg.swap_space:
-        return 0
-    n = host_blocks_for(cfg.swap_space, cfg.block_size, beta)
-    if n < 1:
-        raise ValueError(f"swap_space must hold at least one block of {cfg.block_size} tokens "
-                         f"({cfg.block_size * beta} bytes), got {cfg.swap_space} GiB")
-    return n
 
 
 def _progress(bar: tqdm, bm: BlockManager):
