@@ -172,6 +172,16 @@ def test_tensor_parallel_size_reaches_the_llm_arguments(command: list[str]) -> N
     assert engine_kwargs(args, None)["tensor_parallel_size"] == 2
 
 
+def test_swap_flags_reach_the_llm_arguments() -> None:
+    argv = ["generate", "--model", "m", "--input", "x.jsonl", "--output", "o"]
+    kw = engine_kwargs(build_parser().parse_args(argv), None)
+    assert (kw["swap_space"], kw["preemption_mode"]) == (0, None)
+    args = build_parser().parse_args([*argv, "--swap-space", "1.5", "--preemption-mode",
+                                      "recompute"])
+    kw = engine_kwargs(args, None)
+    assert (kw["swap_space"], kw["preemption_mode"]) == (1.5, "recompute")
+
+
 def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,
                                          capsys) -> None:
     """A real --tensor-parallel-size 2 job (one worker process, a few seconds to start):
