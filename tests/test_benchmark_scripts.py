@@ -36,12 +36,17 @@ ALONE = {  # scripts with their own small settings
     # TP=1 and TP=2 (one worker process, a few seconds to start) on the smallest model
     "tensor_parallel.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
                            "--min-prompt-len", "4", "--max-prompt-len", "20"],
+    "swap.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "4", "--repeats", "1",
+                "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
+                "--beam-width", "2", "--block-size", "4"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
 }
 
 EXPECT = {  # lines a script must print with the settings above
+    "swap.py": ["every engine gave the roomy pool's tokens", "| samples, width 2 | swap",
+                "| beams, width 2   | recompute"],
     "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],
