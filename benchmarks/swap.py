@@ -10,7 +10,9 @@ the tight pool with ``preemption_mode="recompute"``, and the tight pool with a h
 ``--swap-factor`` times the device pool (``swap_space`` in GiB). Reports wall time (best of
 ``--repeats``, runs interleaved), preemptions, swaps, blocks moved and the prompt tokens the
 model ran (a recompute runs a group's prompt again, and its generated tokens as a prompt too);
-asserts every engine gives the reference's tokens.
+asserts that swap gives the reference's tokens (a recompute reruns generated tokens through
+prefill tiles, whose last bits differ: a near tie among sampled tokens can flip, so its
+sequences identical to the reference are counted instead).
 
     PYTHONPATH=. python benchmarks/swap.py
     PYTHONPATH=. python benchmarks/swap.py --num-prompts 4 --output-len 16 --repeats 1
@@ -143,10 +145,12 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]],
     ref = runs[0][0]
     rows = []
     for c, (tokens, walls) in zip(contenders, runs):
-        assert tokens == ref, f"{kind}: {c.system} changed the tokens"
+        same = sum(a == b for a, b in zip(tokens, ref))
+        assert c.system != "swap" or same == len(ref), f"{kind}: swap changed the tokens"
         name, extra = c.describe()
         rows.append({"workload": f"{kind}, width {width}", "engine": name,
-                     "wall_s": min(walls), "walls": walls, **extra})
+                     "wall_s": min(walls), "walls": walls, "same_as_roomy": same,
+                     "sequences": len(ref), **extra})
     assert rows[0]["preemptions"] == 0 and rows[1]["preemptions"] > 0
     return rows
 
@@ -172,13 +176,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     head = "wall s" if args.repeats == 1 else f"wall s (best of {args.repeats})"
     table = [[r["workload"], r["engine"], r["num_blocks"], r["num_host_blocks"],
               f"{r['wall_s']:.2f}", r["preemptions"], r["swap_outs"], r["blocks_swapped_out"],
-              r["prompt_tokens_computed"], f"{r['prompt_tokens_computed'] / n_prompt:.2f}"]
-             for r in rows]
+              r["prompt_tokens_computed"], f"{r['prompt_tokens_computed'] / n_prompt:.2f}",
+              f"{r['same_as_roomy']}/{r['sequences']}"] for r in rows]
     print()
     print(markdown_table(["workload", "engine", "blocks", "host blocks", head, "preemptions",
                           "swap-outs", "blocks swapped out", "prompt tokens run",
-                          "x prompt tokens"], table))
-    print(f"\nevery engine gave the roomy pool's tokens; {n_prompt} prompt tokens in the workload")
+                          "x prompt tokens", "sequences = roomy's"], table))
+    print(f"\nswap gave the roomy pool's tokens; {n_prompt} prompt tokens in the workload")
     print(machine_line(info))
     payload = {"machine": info, "args": args_dict(args), "prompt_tokens": n_prompt,
                "results": rows}

@@ -45,7 +45,7 @@ ALONE = {  # scripts with their own small settings
 }
 
 EXPECT = {  # lines a script must print with the settings above
-    "swap.py": ["every engine gave the roomy pool's tokens", "| samples, width 2 | swap",
+    "swap.py": ["swap gave the roomy pool's tokens", "| samples, width 2 | swap",
                 "| beams, width 2   | recompute"],
     "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",

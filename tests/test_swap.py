@@ -7,10 +7,12 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
 from batchgen.engine.scheduler import request_peak_blocks
-from batchgen.kv import BlockManager, PoolExhausted
+from batchgen.kv import BlockManager, KVCache, PoolExhausted
 from batchgen.kv.block_manager import chain_hashes
+from batchgen.kv.swap import HostPool
 from batchgen.params import BeamSearchParams, SamplingParams
 from tests.fake_engine import VOCAB, FakeLLM, reference_beams, reference_samples
 from tests.helpers import check_pool_invariants
@@ -189,3 +191,21 @@ def test_swap_mode_needs_a_host_pool():
 
     with pytest.raises(ValueError, match="swap_space"):
         Scheduler(BlockManager(4, 2), PersistentBatch(4, VOCAB, 4, [2], "cpu"), 4, 8, "swap")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_the_host_pool_moves_blocks_bit_for_bit(dtype):
+    """Blocks 1 and 3 out to host blocks 2 and 0, the device blocks overwritten, then back
+    into blocks 4 and 0: every layer's K and V bytes are the originals."""
+    cache = KVCache(2, 5, 4, 2, 8, dtype, "cpu")
+    cache.pool.view(torch.uint8).copy_(torch.randint(0, 120, cache.pool.view(torch.uint8).shape,
+                                                     dtype=torch.uint8))
+    before = cache.pool.clone()
+    host = HostPool(cache, 3)
+    assert host.pool.shape[2] == 3 and host.pool.shape[3:] == cache.pool.shape[3:]
+    host.swap_out([(1, 2), (3, 0)])
+    cache.pool.view(torch.uint8).zero_()
+    host.swap_in([(2, 4), (0, 0)])
+    got, want = cache.pool.view(torch.uint8), before.view(torch.uint8)
+    assert torch.equal(got[:, :, 4], want[:, :, 1]) and torch.equal(got[:, :, 0], want[:, :, 3])
+    assert not got[:, :, 1].any()

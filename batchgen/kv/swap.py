@@ -2,7 +2,8 @@
 in the device pool's shape, so a swap is one indexed copy per direction per step.
 
 The BlockManager decides which host block holds which device block; HostPool owns the bytes
-(pinned when the device pool is on a GPU, so the copies run as DMA) and makes the copies.
+(pinned memory when the device pool is on a GPU) and makes the copies: the blocks of a
+direction are gathered by one index and scattered by one index, in every layer, K and V.
 """
 
 from __future__ import annotations
