@@ -254,3 +254,21 @@ def test_tensor_parallel_ranks_swap_their_own_host_pools(tiny_model_factory):
         assert_pool_whole(two)
     finally:
         two._tp.shutdown()
+
+
+def test_an_fp8_pool_swaps_its_bytes_unchanged(tiny_model_factory):
+    """fp8 KV blocks go to the host pool and back as bytes: the same samples and logprobs as
+    an fp8 pool that never preempts."""
+    model = tiny_model_factory("qwen3")
+    prompts = make_prompt_token_ids(4, 10, 30, vocab_size=512, seed=6)
+    sp = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=T, logprobs=1, ignore_eos=True)
+    need = max(request_peak_blocks(len(p), 3, T, 4) for p in prompts)
+    kw = dict(block_size=4, kv_cache_dtype="fp8", max_num_batched_tokens=16)
+    want = _samples(LLM(model, num_kv_blocks=1024, **kw).generate(_ids(prompts), sp,
+                                                                   use_tqdm=False))
+    # _gib sizes by the model dtype's beta: at least 4 * need fp8 blocks
+    tight = LLM(model, num_kv_blocks=need, swap_space=_gib(model, 4 * need, 4), **kw)
+    assert tight.host_pool.pool.dtype == tight.cache.pool.dtype
+    assert _samples(tight.generate(_ids(prompts), sp, use_tqdm=False)) == want
+    assert tight.kv_stats().swap_outs > 0
+    assert_pool_whole(tight)
