@@ -12,6 +12,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchgen.engine.beam import BeamSearchState
+from batchgen.engine.beam_controls import BeamControls, ControlSpec
+from batchgen.engine.group_beam import GroupBeamSearchState
 from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
@@ -26,6 +28,7 @@ class Builder(Protocol):
 
     stops: StopFactory
     eos_token_ids: list[int]
+    pad_token_id: int
 
     @property
     def vocab_size(self) -> int: ...
@@ -115,15 +118,8 @@ class Beams:
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: BeamSearchParams, max_tokens: int) -> SequenceGroup:
         """The request's group: one leader that the beam state forks as beams appear."""
-        state = BeamSearchState(
-            p.beam_width, max_tokens, p.length_penalty,
-            True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-            # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
-            eos_token_ids=b.eos_token_ids if not p.ignore_eos or p.structured_outputs
-            else [],
-            num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
-            stop_token_ids=p.stop_ids)
-        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),
+        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(
+                                  beam_state(b, p, ids, max_tokens)),
                               RowSpec(max_tokens=max_tokens, beam=True,
                                       constrained=p.structured_outputs is not None))
         stop = b.stops(p, ids, max_tokens) if p.stop_strings else None
@@ -182,6 +178,41 @@ def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
         stop_strings=bool(p.stop_strings), max_tokens=max_tokens, min_tokens=p.min_tokens,
         ignore_eos=p.ignore_eos, logprobs=NO_LOGPROBS if p.logprobs is None else p.logprobs,
         stop_ids=tuple(p.stop_ids), constrained=p.structured_outputs is not None)
+
+
+def beam_state(b: Builder, p: BeamSearchParams, ids: list[int], max_tokens: int
+               ) -> BeamSearchState | GroupBeamSearchState:
+    """A beam request's selection state: HF beam search, or HF 4.x group beam search with
+    num_beam_groups > 1; either with HF's processors when the params set any."""
+    # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
+    eos = b.eos_token_ids if not p.ignore_eos or p.structured_outputs else []
+    stop_ids = list(dict.fromkeys([*eos, *p.stop_ids]))
+    spec = beam_controls(b, p)
+
+    def controls(rows: int) -> BeamControls | None:
+        return BeamControls(spec, ids, rows, max_tokens, stop_ids) if spec.active else None
+
+    if p.num_beam_groups > 1:
+        return GroupBeamSearchState(
+            p.beam_width, p.num_beam_groups, float(p.diversity_penalty), max_tokens,
+            p.length_penalty, p.early_stopping, stop_ids, p.num_return_sequences,
+            b.pad_token_id, controls)
+    return BeamSearchState(
+        p.beam_width, max_tokens, p.length_penalty,
+        True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
+        eos_token_ids=eos, num_return_sequences=p.num_return_sequences,
+        vocab_size=b.vocab_size, stop_token_ids=p.stop_ids, controls=controls(p.beam_width))
+
+
+def beam_controls(b: Builder, p: BeamSearchParams) -> ControlSpec:
+    """The params' processors with bad_words tokenized (vLLM's rule, as for samples) and
+    every banned id checked against the vocabulary."""
+    words = [*(b.bad_word_ids(p.bad_words) if p.bad_words else []), *(p.bad_words_ids or [])]
+    bad = [t for w in words for t in w if t >= b.vocab_size]
+    if bad:
+        raise ValueError(f"bad_words_ids has token id {max(bad)} outside the model's "
+                         f"vocabulary [0, {b.vocab_size})")
+    return replace(p.controls, bad_words_ids=tuple(tuple(w) for w in words if w))
 
 
 def _constrain(b: Builder, group: SequenceGroup) -> None:

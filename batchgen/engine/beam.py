@@ -53,6 +53,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.beam_controls import BeamControls
+
 __all__ = ["BeamHypothesis", "BeamSearchState", "BeamStep", "StopFn"]
 
 #: ``is_stop(parent_idx, token) -> bool``: does appending ``token`` to live beam
@@ -117,8 +119,10 @@ class BeamSearchState:
         num_return_sequences: int | None = None,
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        controls: BeamControls | None = None,
     ) -> None:
         self.beam_width = beam_width
+        self.controls = controls  # HF's logits processors, run on each step's log-probs
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
@@ -168,11 +172,14 @@ class BeamSearchState:
         """Advance one token.
 
         ``logprobs``: ``[num_live_beams, V]`` float32 ``log_softmax`` of the live beams'
-        next-token logits (after any processors), rows in beam order. On the first step a
+        next-token logits, rows in beam order; ``controls`` (HF's processors) run on them here,
+        and the hypotheses' scores and per-token logprobs are the processed values. On the first step a
         single row (the prompt) is expected; ``W`` identical rows are also accepted.
         ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
         """
         logprobs, first_single = self._check_rows(logprobs)
+        if self.controls is not None:
+            logprobs = self.controls.process(logprobs)
         # b-c. accumulate, flatten to [1, W * V], top-K continuations
         vocab = logprobs.shape[1]
         flat = (logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]).reshape(1, -1)
@@ -207,6 +214,8 @@ class BeamSearchState:
         parents = [parents_l[c] for c in next_l]
         tokens = [ids_l[c] for c in next_l]
         lps = [cand_lps[c] for c in next_l]
+        if self.controls is not None:
+            self.controls.advance(parents, tokens)
         self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
         self._running_lps = [[*old_lps[p], lp] for p, lp in zip(parents, lps)]
         return BeamStep(parents, tokens, False, finished, lps)
