@@ -147,5 +147,6 @@ def _no_repeat_ngram(scores: torch.Tensor, seqs: torch.Tensor, n: int) -> torch.
     matches = (windows[..., :-1] == prefix.unsqueeze(1)).all(dim=-1)
     vocab = scores.shape[-1]
     banned = scores.new_zeros((scores.shape[0], vocab + 1), dtype=torch.bool)
-    banned.scatter_(1, torch.where(matches, windows[..., -1].clamp(max=vocab), vocab), True)
+    # (HF clamps ids past the output vocabulary; prompts are checked to lie inside it)
+    banned.scatter_(1, torch.where(matches, windows[..., -1], vocab), True)
     return scores.masked_fill(banned[:, :vocab], -float("inf"))
