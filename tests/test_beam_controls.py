@@ -178,3 +178,22 @@ def _llm(path, layout, longest=0):
         blocks = math.ceil(longest / bs) + W * (math.ceil(T / bs) + 1)
     return LLM(path, block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget,
                max_num_seqs=seqs)
+
+
+def test_a_beam_job_manifest_names_only_the_controls_it_sets():
+    """Dataset jobs: a control at its default is left out of the manifest (older beam jobs,
+    written before the controls existed, stay resumable); a set one is in it."""
+    from types import SimpleNamespace
+
+    from batchgen.data.prompts import PromptSpec
+    from batchgen.data.runner import _job
+
+    llm = SimpleNamespace(model_path="m")
+    source = SimpleNamespace(fingerprint="f", num_rows=1)
+    plain = _job(llm, BeamSearchParams(beam_width=2, max_tokens=4), 0, PromptSpec(), source)
+    assert set(plain["params"]) == {"beam_width", "max_tokens", "length_penalty",
+                                    "early_stopping", "num_return_sequences", "ignore_eos",
+                                    "stop", "stop_token_ids", "seed"}
+    ngram = _job(llm, BeamSearchParams(beam_width=2, max_tokens=4, no_repeat_ngram_size=2), 0,
+                 PromptSpec(), source)
+    assert ngram["params"]["no_repeat_ngram_size"] == 2
