@@ -33,6 +33,7 @@ import torch
 
 from batchgen.engine.beam import BeamHypothesis, BeamStep, StopFn
 from batchgen.engine.beam import _candidate_logprobs as candidate_logprobs
+from batchgen.engine.beam_controls import BeamControls
 
 __all__ = ["GroupBeamSearchState"]
 
@@ -47,7 +48,7 @@ class _Group:
     running: list[list[int]]
     running_lps: list[list[tuple[float, int]]]
     scores: torch.Tensor | None = None
-    controls: object | None = None  # a BeamControls over the group's rows
+    controls: BeamControls | None = None  # HF's processors over the group's rows
     hyps: list[tuple[float, BeamHypothesis]] = field(default_factory=list)
     worst: float = 1e9
     done: bool = False
@@ -62,7 +63,7 @@ class GroupBeamSearchState:
                  max_tokens: int, length_penalty: float = 1.0,
                  early_stopping: bool | str = False, stop_ids: Sequence[int] = (),
                  num_return_sequences: int | None = None, pad_token_id: int = 0,
-                 make_controls: Callable[[int], object | None] | None = None) -> None:
+                 make_controls: Callable[[int], BeamControls | None] | None = None) -> None:
         self.beam_width = beam_width
         self.group_size = beam_width // num_beam_groups
         self.diversity_penalty = diversity_penalty
