@@ -127,6 +127,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--controls-widths", default=None,
                    help="beam widths also run with the n-gram block and repetition penalty "
                         "('' or 0: none; default: 4 when it is among --beam-widths)")
+    g.add_argument("--controls-first", action="store_true",
+                   help="run the controls variant before the plain one (a second run in the "
+                        "other order brackets a drift in the machine's load)")
     g.add_argument("--ngram", type=int, default=3, help="no_repeat_ngram_size of that run")
     g.add_argument("--rep-penalty", type=float, default=1.2,
                    help="repetition_penalty of that run")
@@ -503,6 +506,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             variants = [None] + ([{"no_repeat_ngram_size": args.ngram,
                                    "repetition_penalty": args.rep_penalty}]
                                  if width in args.controls_widths else [])
+            if args.controls_first:
+                variants.reverse()
             for controls in variants:
                 name = f"beam W={width}" + (f" {controls_label(controls)}" if controls else "")
                 expected[name] = N * L
