@@ -197,3 +197,19 @@ def test_a_beam_job_manifest_names_only_the_controls_it_sets():
     ngram = _job(llm, BeamSearchParams(beam_width=2, max_tokens=4, no_repeat_ngram_size=2), 0,
                  PromptSpec(), source)
     assert ngram["params"]["no_repeat_ngram_size"] == 2
+
+
+def test_width_64_runs_with_controls_and_groups(tiny_model_factory, prompts):
+    """Wide beams keep working with every control on, and as 8 diverse groups of 8."""
+    llm = LLM(tiny_model_factory("llama", eos_boost=0.2), block_size=16, num_kv_blocks=4096)
+    for extra in (dict(), dict(num_beam_groups=8, diversity_penalty=0.5)):
+        out = llm.beam_search([{"prompt_token_ids": prompts[1]}], BeamSearchParams(
+            beam_width=64, max_tokens=T, no_repeat_ngram_size=2, repetition_penalty=1.3,
+            min_tokens=2, bad_words_ids=[[5], [6, 7]], **extra), use_tqdm=False)[0]
+        assert len(out.sequences) == 64
+        scores = [s.score for s in out.sequences]
+        assert scores == sorted(scores, reverse=True)
+        for s in out.sequences:
+            pairs = list(zip(s.token_ids, s.token_ids[1:]))
+            assert len(pairs) == len(set(pairs)) and 5 not in s.token_ids
+    assert llm.block_manager.num_free_blocks() == 4096
