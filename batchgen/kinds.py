@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from batchgen.engine.beam import BeamSearchState
+from batchgen.engine.beam_trace import BeamTrace
 from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
@@ -122,8 +123,9 @@ class Beams:
             eos_token_ids=b.eos_token_ids if not p.ignore_eos or p.structured_outputs
             else [],
             num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
-            stop_token_ids=p.stop_ids)
-        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),
+            stop_token_ids=p.stop_ids, top_logprobs=p.logprobs)
+        trace = BeamTrace() if p.return_trace else None
+        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state, trace),
                               RowSpec(max_tokens=max_tokens, beam=True,
                                       constrained=p.structured_outputs is not None))
         stop = b.stops(p, ids, max_tokens) if p.stop_strings else None

@@ -23,6 +23,8 @@ logger = logging.getLogger("batchgen")
 # at 0.01 there; here one under 1e-5 is taken at its word, as greedy.
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
+# Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
+MAX_BEAM_LOGPROBS = 20
 
 
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
@@ -276,6 +278,9 @@ class BeamSearchParams(_Stops):
     structured_outputs: StructuredOutputsParams | None = None
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    # what the search records beside its hypotheses (engine/beam_trace.py)
+    logprobs: int = 0  # per token, the parent beam's top-k alternatives (0: the token's own)
+    return_trace: bool = False  # BeamSearchOutput.trace: every step's beams and blocks
 
     def __post_init__(self) -> None:
         check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
@@ -295,6 +300,10 @@ class BeamSearchParams(_Stops):
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
         _check_structured(self.structured_outputs)
+        check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_BEAM_LOGPROBS, "logprobs",
+              f"an integer in [0, {MAX_BEAM_LOGPROBS}] (top-k alternatives per token)",
+              self.logprobs)
+        check_flag(self.return_trace, "return_trace")
 
     @property
     def width(self) -> int:
@@ -313,5 +322,3 @@ class BeamSearchParams(_Stops):
     bad_words = property(lambda self: None, doc="Beams take no logit controls.")
     allowed_token_ids = property(lambda self: None, doc="Beams take no logit controls.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")
-    logprobs = property(lambda self: None,
-                        doc="Each hypothesis carries its tokens' own logprobs, no top-k.")
