@@ -85,6 +85,7 @@ class BeamSearchOutput:
     prompt_token_ids: list[int]
     sequences: list[BeamSequence] = field(default_factory=list)
     trace: BeamTrace | None = None
+    num_logprobs: int = 0  # the params' logprobs: top-k alternatives each token carries
 
 
 @dataclass(frozen=True)

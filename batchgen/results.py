@@ -68,7 +68,8 @@ class ResultBuilder:
             prompt_token_ids=group.prompt_token_ids)
             for h in group.policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                                sequences=seqs, trace=group.policy.trace)
+                                sequences=seqs, trace=group.policy.trace,
+                                num_logprobs=group.params.logprobs)
 
     def _beam_text(self, group: SequenceGroup, token_ids: list[int], reason: str) -> str:
         """A hypothesis's text: replayed through a checker with stop strings, else decoded

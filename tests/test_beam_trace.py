@@ -170,3 +170,34 @@ def test_bad_logprobs(bad):
 def test_bad_return_trace():
     with pytest.raises(ValueError, match="return_trace"):
         BeamSearchParams(beam_width=2, max_tokens=4, return_trace="yes")
+
+
+def test_dataset_and_cli_write_beam_logprobs(tiny_model_factory, tmp_path):
+    """generate_dataset and `batchgen beam --logprobs 2` write each hypothesis's top-k
+    alternatives (as LLM.beam_search returns them); a job refuses return_trace."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from batchgen.cli import main
+    from batchgen.data import generate_dataset
+
+    path = tiny_model_factory("llama", eos_boost=0.2)
+    llm = LLM(path, block_size=4, num_kv_blocks=256)
+    prompts = ["Once upon a time", "The cat"]
+    params = BeamSearchParams(beam_width=2, max_tokens=4, logprobs=2)
+    want = llm.beam_search(prompts, params, use_tqdm=False)
+    ds = generate_dataset(llm, datasets.Dataset.from_dict({"prompt": prompts}), params,
+                          use_tqdm=False)
+    (tmp_path / "in.jsonl").write_text("".join(f'{{"prompt": "{p}"}}\n' for p in prompts))
+    assert main(["beam", "--model", str(path), "--input", str(tmp_path / "in.jsonl"),
+                 "--output", str(tmp_path / "out"), "--beam-width", "2", "--max-tokens", "4",
+                 "--logprobs", "2", "--block-size", "4", "--quiet"]) == 0
+    cli = pq.read_table(tmp_path / "out").sort_by("row_id").to_pylist()
+    for outs in (ds["outputs"], [r["outputs"] for r in cli]):
+        for row, out in zip(outs, want):
+            for o, s in zip(row, out.sequences):
+                assert [[(d["token_id"], d["rank"]) for d in e] for e in o["logprobs"]] == [
+                    [(t, lp.rank) for t, lp in e.items()] for e in s.logprobs]
+    with pytest.raises(ValueError, match="params.return_trace must be False in a dataset job"):
+        generate_dataset(llm, datasets.Dataset.from_dict({"prompt": prompts}),
+                         BeamSearchParams(beam_width=2, max_tokens=4, return_trace=True))

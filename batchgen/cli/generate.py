@@ -41,6 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--length-penalty", type=float, default=1.0)
     b.add_argument("--early-stopping", action="store_true")
     b.add_argument("--num-return-sequences", type=int, default=None)
+    b.add_argument("--logprobs", type=int, default=0,
+                   help="top-k alternatives per token of each beam (0-20; 0: none)")
     beam.set_defaults(run=run, kind="beam")
 
 
@@ -156,7 +158,7 @@ def _params(args: argparse.Namespace) -> Any:
                                 length_penalty=args.length_penalty,
                                 early_stopping=args.early_stopping,
                                 num_return_sequences=args.num_return_sequences,
-                                structured_outputs=so)
+                                structured_outputs=so, logprobs=args.logprobs)
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty,

@@ -209,6 +209,7 @@ def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any,
                 ) -> None:
     """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
     check_type(params, "params", (SamplingParams, BeamSearchParams))
+    kind_of(params).check_job(params)
     check_int(rows_per_shard, "rows_per_shard")
     check_flag(resume, "resume")
     if resume and output_dir is None:
