@@ -60,9 +60,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--beam-widths", default="4,16", help="comma-separated beam widths")
     p.add_argument("--logprobs", type=int, default=5, help="k of the logprobs configurations")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated subset of {', '.join(CONFIGS)} (plain alone also "
+                        "runs on a batchgen without these parameters, e.g. the previous "
+                        "commit, to compare the off path across versions)")
     args = p.parse_args(argv)
     check_workload_args(p, args)
     args.beam_widths = parse_int_list(p, args.beam_widths, "--beam-widths")
+    args.configs = [c for c in args.configs.split(",") if c]
+    if not args.configs or not set(args.configs) <= set(CONFIGS) or args.configs[0] != "plain":
+        p.error(f"--configs must start with plain and name only {', '.join(CONFIGS)}")
     return args
 
 
@@ -70,9 +77,13 @@ def params_of(config: str, width: int, args: argparse.Namespace) -> Any:
     """The BeamSearchParams of one configuration."""
     from batchgen import BeamSearchParams
 
+    extra: dict[str, Any] = {}  # plain passes neither, so it runs on older versions too
+    if "trace" in config:
+        extra["return_trace"] = True
+    if "logprobs" in config:
+        extra["logprobs"] = args.logprobs
     return BeamSearchParams(beam_width=width, max_tokens=args.output_len, ignore_eos=True,
-                            return_trace="trace" in config,
-                            logprobs=args.logprobs if "logprobs" in config else 0)
+                            **extra)
 
 
 def contenders(llm: Any, prompts: list[list[int]], width: int, args: argparse.Namespace
@@ -80,7 +91,7 @@ def contenders(llm: Any, prompts: list[list[int]], width: int, args: argparse.Na
     """One warmed-up contender per configuration, all on the same LLM."""
     inputs = [{"prompt_token_ids": p} for p in prompts]
     out = []
-    for config in CONFIGS:
+    for config in args.configs:
         params = params_of(config, width, args)
 
         def run(params: Any = params) -> Any:
@@ -97,10 +108,10 @@ def summarize(width: int, results: list[tuple[Any, list[float]]], args: argparse
     """Rows of the report; asserts every configuration found the same hypotheses."""
     plain = results[0][0]
     rows = []
-    for config, (outs, walls) in zip(CONFIGS, results):
+    for config, (outs, walls) in zip(args.configs, results):
         assert [[s.token_ids for s in o.sequences] for o in outs] == [
             [s.token_ids for s in o.sequences] for o in plain], f"{config} changed the beams"
-        traces = [o.trace for o in outs if o.trace is not None]
+        traces = [o.trace for o in outs if getattr(o, "trace", None) is not None]
         rows.append({"width": width, "config": config, "min_s": min(walls),
                      "median_s": statistics.median(walls), "walls": walls,
                      "vs_plain": min(walls) / min(results[0][1]),
