@@ -201,3 +201,20 @@ def test_dataset_and_cli_write_beam_logprobs(tiny_model_factory, tmp_path):
     with pytest.raises(ValueError, match="params.return_trace must be False in a dataset job"):
         generate_dataset(llm, datasets.Dataset.from_dict({"prompt": prompts}),
                          BeamSearchParams(beam_width=2, max_tokens=4, return_trace=True))
+
+
+def test_width_64_with_both_records_at_the_largest_k(tiny_model_factory, prompts):
+    """Both records at W=64 and k=20: every token has its 20 alternatives, ranked 1..20 and
+    sorted, and the trace holds W live records per step but the last."""
+    llm = LLM(tiny_model_factory("llama", eos_boost=0.2), block_size=16, num_kv_blocks=2048)
+    out = llm.beam_search([{"prompt_token_ids": prompts[2]}], BeamSearchParams(
+        beam_width=64, max_tokens=4, ignore_eos=True, logprobs=20, return_trace=True),
+        use_tqdm=False)[0]
+    assert len(out.sequences) == 64 and len(out.trace.live) == 64 * 3
+    for s in out.sequences:
+        for tok, entry in zip(s.token_ids, s.logprobs):
+            alts = [lp for lp in entry.values() if lp.rank <= 20]  # the chosen one if in them
+            assert len(entry) == 20 + (entry[tok].rank > 20)
+            assert sorted(lp.rank for lp in alts) == list(range(1, 21))
+            lps = [lp.logprob for lp in sorted(alts, key=lambda lp: lp.rank)]
+            assert lps == sorted(lps, reverse=True)
