@@ -38,10 +38,18 @@ def hf_beams(model_dir: str, prompt: tuple, width: int):
     return beams
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen3"])
-def test_top_logprobs_equal_hf_scores(tiny_model_factory, prompts, family):
+# (block_size, num_kv_blocks, max_num_batched_tokens): the preempt pool holds the longest prompt
+# and W beams' tails, but not every request at once
+LAYOUTS = {"block4": (4, 512, None), "block1": (1, 2048, None), "preempt": (4, 18, 32)}
+
+
+@pytest.mark.parametrize("family,layout", [("llama", "block4"), ("gpt2", "block4"),
+                                           ("qwen3", "block4"), ("llama", "block1"),
+                                           ("qwen3", "preempt")])
+def test_top_logprobs_equal_hf_scores(tiny_model_factory, prompts, family, layout):
     path = tiny_model_factory(family, eos_boost=0.2)
-    llm = LLM(path, block_size=4, num_kv_blocks=512)
+    bs, blocks, budget = LAYOUTS[layout]
+    llm = LLM(path, block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget)
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
                            BeamSearchParams(beam_width=W, max_tokens=T, logprobs=K),
                            use_tqdm=False)
@@ -53,6 +61,7 @@ def test_top_logprobs_equal_hf_scores(tiny_model_factory, prompts, family):
             for tok, entry, row, raw in zip(toks, s.logprobs, scores, logits):
                 torch.testing.assert_close(row, raw)  # no processors: scores = logits
                 _check_entry(entry, tok, row)
+    assert (llm.kv_stats().preemptions > 0) == (layout == "preempt")
 
 
 def _check_entry(entry, tok, row):
