@@ -227,3 +227,19 @@ def test_width_64_with_both_records_at_the_largest_k(tiny_model_factory, prompts
             assert sorted(lp.rank for lp in alts) == list(range(1, 21))
             lps = [lp.logprob for lp in sorted(alts, key=lambda lp: lp.rank)]
             assert lps == sorted(lps, reverse=True)
+
+
+def test_constrained_beams_list_only_allowed_alternatives(tiny_model_factory):
+    """Under a grammar the alternatives are the allowed tokens only (none at -inf)."""
+    from batchgen import StructuredOutputsParams
+
+    llm = LLM(tiny_model_factory("llama", eos_boost=0.06), num_kv_blocks=256)
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.beam_search("Answer:", BeamSearchParams(beam_width=2, max_tokens=6, logprobs=20,
+                                                      structured_outputs=so), use_tqdm=False)[0]
+    assert out.sequences and all(s.text in ("yes", "no") for s in out.sequences)
+    for s in out.sequences:
+        assert len(s.logprobs) == len(s.token_ids)
+        for entry in s.logprobs:
+            assert all(math.isfinite(lp.logprob) for lp in entry.values())
+            assert len(entry) < 20  # a two-word choice allows only a few tokens per step

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BeamTrace", "StepTop", "TokenLogprob", "step_top"]
 
+_IMPOSSIBLE = float("-inf")  # a masked token's log-prob (structured outputs)
+
 
 @dataclass
 class StepTop:
@@ -51,10 +53,13 @@ class TokenLogprob(NamedTuple):
 
     def entry(self, token: int) -> dict[int, tuple[float, int]]:
         """``{token: (logprob, rank)}``, the chosen token first (with its true rank even
-        outside the top k), then the alternatives ranked 1..k (vLLM's logprobs shape)."""
+        outside the top k), then the alternatives ranked 1..k (vLLM's logprobs shape). Tokens a
+        grammar forbids (-inf) are no alternatives: the list stops before the first of them."""
         d = {token: (self.logprob, self.rank)}
         if self.top is not None:
             for r, (t, lp) in enumerate(zip(self.top.ids[self.row], self.top.logprobs[self.row])):
+                if lp == _IMPOSSIBLE:
+                    break
                 d.setdefault(t, (lp, r + 1))
         return d
 
