@@ -1,6 +1,7 @@
 """Beam search's records: `logprobs=k` top-k alternatives against HF generate's per-step
 scores (rows picked by `beam_indices`), and `return_trace=True`'s steps and block ids."""
 
+import dataclasses
 import functools
 import math
 
@@ -19,15 +20,16 @@ def prompts():
 
 
 @functools.cache
-def hf_beams(model_dir: str, prompt: tuple, width: int):
+def hf_beams(model_dir: str, prompt: tuple, width: int, controls: tuple = ()):
     """HF generate's returned beams (EOS kept) and, per beam and step, the log-prob row HF
-    ranked (`scores`, after processors) and the log_softmax of the raw `logits` row."""
+    ranked (`scores`, after processors) and the log_softmax of the raw `logits` row.
+    `controls`: (name, value) pairs of generate's logits controls."""
     model = load_hf_model(model_dir)
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width,
                          num_return_sequences=width, max_new_tokens=T, do_sample=False,
                          output_scores=True, output_logits=True, return_dict_in_generate=True,
-                         eos_token_id=EOS, pad_token_id=0)
+                         eos_token_id=EOS, pad_token_id=0, **dict(controls))
     beams = []
     for i, row in enumerate(out.sequences[:, len(prompt):].tolist()):
         cut = next((j for j, t in enumerate(row) if t == EOS), len(row) - 1)
@@ -62,6 +64,27 @@ def test_top_logprobs_equal_hf_scores(tiny_model_factory, prompts, family, layou
                 torch.testing.assert_close(row, raw)  # no processors: scores = logits
                 _check_entry(entry, tok, row)
     assert (llm.kv_stats().preemptions > 0) == (layout == "preempt")
+
+
+def test_top_logprobs_follow_the_beam_processors(tiny_model_factory, prompts):
+    """With a logits control on, the alternatives are HF's processed `scores` rows (they
+    differ from the raw logits'). Runs once BeamSearchParams takes repetition_penalty (the
+    beam controls of issue 22 part A)."""
+    if "repetition_penalty" not in {f.name for f in dataclasses.fields(BeamSearchParams)}:
+        pytest.skip("this build's BeamSearchParams has no repetition_penalty")
+    path = tiny_model_factory("llama", eos_boost=0.2)
+    llm = LLM(path, block_size=4, num_kv_blocks=512)
+    params = BeamSearchParams(beam_width=W, max_tokens=T, logprobs=K, repetition_penalty=1.5)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    processed = 0
+    for p, o in zip(prompts, outs):
+        ref = hf_beams(str(path), tuple(p), W, (("repetition_penalty", 1.5),))
+        assert [s.token_ids for s in o.sequences] == [toks for toks, _, _ in ref]
+        for s, (toks, scores, logits) in zip(o.sequences, ref):
+            for tok, entry, row, raw in zip(toks, s.logprobs, scores, logits):
+                _check_entry(entry, tok, row)
+                processed += not torch.allclose(row, raw)
+    assert processed > 0
 
 
 def _check_entry(entry, tok, row):
