@@ -6,7 +6,8 @@ Both are opt-in. The alternatives cost one ``topk`` over the group's ``[W, V]`` 
 step and ``W * k`` numbers on the host; the hypotheses keep a reference to that step's record
 (no per-token dicts until the output is built). The trace costs nothing when off (the policy
 checks one attribute per group step) and, on, ``W`` live records and at most ``W`` finished
-records per step: memory proportional to steps x width.
+records per step: steps x width records (a live record's block list grows with its beam's
+length, one id per block).
 """
 
 from __future__ import annotations
