@@ -24,6 +24,8 @@ logger = logging.getLogger("batchgen")
 # at 0.01 there; here one under 1e-5 is taken at its word, as greedy.
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
+# Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
+MAX_BEAM_LOGPROBS = 20
 
 
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
@@ -291,6 +293,9 @@ class BeamSearchParams(_Stops):
     diversity_penalty: float = 0.0
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    # what the search records beside its hypotheses (engine/beam_trace.py)
+    logprobs: int = 0  # per token, the parent beam's top-k alternatives (0: the token's own)
+    return_trace: bool = False  # BeamSearchOutput.trace: every step's beams and blocks
 
     def __post_init__(self) -> None:
         check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
@@ -311,6 +316,10 @@ class BeamSearchParams(_Stops):
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
         _check_structured(self.structured_outputs)
         self._check_controls()
+        check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_BEAM_LOGPROBS, "logprobs",
+              f"an integer in [0, {MAX_BEAM_LOGPROBS}] (top-k alternatives per token)",
+              self.logprobs)
+        check_flag(self.return_trace, "return_trace")
         self._check_groups()
 
     def _check_controls(self) -> None:
@@ -352,6 +361,8 @@ class BeamSearchParams(_Stops):
                   "are not combined with group beam search)", self.stop)
             check(self.structured_outputs is None, "structured_outputs",
                   "None with num_beam_groups > 1", type(self.structured_outputs).__name__)
+            check(not self.logprobs, "logprobs", "0 with num_beam_groups > 1 (top-k "
+                  "alternatives are recorded by plain beam search only)", self.logprobs)
 
     @property
     def controls(self) -> ControlSpec:
@@ -378,5 +389,3 @@ class BeamSearchParams(_Stops):
     truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
     allowed_token_ids = property(lambda self: None, doc="Beams take no logit controls.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")
-    logprobs = property(lambda self: None,
-                        doc="Each hypothesis carries its tokens' own logprobs, no top-k.")

@@ -94,3 +94,34 @@ def _llm(path, layout):
         blocks = math.ceil(longest / bs) + 4 * (math.ceil(T / bs) + 1)
     return LLM(path, block_size=bs, num_kv_blocks=blocks, max_num_batched_tokens=budget,
                max_num_seqs=64)
+
+
+
+def test_groups_refuse_top_logprobs():
+    """Top-k alternatives are recorded by plain beam search only: asked of diverse beams, a
+    ValueError names the argument before any work."""
+    with pytest.raises(ValueError, match="logprobs"):
+        BeamSearchParams(beam_width=4, max_tokens=4, num_beam_groups=2, diversity_penalty=1.0,
+                         logprobs=2)
+
+
+def test_group_trace_follows_the_groups(tiny_model_factory):
+    """The trace of diverse beams: W live beams per step while no group has finished, their
+    scores the groups' running scores, and the finished slots the returned hypotheses'."""
+    llm = LLM(tiny_model_factory("llama"), block_size=4, num_kv_blocks=128)
+    p = BeamSearchParams(beam_width=4, max_tokens=6, num_beam_groups=2, diversity_penalty=1.0,
+                         ignore_eos=True, return_trace=True)
+    ids = make_prompt_token_ids(1, 7, 7, vocab_size=256, seed=3)[0]
+    out = llm.beam_search([{"prompt_token_ids": ids}], p, use_tqdm=False)[0]
+    plain = llm.beam_search([{"prompt_token_ids": ids}],
+                            BeamSearchParams(beam_width=4, max_tokens=6, num_beam_groups=2,
+                                             diversity_penalty=1.0, ignore_eos=True),
+                            use_tqdm=False)[0]
+    assert [s.token_ids for s in out.sequences] == [s.token_ids for s in plain.sequences]
+    live = out.trace.live
+    assert {r["step"] for r in live} == set(range(5))
+    assert all(sum(r["step"] == s for r in live) == 4 for s in range(5))
+    assert all(len(r["blocks"]) >= 1 for r in live)
+    fin = out.trace.finished
+    assert sorted(r["score"] for r in fin if r["step"] == 5) == sorted(
+        s.score for s in out.sequences)

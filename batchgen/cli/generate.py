@@ -53,6 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="diverse beam search: groups of beam-width / G beams")
     c.add_argument("--diversity-penalty", type=float, default=0.0,
                    help="Hamming diversity between groups (> 0 with --num-beam-groups > 1)")
+    b.add_argument("--logprobs", type=int, default=0,
+                   help="top-k alternatives per token of each beam (0-20; 0: none)")
     beam.set_defaults(run=run, kind="beam")
 
 
@@ -168,7 +170,8 @@ def _params(args: argparse.Namespace) -> Any:
                                 length_penalty=args.length_penalty,
                                 early_stopping=args.early_stopping,
                                 num_return_sequences=args.num_return_sequences,
-                                structured_outputs=so, **_beam_controls(args))
+                                structured_outputs=so, logprobs=args.logprobs,
+                                **_beam_controls(args))
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty,

@@ -209,6 +209,7 @@ def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any,
                 ) -> None:
     """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
     check_type(params, "params", (SamplingParams, BeamSearchParams))
+    kind_of(params).check_job(params)
     check_int(rows_per_shard, "rows_per_shard")
     check_flag(resume, "resume")
     if resume and output_dir is None:
@@ -263,7 +264,8 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
 # BeamSearchParams fields newer than the manifest format, with their defaults
 _BEAM_CONTROLS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words": None,
                   "bad_words_ids": None, "min_tokens": 0, "temperature": 1.0,
-                  "num_beam_groups": 1, "diversity_penalty": 0.0}
+                  "num_beam_groups": 1, "diversity_penalty": 0.0, "logprobs": 0,
+                  "return_trace": False}
 
 
 def json_safe(value: Any) -> Any:

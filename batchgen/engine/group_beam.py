@@ -206,6 +206,20 @@ class GroupBeamSearchState:
         self.done = True
         return finished
 
+    def running_scores(self) -> list[float]:
+        """The live beams' cumulative log-probs, unfinished groups in order (the rows of the
+        next step), for the trace."""
+        return [s for g in self.groups if not g.done and g.scores is not None
+                for s in g.scores.tolist()]
+
+    def finished_slots(self) -> list[tuple[int, tuple[float, float, int, str]]]:
+        """Every group's buffer, best first within a group: (slot, (score, sum of log-probs,
+        number of tokens, finish reason)); group ``i`` owns slots ``i * W/G`` onwards."""
+        return [(gi * self.group_size + j,
+                 (score, h.sum_logprobs, len(h.token_ids), h.finish_reason))
+                for gi, g in enumerate(self.groups)
+                for j, (score, h) in enumerate(sorted(g.hyps, key=lambda x: -x[0]))]
+
     def finalize(self) -> list[BeamHypothesis]:
         """The best ``num_return_sequences`` hypotheses of all groups (HF's stable sort by score,
         then the last first)."""
