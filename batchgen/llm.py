@@ -221,7 +221,7 @@ class LLM:
         self.requests = RequestBuilder(
             self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
-            stops, self.eos_token_ids, cfg.seed)
+            stops, self.eos_token_ids, cfg.seed, _pad_id(self.config, self.generation_config))
         self.results = ResultBuilder(self.tokenizer, stops)
         self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0,
                                    self.cache_config.num_host_blocks)
@@ -490,6 +490,16 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
     return dev
+
+
+def _pad_id(config, generation_config) -> int | None:
+    """The pad id HF generate uses: the generation config's, else the model config's (None:
+    HF falls back to the first EOS id)."""
+    for source in (generation_config, config):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
 
 
 def _eos_ids(config, generation_config, tokenizer) -> list[int]:

@@ -23,6 +23,9 @@ RUNS = {
 
 ALONE = {  # scripts with their own small settings
     "gpu_bench.py": ["--device", "cpu", "--quick"],
+    "beam_trace.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
+                      "--min-prompt-len", "4", "--max-prompt-len", "20", "--beam-widths", "2",
+                      "--repeats", "1"],
     "kv_quality.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3"],
     "ray_scaling.py": ["--model-size", "tiny", "--rows", "24", "--n", "2", "--max-tokens", "3",
                        "--batch-size", "6"],
@@ -47,6 +50,7 @@ ALONE = {  # scripts with their own small settings
 EXPECT = {  # lines a script must print with the settings above
     "swap.py": ["swap gave the roomy pool's tokens", "| samples, width 2 | swap",
                 "| beams, width 2   | recompute"],
+    "beam_trace.py": ["| W | config", "| 2 | trace+logprobs |"],
     "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],

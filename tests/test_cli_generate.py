@@ -227,6 +227,33 @@ def test_beam_command(tiny_model_factory, jsonl: Path, tmp_path: Path, capsys) -
         assert [o["token_ids"] for o in row["outputs"]] == [s.token_ids for s in want.sequences]
 
 
+def test_beam_command_takes_the_beam_controls(tiny_model_factory, jsonl: Path, tmp_path: Path,
+                                              capsys) -> None:
+    from batchgen import LLM, BeamSearchParams
+
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    out = tmp_path / "beams"
+    argv = ["beam", "--model", str(model), "--input", str(jsonl), "--output", str(out),
+            "--prompt-column", "question", "--beam-width", "4", "--max-tokens", "6", "--quiet",
+            "--no-repeat-ngram-size", "2", "--repetition-penalty", "1.3", "--min-tokens", "2",
+            "--bad-word", "the", "--num-beam-groups", "2", "--diversity-penalty", "0.5"]
+    assert main(argv) == 0
+    rows = rows_by_id(out)
+    prompts = [json.loads(line)["question"] for line in jsonl.read_text().splitlines()]
+    expected = LLM(str(model), device="cpu").beam_search(prompts, BeamSearchParams(
+        beam_width=4, max_tokens=6, no_repeat_ngram_size=2, repetition_penalty=1.3,
+        min_tokens=2, bad_words=["the"], num_beam_groups=2, diversity_penalty=0.5),
+        use_tqdm=False)
+    for row, want in zip(rows, expected):
+        assert [o["token_ids"] for o in row["outputs"]] == [s.token_ids for s in want.sequences]
+        assert [o["score"] for o in row["outputs"]] == [s.score for s in want.sequences]
+    assert main([*argv, "--resume"]) == 0  # the finished job resumes to itself
+    code, err = run_main([*argv, "--resume", "--diversity-penalty", "0.6"], capsys)
+    assert code == 2 and "holds a different job (params differ)" in err
+    code, err = run_main([*argv[:-4], "--num-beam-groups", "3"], capsys)
+    assert code == 2 and "num_beam_groups must be an integer >= 1 that divides" in err, err
+
+
 @pytest.mark.parametrize("argv", [
     ["generate", "--input", "x.jsonl", "--output", "o"],  # no --model
     ["generate", "--model", "m", "--input", "x", "--output", "o", "--n", "two"],
