@@ -20,6 +20,7 @@ from batchgen.checks import (
 )
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import num_blocks_for_memory
+from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 
 # CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
 DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -28,6 +29,7 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # The shortest useful sequence: one prompt token and one generated token. A max_model_len or a
 # pool under it could run no request at all.
 MIN_MODEL_LEN = 2
+PREEMPTION_MODES = ("recompute", "swap")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
@@ -52,6 +54,8 @@ class EngineConfig:
     enforce_eager: bool = True  # CUDA graphs for decode steps when False (GPU + FlashInfer)
     tensor_parallel_size: int = 1  # vLLM's name: ranks (processes, GPUs) the weights split over
     trust_remote_code: bool = False
+    swap_space: float = 0  # GiB of host RAM per rank for swapped-out blocks (vLLM's unit)
+    preemption_mode: str | None = None  # None: "swap" when swap_space > 0, else "recompute"
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -71,8 +75,26 @@ class EngineConfig:
         check_flag(self.trust_remote_code, "trust_remote_code")
         check_int(self.tensor_parallel_size, "tensor_parallel_size")
         self.seed = check_seed(self.seed)
+        self._check_swap()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def _check_swap(self) -> None:
+        """swap_space: GiB >= 0 that the host can give (every rank has its own host pool);
+        preemption_mode: "swap" needs a host pool, and is the default when there is one."""
+        check(is_number(self.swap_space) and self.swap_space >= 0, "swap_space",
+              "a number of GiB >= 0", self.swap_space)
+        check_choice(self.preemption_mode, "preemption_mode", (None, *PREEMPTION_MODES))
+        if self.preemption_mode is None:
+            self.preemption_mode = "swap" if self.swap_space > 0 else "recompute"
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host RAM "
+                             "to swap preempted blocks into), got swap_space=0")
+        want, avail = self.swap_space * GIB * self.tensor_parallel_size, host_available_bytes()
+        if want > avail:
+            raise ValueError(f"swap_space must fit the host's available memory "
+                             f"({avail / GIB:.1f} GiB for {self.tensor_parallel_size} rank(s)), "
+                             f"got {self.swap_space} GiB")
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,7 @@ class CacheConfig:
     block_size: int
     num_blocks: int
     bytes_per_token: int  # β
+    num_host_blocks: int = 0  # the swap pool's blocks (swap_space)
 
     @property
     def num_tokens(self) -> int:
@@ -94,7 +117,16 @@ class CacheConfig:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token (beta), "
                 f"{self.num_tokens * self.bytes_per_token / 2**20:.1f} MiB; maximum concurrency "
-                f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x")
+                f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x"
+                + self.host_line())
+
+    def host_line(self) -> str:
+        """The swap pool's part of the capacity line (empty without one)."""
+        if not self.num_host_blocks:
+            return ""
+        tokens = self.num_host_blocks * self.block_size
+        return (f"; host swap pool: {self.num_host_blocks} blocks = {tokens} tokens, "
+                f"{tokens * self.bytes_per_token / 2**20:.1f} MiB of CPU RAM")
 
 
 def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
@@ -120,6 +152,18 @@ def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
             "gpu_memory_utilization, lower max_model_len, or pass kv_cache_memory")
     useful = cfg.max_num_seqs * blocks_for(model_max_len, bs) + 1
     return max(1, min(num_blocks_for_memory(budget, bs, bytes_per_token), useful))
+
+
+def host_pool_blocks(swap_space: float, block_size: int, bytes_per_token: int) -> int:
+    """Blocks of the host swap pool: the whole blocks in swap_space GiB, at least one when a
+    pool is asked for (0 without one)."""
+    if not swap_space:
+        return 0
+    n = host_blocks_for(swap_space, block_size, bytes_per_token)
+    if n < 1:
+        raise ValueError(f"swap_space must hold at least one block of {block_size} tokens "
+                         f"({block_size * bytes_per_token} bytes), got {swap_space} GiB")
+    return n
 
 
 def target_max_model_len(cfg: EngineConfig, model_max: int | None) -> int:

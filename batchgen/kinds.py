@@ -11,7 +11,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from batchgen.checks import check
 from batchgen.engine.beam import BeamSearchState
+from batchgen.engine.beam_controls import BeamControls, ControlSpec
+from batchgen.engine.beam_trace import BeamTrace
+from batchgen.engine.group_beam import GroupBeamSearchState
 from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
@@ -26,6 +30,7 @@ class Builder(Protocol):
 
     stops: StopFactory
     eos_token_ids: list[int]
+    pad_token_id: int
 
     @property
     def vocab_size(self) -> int: ...
@@ -55,6 +60,13 @@ class Samples:
 
     def check(self, params: SamplingParams, step_limit: int) -> None:
         """Limits beyond the params' own checks (none: samples decode independently)."""
+
+    def check_job(self, params: SamplingParams) -> None:
+        """What a dataset job cannot write (nothing: every sample field has a column)."""
+
+    def keeps_logprobs(self, params: SamplingParams) -> bool:
+        """Whether a dataset row's outputs carry per-token logprobs."""
+        return params.logprobs is not None
 
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: SamplingParams, max_tokens: int) -> SequenceGroup:
@@ -97,6 +109,12 @@ class Samples:
         return [_completion(c) for c in out.outputs]
 
 
+def _logprob_records(logprobs: list[Any]) -> list[list[dict[str, Any]]]:
+    """Per-token {token_id: Logprob} dicts as plain records (a dataset row's `logprobs`)."""
+    return [[{"token_id": t, "logprob": v.logprob, "rank": v.rank,
+              "decoded_token": v.decoded_token} for t, v in e.items()] for e in logprobs]
+
+
 class Beams:
     """Beam search with HF's selection (`LLM.beam_search`)."""
 
@@ -112,18 +130,22 @@ class Beams:
                              f"({step_limit}): all beams decode together, got "
                              f"{params.beam_width!r}")
 
+    def check_job(self, params: BeamSearchParams) -> None:
+        """A dataset job writes hypotheses, one list per row: the per-step trace is
+        LLM.beam_search's (it has no column)."""
+        check(not params.return_trace, "params.return_trace",
+              "False in a dataset job (use LLM.beam_search for the trace)", True)
+
+    def keeps_logprobs(self, params: BeamSearchParams) -> bool:
+        """Beams' outputs carry logprobs in a dataset only when top-k was asked."""
+        return params.logprobs > 0
+
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: BeamSearchParams, max_tokens: int) -> SequenceGroup:
         """The request's group: one leader that the beam state forks as beams appear."""
-        state = BeamSearchState(
-            p.beam_width, max_tokens, p.length_penalty,
-            True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
-            # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
-            eos_token_ids=b.eos_token_ids if not p.ignore_eos or p.structured_outputs
-            else [],
-            num_return_sequences=p.num_return_sequences, vocab_size=b.vocab_size,
-            stop_token_ids=p.stop_ids)
-        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(state),
+        trace = BeamTrace() if p.return_trace else None
+        group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(
+                                  beam_state(b, p, ids, max_tokens), trace),
                               RowSpec(max_tokens=max_tokens, beam=True,
                                       constrained=p.structured_outputs is not None))
         stop = b.stops(p, ids, max_tokens) if p.stop_strings else None
@@ -147,9 +169,13 @@ class Beams:
         return llm.beam_search(prompts, params, use_tqdm=False)
 
     def records(self, out: BeamSearchOutput) -> list[dict[str, Any]]:
-        return [{"text": s.text, "token_ids": s.token_ids,
+        recs = [{"text": s.text, "token_ids": s.token_ids,
                  "cumulative_logprob": s.cumulative_logprob, "score": s.score,
                  "finish_reason": s.finish_reason} for s in out.sequences]
+        if out.num_logprobs:
+            for r, s in zip(recs, out.sequences):
+                r["logprobs"] = _logprob_records(s.logprobs)
+        return recs
 
 
 RequestKind = Samples | Beams
@@ -184,6 +210,42 @@ def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
         stop_ids=tuple(p.stop_ids), constrained=p.structured_outputs is not None)
 
 
+def beam_state(b: Builder, p: BeamSearchParams, ids: list[int], max_tokens: int
+               ) -> BeamSearchState | GroupBeamSearchState:
+    """A beam request's selection state: HF beam search, or HF 4.x group beam search with
+    num_beam_groups > 1; either with HF's processors when the params set any."""
+    # a grammar's end is its EOS: it ends a constrained beam even under ignore_eos
+    eos = b.eos_token_ids if not p.ignore_eos or p.structured_outputs else []
+    stop_ids = list(dict.fromkeys([*eos, *p.stop_ids]))
+    spec = beam_controls(b, p)
+
+    def controls(rows: int) -> BeamControls | None:
+        return BeamControls(spec, ids, rows, max_tokens, stop_ids) if spec.active else None
+
+    if p.num_beam_groups > 1:
+        return GroupBeamSearchState(
+            p.beam_width, p.num_beam_groups, float(p.diversity_penalty), max_tokens,
+            p.length_penalty, p.early_stopping, stop_ids, p.num_return_sequences,
+            b.pad_token_id, controls)
+    return BeamSearchState(
+        p.beam_width, max_tokens, p.length_penalty,
+        True if p.beam_width == 1 else p.early_stopping,  # HF num_beams=1: greedy
+        eos_token_ids=eos, num_return_sequences=p.num_return_sequences,
+        vocab_size=b.vocab_size, stop_token_ids=p.stop_ids, controls=controls(p.beam_width),
+        top_logprobs=p.logprobs)
+
+
+def beam_controls(b: Builder, p: BeamSearchParams) -> ControlSpec:
+    """The params' processors with bad_words tokenized (vLLM's rule, as for samples) and
+    every banned id checked against the vocabulary."""
+    words = [*(b.bad_word_ids(p.bad_words) if p.bad_words else []), *(p.bad_words_ids or [])]
+    bad = [t for w in words for t in w if t >= b.vocab_size]
+    if bad:
+        raise ValueError(f"bad_words_ids has token id {max(bad)} outside the model's "
+                         f"vocabulary [0, {b.vocab_size})")
+    return replace(p.controls, bad_words_ids=tuple(tuple(w) for w in words if w))
+
+
 def _constrain(b: Builder, group: SequenceGroup) -> None:
     """Under structured outputs, each sequence gets a fork of the prompt's matcher."""
     so = group.params.structured_outputs
@@ -199,7 +261,5 @@ def _completion(c: Any) -> dict[str, Any]:
          "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason,
          "stop_reason": None if c.stop_reason is None else str(c.stop_reason)}
     if c.logprobs is not None:
-        d["logprobs"] = [[{"token_id": t, "logprob": v.logprob, "rank": v.rank,
-                           "decoded_token": v.decoded_token} for t, v in e.items()]
-                         for e in c.logprobs]
+        d["logprobs"] = _logprob_records(c.logprobs)
     return d

@@ -2,8 +2,10 @@
 
 The numbers come from the same functions `LLM.__init__` sizes its pool with (`EngineConfig`,
 `kv_cache_torch_dtype`, `kv_cache_bytes`, `target_max_model_len`, `pool_blocks`,
-`fit_max_model_len`, `CacheConfig`), so a plan's capacity line is, by construction, the line
-`LLM(model, kv_cache_memory=M, block_size=B, max_model_len=N, kv_cache_dtype=...)` logs.
+`fit_max_model_len`, `host_pool_blocks`, `CacheConfig`), so a plan's capacity line is, by
+construction, the line `LLM(model, kv_cache_memory=M, block_size=B, max_model_len=N,
+kv_cache_dtype=..., swap_space=S)` logs. The swap pool is sized, not checked against this
+machine's RAM (a plan is often made for another host).
 
 β = 2 · L · H_kv · d_h · b bytes per token: K and V, every layer. batchgen's pool
 `[L, 2, P+1, B, H_kv, d_h]` keeps every token of every layer, with one block table per
@@ -20,6 +22,7 @@ import torch
 from transformers import PretrainedConfig
 
 from batchgen import config as engine_config
+from batchgen.checks import check, is_number
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
@@ -65,10 +68,18 @@ class KvPlan:
     model_max_len: int  # what the model allows (or max_model_len as given)
     max_model_len: int  # what LLM runs with: model_max_len capped by the pool
     sliding: SlidingWindows | None = None
+    swap_space: float = 0  # GiB of host RAM for swapped-out blocks
+    num_host_blocks: int = 0  # the swap pool's blocks: whole blocks of swap_space
 
     @property
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(self.block_size, self.num_blocks, self.bytes_per_token)
+        return CacheConfig(self.block_size, self.num_blocks, self.bytes_per_token,
+                           self.num_host_blocks)
+
+    @property
+    def host_bytes(self) -> int:
+        """The swap pool: host blocks × block bytes (the same β as the device pool)."""
+        return self.num_host_blocks * self.bytes_per_block
 
     @property
     def bytes_per_token(self) -> int:
@@ -126,7 +137,7 @@ class KvPlan:
         d = asdict(self)
         for name in ("bytes_per_token", "bytes_per_block", "num_tokens", "pool_bytes",
                      "seq_blocks", "seq_bytes", "max_concurrency", "capped_by_max_num_seqs",
-                     "windowed_seq_bytes"):
+                     "windowed_seq_bytes", "host_bytes"):
             d[name] = getattr(self, name)
         d["capacity_line"] = self.capacity_line()
         return d
@@ -160,9 +171,13 @@ def _positive_int(x: object) -> bool:
 
 def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: int = 16,
             max_model_len: int | None = None, kv_cache_dtype: str = "auto",
-            dtype: str | torch.dtype = "auto", max_num_seqs: int = 256) -> KvPlan:
+            dtype: str | torch.dtype = "auto", max_num_seqs: int = 256,
+            swap_space: float = 0) -> KvPlan:
     """The pool `LLM(..., kv_cache_memory=memory, ...)` sizes for `config` (the CPU default
-    budget when `memory` is None), with LLM's checks and ValueErrors, step for step."""
+    budget when `memory` is None), with LLM's checks and ValueErrors, step for step; and the
+    host swap pool of `swap_space` GiB."""
+    check(is_number(swap_space) and swap_space >= 0, "swap_space", "a number of GiB >= 0",
+          swap_space)
     cfg = EngineConfig(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory=memory)
@@ -181,7 +196,9 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         dtype_bytes=dtype_bytes, block_size=cfg.block_size, num_blocks=num_blocks,
         memory_bytes=engine_config.DEFAULT_CPU_KV_BYTES if memory is None else memory,
         memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
-        model_max_len=target, max_model_len=fitted, sliding=sliding_windows(config))
+        model_max_len=target, max_model_len=fitted, sliding=sliding_windows(config),
+        swap_space=swap_space,
+        num_host_blocks=engine_config.host_pool_blocks(swap_space, cfg.block_size, beta))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -28,6 +28,7 @@ from batchgen.config import (
     CacheConfig,
     EngineConfig,
     fit_max_model_len,
+    host_pool_blocks,
     kv_cache_torch_dtype,
     pool_blocks,
     target_max_model_len,
@@ -43,6 +44,7 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.kv.block_manager import BlockManager, blocks_for
 from batchgen.kv.cache import KVCache, kv_cache_bytes
+from batchgen.kv.swap import HostPool
 from batchgen.log import configure_logging, logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
@@ -98,7 +100,8 @@ class LLM:
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                  attention_backend: str | None = None, seed: int | None = 0,
                  enforce_eager: bool = True, tensor_parallel_size: int = 1,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, swap_space: float = 0,
+                 preemption_mode: str | None = None) -> None:
         configure_logging()
         cfg = EngineConfig(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -108,7 +111,8 @@ class LLM:
             kv_cache_memory=_kv_cache_memory(kv_cache_memory, kv_cache_memory_bytes),
             num_kv_blocks=num_kv_blocks, attention_backend=attention_backend, seed=seed,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code)
+            trust_remote_code=trust_remote_code, swap_space=swap_space,
+            preemption_mode=preemption_mode)
         # Everything that can be checked is checked before the weights load.
         plan = self._check_before_loading(model, tokenizer, dtype, device, cfg)
         self._tp = start_group(self, plan.path, plan.config, self.dtype, self.device, cfg)
@@ -178,9 +182,11 @@ class LLM:
             num_blocks = self._size_pool(cfg, plan.beta, plan.target_len,
                                          self._gpu_budget(cfg, sum(self._reserve)))
         geo = plan.geo
-        self.cache_config = CacheConfig(cfg.block_size, num_blocks, plan.beta)
+        host_blocks = host_pool_blocks(cfg.swap_space, cfg.block_size, plan.beta)
+        self.cache_config = CacheConfig(cfg.block_size, num_blocks, plan.beta, host_blocks)
         self.cache = KVCache(geo.num_layers, num_blocks, cfg.block_size, geo.num_kv_heads,
                              geo.head_dim, plan.kv_dtype, self.device)
+        self.host_pool = HostPool(self.cache, host_blocks) if host_blocks else None
         self.attention_backend, backend = build_backend(
             plan.backends, specs, self.cache, self._max_step_tokens(cfg),
             insisted=cfg.attention_backend is not None)
@@ -189,7 +195,7 @@ class LLM:
             self._tp.send(("setup", ShardSetup(
                 num_blocks, cfg.block_size, plan.kv_dtype, self.attention_backend,
                 self._max_step_tokens(cfg), (cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                             max_pages, self._min_rows()))))
+                                             max_pages, self._min_rows()), host_blocks)))
         return backend
 
     def _assemble(self, cfg: EngineConfig, backend: AttentionBackend) -> None:
@@ -199,24 +205,26 @@ class LLM:
         num_blocks, bs = self.cache.num_blocks, cfg.block_size
         max_blocks = blocks_for(self.max_model_len, bs)
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
-        self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(num_blocks, bs, cfg.enable_prefix_caching,
+                                          self.cache_config.num_host_blocks)
         batch = PersistentBatch(cfg.max_num_seqs, self.vocab_size, max_blocks,
                                 self.eos_token_ids, self.device)
         self.scheduler = Scheduler(self.block_manager, batch, cfg.max_num_seqs,
-                                   cfg.max_num_batched_tokens)
+                                   cfg.max_num_batched_tokens, cfg.preemption_mode)
         inputs = StepInputs(cfg.max_num_batched_tokens, cfg.max_num_seqs,
                             cfg.max_num_seqs * max_blocks, bs, self.cache.scratch_block,
                             self._min_rows(), self.device)
-        runner = ModelRunner(self.model, self.cache, backend, inputs)
+        runner = ModelRunner(self.model, self.cache, backend, inputs, self.host_pool)
         self.engine = Engine(self.scheduler, runner if self._tp is None
                              else TPRunner(runner, self._tp), Sampler())
         stops = StopFactory(self.tokenizer, self.eos_token_ids)
         self.requests = RequestBuilder(
             self.tokenizer, Limits(self.max_model_len, self.vocab_size, bs, num_blocks,
                                    cfg.max_num_seqs, cfg.max_num_batched_tokens),
-            stops, self.eos_token_ids, cfg.seed)
+            stops, self.eos_token_ids, cfg.seed, _pad_id(self.config, self.generation_config))
         self.results = ResultBuilder(self.tokenizer, stops)
-        self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0)
+        self._last_stats = KVStats(num_blocks, bs, 0, 0, 0, 0, 0,
+                                   self.cache_config.num_host_blocks)
         self._busy = False
 
     def _capture_graphs(self, cfg: EngineConfig) -> None:
@@ -362,7 +370,8 @@ class LLM:
         return self.block_manager.reset_prefix_cache()
 
     def kv_stats(self) -> KVStats:
-        """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions."""
+        """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions,
+        and with a swap pool its size, swap-outs, swap-ins and blocks moved."""
         return self._last_stats
 
     def get_tokenizer(self):
@@ -405,20 +414,21 @@ class LLM:
         self._busy = True
         bm, sched = self.block_manager, self.scheduler
         bm.reset_stats()
-        preempt0, prompt0 = sched.num_preemptions, sched.prompt_tokens_computed
+        first = _counters(sched)
         make_bar = use_tqdm if callable(use_tqdm) else tqdm
         bar = make_bar(total=total, desc="Processed prompts", dynamic_ncols=True,
                        disable=not use_tqdm)
         try:
             yield from self.engine.stream(groups, STREAM_WINDOW * sched.max_num_seqs,
-                                          _progress(bar) if use_tqdm else None)
+                                          _progress(bar, bm) if use_tqdm else None)
         finally:
             self._busy = False
             bar.close()
+            preempts, prompt, outs, ins = (b - a for a, b in zip(first, _counters(sched)))
             self._last_stats = KVStats(
                 bm.num_blocks, bm.block_size, bm.peak_blocks_in_use, bm.cow_copies,
-                sched.num_preemptions - preempt0, bm.prefix_hit_tokens,
-                sched.prompt_tokens_computed - prompt0)
+                preempts, bm.prefix_hit_tokens, prompt, bm.num_host_blocks, outs, ins,
+                bm.blocks_swapped_out, bm.blocks_swapped_in)
 
 
 def _length(prompts: object) -> int | None:
@@ -431,8 +441,15 @@ def _length(prompts: object) -> int | None:
         return None
 
 
-def _progress(bar: tqdm):
-    """A step callback that advances the bar by finished prompts and shows token rates."""
+def _counters(sched: Scheduler) -> tuple[int, int, int, int]:
+    """The scheduler's running totals a call's KV figures are differences of."""
+    return (sched.num_preemptions, sched.prompt_tokens_computed, sched.num_swap_outs,
+            sched.num_swap_ins)
+
+
+def _progress(bar: tqdm, bm: BlockManager):
+    """A step callback that advances the bar by finished prompts and shows token rates (and,
+    with a swap pool, the host blocks holding swapped-out groups)."""
     start = time.perf_counter()
     counts = [0, 0, 0.0]  # input tokens, output tokens, last postfix time
 
@@ -444,8 +461,10 @@ def _progress(bar: tqdm):
         now = time.perf_counter()
         if now - counts[2] > 0.2 or bar.n == bar.total:
             el = max(now - start, 1e-9)
+            host = (f", host KV: {bm.host_blocks_in_use()}/{bm.num_host_blocks} blocks"
+                    if bm.num_host_blocks else "")
             bar.set_postfix_str(f"input: {counts[0] / el:,.0f} tok/s, "
-                                f"output: {counts[1] / el:,.0f} tok/s", refresh=False)
+                                f"output: {counts[1] / el:,.0f} tok/s{host}", refresh=False)
             counts[2] = now
     return on_step
 
@@ -471,6 +490,16 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
     return dev
+
+
+def _pad_id(config, generation_config) -> int | None:
+    """The pad id HF generate uses: the generation config's, else the model config's (None:
+    HF falls back to the first EOS id)."""
+    for source in (generation_config, config):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
 
 
 def _eos_ids(config, generation_config, tokenizer) -> list[int]:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from batchgen.engine.beam_trace import BeamTrace
 
 
 @dataclass
@@ -50,7 +54,9 @@ class RequestOutput:
 
 @dataclass
 class BeamSequence:
-    """One finished beam hypothesis; `logprobs` holds each generated token's own logprob."""
+    """One finished beam hypothesis. `logprobs` holds, per generated token, its own logprob
+    and rank and, with `BeamSearchParams(logprobs=k)`, its parent beam's top-k alternatives
+    at that step (the distribution the beam step ranked: after the beam's processors)."""
 
     token_ids: list[int]
     text: str
@@ -73,11 +79,13 @@ class BeamSequence:
 
 @dataclass
 class BeamSearchOutput:
-    """Beam hypotheses of one prompt, best first."""
+    """Beam hypotheses of one prompt, best first; `trace` with `return_trace=True`."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[BeamSequence] = field(default_factory=list)
+    trace: BeamTrace | None = None
+    num_logprobs: int = 0  # the params' logprobs: top-k alternatives each token carries
 
 
 @dataclass(frozen=True)
@@ -91,3 +99,8 @@ class KVStats:
     preemptions: int
     prefix_hit_tokens: int
     prompt_tokens_computed: int = 0  # prompt positions the model ran (after hits, with recomputes)
+    num_host_blocks: int = 0  # the swap pool (swap_space)
+    swap_outs: int = 0  # preemptions that swapped a group out (the rest recomputed)
+    swap_ins: int = 0  # groups swapped back in
+    blocks_swapped_out: int = 0  # distinct blocks copied to the host pool
+    blocks_swapped_in: int = 0  # and back

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
+from batchgen.engine.beam_controls import ControlSpec
 
 # vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
 # (prompt_token_ids, output_token_ids, logits) -> logits; logits is the row's float32 [V].
@@ -23,6 +24,8 @@ logger = logging.getLogger("batchgen")
 # at 0.01 there; here one under 1e-5 is taken at its word, as greedy.
 GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
+# Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
+MAX_BEAM_LOGPROBS = 20
 
 
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
@@ -258,6 +261,11 @@ class SamplingParams(_Stops):
               "logits_processors", "a list of callables (token ids, logits) -> logits", procs)
 
     @property
+    def stop_min_tokens(self) -> int:
+        """Stop strings count only after min_tokens generated tokens (vLLM)."""
+        return self.min_tokens
+
+    @property
     def greedy(self) -> bool:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
@@ -281,8 +289,20 @@ class BeamSearchParams(_Stops):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # HF's beam logits controls, in its processor order, and diverse (group) beam search
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    bad_words: str | list[str] | None = None
+    bad_words_ids: list[list[int]] | None = None
+    min_tokens: int = 0
+    temperature: float = 1.0
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
+    # what the search records beside its hypotheses (engine/beam_trace.py)
+    logprobs: int = 0  # per token, the parent beam's top-k alternatives (0: the token's own)
+    return_trace: bool = False  # BeamSearchOutput.trace: every step's beams and blocks
 
     def __post_init__(self) -> None:
         check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
@@ -302,6 +322,62 @@ class BeamSearchParams(_Stops):
         self._stop_strs = _as_str_list(self.stop, "stop")
         self._stop_ids = _as_id_list(self.stop_token_ids, "stop_token_ids")
         _check_structured(self.structured_outputs)
+        self._check_controls()
+        check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_BEAM_LOGPROBS, "logprobs",
+              f"an integer in [0, {MAX_BEAM_LOGPROBS}] (top-k alternatives per token)",
+              self.logprobs)
+        check_flag(self.return_trace, "return_trace")
+        self._check_groups()
+
+    def _check_controls(self) -> None:
+        """HF's processors: repetition_penalty, no_repeat_ngram_size, bad words, min_tokens
+        (HF min_new_tokens), temperature."""
+        check(is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+              "repetition_penalty", "a number > 0 (1 disables it)", self.repetition_penalty)
+        check(is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+              "no_repeat_ngram_size", "an integer >= 0 (0 disables it)", self.no_repeat_ngram_size)
+        if self.bad_words is not None:
+            self.bad_words = _as_str_list(self.bad_words, "bad_words")
+        ids = self.bad_words_ids
+        check(ids is None or (isinstance(ids, (list, tuple)) and all(
+            isinstance(w, (list, tuple)) and w and all(is_int(t) and t >= 0 for t in w)
+            for w in ids)), "bad_words_ids", "None or a list of non-empty lists of token ids",
+            ids)
+        if ids is not None:
+            self.bad_words_ids = [list(w) for w in ids]
+        check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+              f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        check(is_number(self.temperature) and self.temperature > 0, "temperature",
+              "a number > 0 (it divides the beams' processed log-probs; 1 disables it)",
+              self.temperature)
+
+    def _check_groups(self) -> None:
+        """Diverse beam search (HF 4.x group beam search): groups split the beams evenly and
+        need a positive diversity_penalty; stop strings and grammars are not combined with it."""
+        g = self.num_beam_groups
+        check(is_int(g) and g >= 1 and self.beam_width % g == 0, "num_beam_groups",
+              f"an integer >= 1 that divides beam_width={self.beam_width}", g)
+        d = self.diversity_penalty
+        check(is_number(d) and d >= 0, "diversity_penalty", "a number >= 0", d)
+        check(g == 1 or d > 0, "diversity_penalty",
+              "> 0 when num_beam_groups > 1 (HF: otherwise the groups are identical)", d)
+        check(g > 1 or d == 0, "num_beam_groups",
+              "> 1 when diversity_penalty is set (the penalty acts between groups)", g)
+        if g > 1:
+            check(not self._stop_strs, "stop", "None with num_beam_groups > 1 (stop strings "
+                  "are not combined with group beam search)", self.stop)
+            check(self.structured_outputs is None, "structured_outputs",
+                  "None with num_beam_groups > 1", type(self.structured_outputs).__name__)
+            check(not self.logprobs, "logprobs", "0 with num_beam_groups > 1 (top-k "
+                  "alternatives are recorded by plain beam search only)", self.logprobs)
+
+    @property
+    def controls(self) -> ControlSpec:
+        """The processors this request runs on its beams' log-probs (bad_words not yet
+        tokenized: the request builder adds their ids)."""
+        return ControlSpec(self.repetition_penalty, self.no_repeat_ngram_size,
+                           tuple(tuple(w) for w in self.bad_words_ids or ()), self.min_tokens,
+                           float(self.temperature))
 
     @property
     def width(self) -> int:
@@ -314,11 +390,9 @@ class BeamSearchParams(_Stops):
     skip_special_tokens = property(lambda self: True, doc="Special tokens' text is skipped.")
     include_stop_str_in_output = property(lambda self: False,
                                           doc="A stop string or token is cut from the text.")
-    min_tokens = property(lambda self: 0, doc="EOS may end a beam from the first token.")
+    stop_min_tokens = property(lambda self: 0, doc="Stop strings count from the first token "
+                               "(HF's StopStringCriteria ignores min_new_tokens).")
     prompt_logprobs = property(lambda self: None, doc="Beams score no prompt tokens.")
     truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
-    bad_words = property(lambda self: None, doc="Beams take no logit controls.")
     allowed_token_ids = property(lambda self: None, doc="Beams take no logit controls.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")
-    logprobs = property(lambda self: None,
-                        doc="Each hypothesis carries its tokens' own logprobs, no top-k.")

@@ -39,11 +39,15 @@ class RequestBuilder:
     """Turns one call's prompts and params into SequenceGroups with their policies."""
 
     def __init__(self, tokenizer: Any, limits: Limits, stops: StopFactory,
-                 eos_token_ids: list[int], seed: int | None = 0) -> None:
+                 eos_token_ids: list[int], seed: int | None = 0,
+                 pad_token_id: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.stops = stops
         self.eos_token_ids = eos_token_ids
+        # what HF writes into a finished beam group's rows (counted by the diversity penalty)
+        self.pad_token_id = pad_token_id if pad_token_id is not None else (
+            eos_token_ids[0] if eos_token_ids else 0)
         # structured outputs: one xgrammar compiler, made on the first constrained request
         self.grammars = Grammars(tokenizer, limits.vocab_size, eos_token_ids)
         # unseeded samples draw their seeds here: reproducible under the LLM's seed, in the

@@ -63,12 +63,13 @@ class ResultBuilder:
             token_ids=h.token_ids,
             text=self._beam_text(group, h.token_ids, h.finish_reason),
             cumulative_logprob=h.sum_logprobs, score=h.score, finish_reason=h.finish_reason,
-            logprobs=[_logprobs({t: lp}, decode) for t, lp in zip(h.token_ids,
-                                                                  h.token_logprobs)],
+            logprobs=[_logprobs(lp.entry(t), decode) for t, lp in zip(h.token_ids,
+                                                                      h.token_logprobs)],
             prompt_token_ids=group.prompt_token_ids)
             for h in group.policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                                sequences=seqs)
+                                sequences=seqs, trace=group.policy.trace,
+                                num_logprobs=group.params.logprobs)
 
     def _beam_text(self, group: SequenceGroup, token_ids: list[int], reason: str) -> str:
         """A hypothesis's text: replayed through a checker with stop strings, else decoded

@@ -29,6 +29,12 @@ gets one untimed warm-up on two prompts, then the whole workload is timed with
      max_new_tokens = min_new_tokens = L`` (best of ``--hf-batch-sizes``).
    * HF generate_batch has no beam search.
 
+   With ``--controls-widths`` (default 4), the same width runs again with HF's beam logits
+   controls, ``no_repeat_ngram_size=--ngram`` (3) and ``repetition_penalty=--rep-penalty``
+   (1.2), in both systems: batchgen ``BeamSearchParams(..., min_tokens=L)`` (EOS banned
+   as HF's ``min_new_tokens=L`` bans it, so both run the same search) and HF generate with the
+   same two controls. The report gives the controls' cost (controls run vs plain run) in each.
+
    Output tokens count the best beam only: ``num_prompts * L``. The best beams are compared
    with HF's (identical fraction, mean common prefix). Known source of (rare) differences:
    with ``ignore_eos`` batchgen treats EOS as an ordinary token, while HF's ``min_new_tokens``
@@ -52,6 +58,8 @@ Usage (from the repository root)::
     PYTHONPATH=. python benchmarks/sampling.py --num-prompts 2 --output-len 8 --beam-widths 4
     PYTHONPATH=. python benchmarks/sampling.py --beam-widths 64 --skip-hf --skip-generate-batch
     PYTHONPATH=. python benchmarks/sampling.py --repeats 3   # on a busy machine
+    PYTHONPATH=. python benchmarks/sampling.py --n 0 --beam-widths 4 --skip-generate-batch
+        # beam W=4 plain and with no_repeat_ngram_size=3 + repetition_penalty=1.2, vs HF
 """
 
 from __future__ import annotations
@@ -116,6 +124,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
     g.add_argument("--beam-widths", default="4,16",
                    help="comma-separated beam widths ('' or 0 skips beam search)")
+    g.add_argument("--controls-widths", default=None,
+                   help="beam widths also run with the n-gram block and repetition penalty "
+                        "('' or 0: none; default: 4 when it is among --beam-widths)")
+    g.add_argument("--controls-first", action="store_true",
+                   help="run the controls variant before the plain one (a second run in the "
+                        "other order brackets a drift in the machine's load)")
+    g.add_argument("--ngram", type=int, default=3, help="no_repeat_ngram_size of that run")
+    g.add_argument("--rep-penalty", type=float, default=1.2,
+                   help="repetition_penalty of that run")
     g = p.add_argument_group("systems")
     g.add_argument("--block-size", type=int, default=16, help="batchgen KV block size")
     g.add_argument("--max-num-seqs", type=int, default=256,
@@ -145,6 +162,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.beam_widths and max(args.beam_widths) > args.max_num_seqs:
         p.error(f"--beam-widths must be <= --max-num-seqs ({args.max_num_seqs}): all beams of "
                 "a prompt decode together in batchgen")
+    cw = ("4" if 4 in args.beam_widths else "") if args.controls_widths is None \
+        else str(args.controls_widths).strip()
+    args.controls_widths = ([] if cw in ("", "0") else
+                            parse_int_list(p, cw, "--controls-widths"))
+    if set(args.controls_widths) - set(args.beam_widths):
+        p.error("--controls-widths must be among --beam-widths")
     if args.n == 0 and not args.beam_widths:
         p.error("nothing to run: --n 0 and no --beam-widths")
     args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
@@ -227,15 +250,19 @@ def run_batchgen_sampling(llm, prompts: list[list[int]], args: argparse.Namespac
                   sum(map(len, prompts)), extra)
 
 
-def run_batchgen_beam(llm, prompts: list[list[int]], width: int, args: argparse.Namespace
+def run_batchgen_beam(llm, prompts: list[list[int]], width: int, args: argparse.Namespace,
+                      controls: dict[str, Any] | None = None
                       ) -> tuple[Result, list[list[int]]]:
+    """``controls``: HF's beam controls; then EOS is banned by ``min_tokens`` (HF's
+    ``min_new_tokens``) instead of ignored, so the search is HF's exactly."""
     from batchgen import BeamSearchParams
 
     L = args.output_len
 
     def go(ps: list[list[int]], n_tokens: int):
+        eos = dict(min_tokens=n_tokens, **controls) if controls else dict(ignore_eos=True)
         bp = BeamSearchParams(beam_width=width, max_tokens=n_tokens, length_penalty=1.0,
-                              early_stopping=False, ignore_eos=True)
+                              early_stopping=False, **eos)
         return llm.beam_search([{"prompt_token_ids": p} for p in ps], bp, use_tqdm=False)
 
     with torch.inference_mode():
@@ -253,8 +280,8 @@ def run_batchgen_beam(llm, prompts: list[list[int]], width: int, args: argparse.
     extra = {"wall_s_all": walls, "width": width, "best_first": ordered,
              "best_scores": [b.sequences[0].score for b in beams],
              **kv_extra(llm, prompts, width, args)}
-    config = (f"W={width}, block {args.block_size}, peak {extra['kv_peak_blocks']}/"
-              f"{extra['kv_num_blocks']} blocks")
+    config = (f"W={width}{', ' + controls_label(controls) if controls else ''}, block "
+              f"{args.block_size}, peak {extra['kv_peak_blocks']}/{extra['kv_num_blocks']} blocks")
     return Result("batchgen", config, min(walls), sum(map(len, best)),
                   sum(map(len, prompts)), extra), best
 
@@ -366,6 +393,55 @@ def recheck_eos_as_token(model: torch.nn.Module, prompts: list[list[int]], best:
     return same
 
 
+def controls_label(controls: dict[str, Any]) -> str:
+    return (f"+ngram{controls['no_repeat_ngram_size']}"
+            f"+rep{controls['repetition_penalty']:g}")
+
+
+def controls_cost(name: str, runs: dict[str, list[Result]]) -> str:
+    """One line: a controls run's wall time over its plain run's, in batchgen and best HF."""
+    plain = runs[name.split(" +")[0]]
+    ctl = runs[name]
+    parts = [f"batchgen {ctl[0].wall_s:.2f} s vs {plain[0].wall_s:.2f} s "
+             f"({ctl[0].wall_s / plain[0].wall_s:.2f}x)"]
+    hf_c = [r for r in ctl if r.system == "HF generate"]
+    hf_p = [r for r in plain if r.system == "HF generate"]
+    if hf_c and hf_p:
+        c, q = min(r.wall_s for r in hf_c), min(r.wall_s for r in hf_p)
+        parts.append(f"HF generate (best batch) {c:.2f} s vs {q:.2f} s ({c / q:.2f}x); "
+                     f"batchgen over HF with the controls {c / ctl[0].wall_s:.2f}x")
+    return f"{name}: cost of the controls: " + "; ".join(parts)
+
+
+def run_beam_workload(llm, hf_model, prompts: list[list[int]], width: int,
+                      args: argparse.Namespace, eos_ids: list[int], name: str,
+                      controls: dict[str, Any] | None) -> list[Result]:
+    """batchgen, then HF generate at every batch size, on one beam workload; best beams
+    compared (with controls both ban EOS the same way, so they should agree exactly)."""
+    print(f"  {name}", flush=True)
+    res, best = run_batchgen_beam(llm, prompts, width, args, controls)
+    out = [res]
+    print(f"    batchgen: {res.wall_s:.2f} s", flush=True)
+    gc.collect()
+    if args.skip_hf:
+        return out
+    label = f"W={width}" + (f" {controls_label(controls)}" if controls else "")
+    for r, toks in run_hf(hf_model, prompts, args, label, 1, width, num_beams=width,
+                          num_return_sequences=1, do_sample=False, early_stopping=False,
+                          length_penalty=1.0, **(controls or {})):
+        r.extra["best_beam_agreement"] = beam_agreement(best, toks, eos_ids)
+        out.append(r)
+    bad = sorted({i for r in out[1:] for i in r.extra["best_beam_agreement"]["mismatched_prompts"]})
+    if bad and not controls:
+        ok = recheck_eos_as_token(hf_model, prompts, best, bad, width, args)
+        for r in out[1:]:
+            r.extra["best_beam_agreement"]["recheck_eos_as_token"] = {"prompts": bad, "match": ok}
+        print(f"    recheck (HF batch 1, EOS as an ordinary token) on mismatched "
+              f"prompts {bad}: {ok}/{len(bad)} match batchgen", flush=True)
+    gc.collect()
+    return out
+
+
 def pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
@@ -427,29 +503,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 gc.collect()
 
         for width in args.beam_widths:
-            name = f"beam W={width}"
-            expected[name] = N * L
-            print(f"  {name}", flush=True)
-            res, best = run_batchgen_beam(llm, prompts, width, args)
-            runs[name] = [res]
-            print(f"    batchgen: {res.wall_s:.2f} s", flush=True)
-            gc.collect()
-            if not args.skip_hf:
-                for r, toks in run_hf(hf_model, prompts, args, f"W={width}", 1, width,
-                                      num_beams=width, num_return_sequences=1, do_sample=False,
-                                      early_stopping=False, length_penalty=1.0):
-                    r.extra["best_beam_agreement"] = beam_agreement(best, toks, eos_ids)
-                    runs[name].append(r)
-                bad = sorted({i for r in runs[name][1:]
-                              for i in r.extra["best_beam_agreement"]["mismatched_prompts"]})
-                if bad:
-                    ok = recheck_eos_as_token(hf_model, prompts, best, bad, width, args)
-                    for r in runs[name][1:]:
-                        r.extra["best_beam_agreement"]["recheck_eos_as_token"] = {
-                            "prompts": bad, "match": ok}
-                    print(f"    recheck (HF batch 1, EOS as an ordinary token) on mismatched "
-                          f"prompts {bad}: {ok}/{len(bad)} match batchgen", flush=True)
-                gc.collect()
+            variants = [None] + ([{"no_repeat_ngram_size": args.ngram,
+                                   "repetition_penalty": args.rep_penalty}]
+                                 if width in args.controls_widths else [])
+            if args.controls_first:
+                variants.reverse()
+            for controls in variants:
+                name = f"beam W={width}" + (f" {controls_label(controls)}" if controls else "")
+                expected[name] = N * L
+                runs[name] = run_beam_workload(llm, hf_model, prompts, width, args, eos_ids,
+                                               name, controls)
         del llm, hf_model
         gc.collect()
     sync(args.device)
@@ -513,6 +576,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 print(f"{name}: with EOS an ordinary token in HF too (untimed recheck, batch 1), "
                       f"{rc['match']}/{len(rc['prompts'])} of the mismatched prompts "
                       f"{rc['prompts']} match batchgen")
+    for name in runs:
+        if "+ngram" in name:
+            print(controls_cost(name, runs))
     if n and not args.skip_generate_batch:
         print(f"HF generate_batch: num_return_sequences={n} supported natively in transformers "
               f"{info['transformers']} (prefill once, fork children), not emulated.")

@@ -50,20 +50,34 @@ class FakeRunner:
     """Implements the engine's Runner protocol over a pool of token ids (one per slot)."""
 
     def __init__(self, num_blocks: int, block_size: int, max_tokens: int, max_seqs: int,
-                 max_model_len: int, min_rows: int = 0) -> None:
+                 max_model_len: int, min_rows: int = 0, num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.pool = torch.full(((num_blocks + 1) * block_size,), -1, dtype=torch.long)
+        self.host = torch.full((num_host_blocks * block_size,), -1, dtype=torch.long)
         self.inputs = StepInputs(max_tokens, max_seqs,
                                  max_seqs * blocks_for(max_model_len, block_size), block_size,
                                  num_blocks, min_rows, torch.device("cpu"))
         self.step_tokens: list[int] = []  # query tokens of each step
         self.copies = 0
+        self.swaps = 0
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         b = self.block_size
         for src, dst in copies:
             self.pool[dst * b:(dst + 1) * b] = self.pool[src * b:(src + 1) * b]
         self.copies += len(copies)
+
+    def swap_blocks(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]
+                    ) -> None:
+        """Swaps in, then out; a swapped-in block's host copy is overwritten with -2, so a
+        block read back twice (or a host block read after reuse) changes the context."""
+        b = self.block_size
+        for src, dst in swap_in:
+            self.pool[dst * b:(dst + 1) * b] = self.host[src * b:(src + 1) * b]
+            self.host[src * b:(src + 1) * b] = -2
+        for src, dst in swap_out:
+            self.host[dst * b:(dst + 1) * b] = self.pool[src * b:(src + 1) * b]
+        self.swaps += len(swap_in) + len(swap_out)
 
     def execute(self, rows: StepRows) -> torch.Tensor:
         self.step_tokens.append(int(rows.num_new.sum()))
@@ -86,14 +100,16 @@ class FakeLLM:
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
-                 max_model_len: int = 256, min_rows: int = 0) -> None:
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+                 max_model_len: int = 256, min_rows: int = 0, num_host_blocks: int = 0,
+                 preemption_mode: str = "recompute") -> None:
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          num_host_blocks)
         self.batch = PersistentBatch(max_num_seqs, VOCAB, blocks_for(max_model_len, block_size),
                                      [EOS], torch.device("cpu"))
         self.scheduler = Scheduler(self.block_manager, self.batch, max_num_seqs,
-                                   max_num_batched_tokens)
+                                   max_num_batched_tokens, preemption_mode)
         self.runner = FakeRunner(num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
-                                 max_model_len, min_rows)
+                                 max_model_len, min_rows, num_host_blocks)
         self.engine = Engine(self.scheduler, self.runner, Sampler())
         step = self.engine.step
 

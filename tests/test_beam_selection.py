@@ -117,10 +117,10 @@ def drive(model: Any, prompt: list[int], state: BeamSearchState,
     assert all(a.score >= b.score for a, b in zip(hyps, hyps[1:]))
     for h in hyps:  # per-token logprobs add up to the hypothesis's sum; ranks start at 1
         assert len(h.token_logprobs) == len(h.token_ids)
-        assert all(rank >= 1 for _, rank in h.token_logprobs)
+        assert all(t.rank >= 1 for t in h.token_logprobs)
         if h.score > -1e8:
-            assert sum(lp for lp, _ in h.token_logprobs) == pytest.approx(h.sum_logprobs,
-                                                                           abs=1e-3)
+            assert sum(t.logprob for t in h.token_logprobs) == pytest.approx(h.sum_logprobs,
+                                                                             abs=1e-3)
     for h in hyps:  # every returned hypothesis was announced in some step's `finished`
         assert any(s.token_ids == h.token_ids and s.score == h.score for s in seen)
     return Run(hyps, steps)

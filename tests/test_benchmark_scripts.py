@@ -23,6 +23,9 @@ RUNS = {
 
 ALONE = {  # scripts with their own small settings
     "gpu_bench.py": ["--device", "cpu", "--quick"],
+    "beam_trace.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
+                      "--min-prompt-len", "4", "--max-prompt-len", "20", "--beam-widths", "2",
+                      "--repeats", "1"],
     "kv_quality.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3"],
     "ray_scaling.py": ["--model-size", "tiny", "--rows", "24", "--n", "2", "--max-tokens", "3",
                        "--batch-size", "6"],
@@ -38,6 +41,9 @@ ALONE = {  # scripts with their own small settings
     # TP=1 and TP=2 (one worker process, a few seconds to start) on the smallest model
     "tensor_parallel.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3",
                            "--min-prompt-len", "4", "--max-prompt-len", "20"],
+    "swap.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "4", "--repeats", "1",
+                "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
+                "--beam-width", "2", "--block-size", "4"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -46,6 +52,9 @@ ALONE = {  # scripts with their own small settings
 EXPECT = {  # lines a script must print with the settings above
     "eval.py": ["| bg_mc  | acc_norm,none", "| bg_ppl | bits_per_byte,none", "metrics agree",
                 "| bg_mc  | batchgen, no prefix cache |"],
+    "swap.py": ["swap gave the roomy pool's tokens", "| samples, width 2 | swap",
+                "| beams, width 2   | recompute"],
+    "beam_trace.py": ["| W | config", "| 2 | trace+logprobs |"],
     "structured.py": ["constrained / unconstrained tok/s", "| regex / beams w=4"],
     "host_overhead.py": ["| HF generate | greedy", "growth (penalties + stop, 64 rows)",
                          "function calls per decode step (penalties + stop, 64 rows)"],

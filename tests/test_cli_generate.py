@@ -191,6 +191,16 @@ def test_tensor_parallel_size_reaches_the_llm_arguments(command: list[str]) -> N
     assert engine_kwargs(args, None)["tensor_parallel_size"] == 2
 
 
+def test_swap_flags_reach_the_llm_arguments() -> None:
+    argv = ["generate", "--model", "m", "--input", "x.jsonl", "--output", "o"]
+    kw = engine_kwargs(build_parser().parse_args(argv), None)
+    assert (kw["swap_space"], kw["preemption_mode"]) == (0, None)
+    args = build_parser().parse_args([*argv, "--swap-space", "1.5", "--preemption-mode",
+                                      "recompute"])
+    kw = engine_kwargs(args, None)
+    assert (kw["swap_space"], kw["preemption_mode"]) == (1.5, "recompute")
+
+
 def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,
                                          capsys) -> None:
     """A real --tensor-parallel-size 2 job (one worker process, a few seconds to start):
@@ -234,6 +244,33 @@ def test_beam_command(tiny_model_factory, jsonl: Path, tmp_path: Path, capsys) -
         prompts, BeamSearchParams(beam_width=3, max_tokens=5), use_tqdm=False)
     for row, want in zip(rows, expected):
         assert [o["token_ids"] for o in row["outputs"]] == [s.token_ids for s in want.sequences]
+
+
+def test_beam_command_takes_the_beam_controls(tiny_model_factory, jsonl: Path, tmp_path: Path,
+                                              capsys) -> None:
+    from batchgen import LLM, BeamSearchParams
+
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    out = tmp_path / "beams"
+    argv = ["beam", "--model", str(model), "--input", str(jsonl), "--output", str(out),
+            "--prompt-column", "question", "--beam-width", "4", "--max-tokens", "6", "--quiet",
+            "--no-repeat-ngram-size", "2", "--repetition-penalty", "1.3", "--min-tokens", "2",
+            "--bad-word", "the", "--num-beam-groups", "2", "--diversity-penalty", "0.5"]
+    assert main(argv) == 0
+    rows = rows_by_id(out)
+    prompts = [json.loads(line)["question"] for line in jsonl.read_text().splitlines()]
+    expected = LLM(str(model), device="cpu").beam_search(prompts, BeamSearchParams(
+        beam_width=4, max_tokens=6, no_repeat_ngram_size=2, repetition_penalty=1.3,
+        min_tokens=2, bad_words=["the"], num_beam_groups=2, diversity_penalty=0.5),
+        use_tqdm=False)
+    for row, want in zip(rows, expected):
+        assert [o["token_ids"] for o in row["outputs"]] == [s.token_ids for s in want.sequences]
+        assert [o["score"] for o in row["outputs"]] == [s.score for s in want.sequences]
+    assert main([*argv, "--resume"]) == 0  # the finished job resumes to itself
+    code, err = run_main([*argv, "--resume", "--diversity-penalty", "0.6"], capsys)
+    assert code == 2 and "holds a different job (params differ)" in err
+    code, err = run_main([*argv[:-4], "--num-beam-groups", "3"], capsys)
+    assert code == 2 and "num_beam_groups must be an integer >= 1 that divides" in err, err
 
 
 @pytest.mark.parametrize("argv", [

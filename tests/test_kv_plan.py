@@ -74,6 +74,19 @@ def test_llama2_13b_worked_example_cli(llama2_13b: Path, capsys) -> None:
     assert "sliding" not in out
 
 
+def test_swap_space_in_the_worked_example(llama2_13b: Path, capsys) -> None:
+    """4 GiB of swap for Llama-2-13B: 2^32 / (16 x 819,200) = 327.68 -> 327 whole blocks."""
+    code, out, err = run_cli(["kv-plan", "--model", str(llama2_13b), "--max-model-len", "2048",
+                              "--memory", "80GiB", "--swap-space", "4"], capsys)
+    assert code == 0, err
+    assert ("swap pool: 4 GiB of CPU RAM / 13,107,200 bytes per block = 327 blocks = 5,232 "
+            "tokens (2.55 max_model_len sequences swapped out at once)") in out
+    assert "; host swap pool: 327 blocks = 5232 tokens, 4087.5 MiB of CPU RAM" in out
+    code, _, err = run_cli(["kv-plan", "--model", str(llama2_13b), "--swap-space", "-1"],
+                           capsys)
+    assert code != 0 and "swap_space must be a number of GiB >= 0, got -1" in err
+
+
 def test_default_memory_is_the_cpu_default_and_said(llama2_13b: Path, capsys) -> None:
     code, out, _ = run_cli(["kv-plan", "--model", str(llama2_13b)], capsys)
     assert code == 0
@@ -109,6 +122,7 @@ def test_parse_memory(text: str, expected: int) -> None:
     ("llama", {}),  # the CPU default budget, capped at what max_num_seqs sequences use
     ("llama", {"kv_cache_memory": 300_000, "block_size": 8, "max_model_len": 200}),
     ("llama", {"kv_cache_memory": 40_000, "block_size": 16, "max_num_seqs": 4}),  # len capped
+    ("qwen3", {"kv_cache_memory": 300_000, "block_size": 8, "swap_space": 0.001}),
     ("gemma2", {"kv_cache_memory": 1 << 20, "block_size": 32, "kv_cache_dtype": "bfloat16"}),
     ("mistral", {"block_size": 4, "max_num_seqs": 3, "max_model_len": 100,
                  "kv_cache_dtype": "fp8"}),
@@ -120,8 +134,10 @@ def test_plan_matches_llm_capacity_line(tiny_model_factory, family: str, kw: dic
     plan = plan_kv(loader.load_config(path), memory=kw.get("kv_cache_memory"),
                    block_size=kw.get("block_size", 16), max_model_len=kw.get("max_model_len"),
                    kv_cache_dtype=kw.get("kv_cache_dtype", "auto"),
-                   max_num_seqs=kw.get("max_num_seqs", 256))
+                   max_num_seqs=kw.get("max_num_seqs", 256),
+                   swap_space=kw.get("swap_space", 0))
     assert plan.capacity_line() == logged
+    assert plan.host_bytes == (llm.host_pool.nbytes if llm.host_pool else 0)
     assert (plan.num_blocks, plan.max_model_len) == (llm.cache.num_blocks, llm.max_model_len)
     assert plan.bytes_per_token == llm.cache.bytes_per_token
     assert plan.pool_bytes == llm.cache.pool[:, :, :-1].nbytes  # scratch block aside

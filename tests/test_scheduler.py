@@ -28,6 +28,7 @@ def _assert_whole(llm: FakeLLM) -> None:
     bm = llm.block_manager
     check_pool_invariants(bm)
     assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
+    assert not bm.host_blocks_in_use() and not any(bm.host_ref_count) and not bm.host_tables()
     assert not llm.scheduler.has_unfinished() and not llm.batch.num_seqs
 
 
@@ -61,11 +62,12 @@ def test_the_fake_model_reads_what_was_written():
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 2, 4, 16]),
        caching=st.booleans(), slack=st.integers(0, 12), budget=st.sampled_from([8, 16, 256]),
-       max_seqs=st.sampled_from([3, 8, 256]))
+       max_seqs=st.sampled_from([3, 8, 256]), host=st.sampled_from([0, 4, 64]))
 def test_fuzzed_requests_equal_the_unpaged_reference(seed, block_size, caching, slack, budget,
-                                                     max_seqs):
+                                                     max_seqs, host):
     """Random prompts (some sharing a prefix), n samples and beams, in pools from the exact
-    bound of the largest request upwards: every output equals the reference."""
+    bound of the largest request upwards, preempting by recompute or (with a host pool of
+    `host` blocks) by swap where it has room: every output equals the reference."""
     rng = random.Random(seed)
     prompts = _prompts(rng, rng.randint(1, 6), rng.choice([0, 5, 9]), 1, 14)
     params = []
@@ -80,7 +82,8 @@ def test_fuzzed_requests_equal_the_unpaged_reference(seed, block_size, caching, 
     need = max(request_peak_blocks(len(q), p.width, p.max_tokens, block_size)
                for q, p in zip(prompts, params))
     llm = FakeLLM(num_blocks=need + slack, block_size=block_size, max_num_seqs=max_seqs,
-                  max_num_batched_tokens=budget, enable_prefix_caching=caching)
+                  max_num_batched_tokens=budget, enable_prefix_caching=caching,
+                  num_host_blocks=host, preemption_mode="swap" if host else "recompute")
     samples = [(q, p) for q, p in zip(prompts, params) if isinstance(p, SamplingParams)]
     beams = [(q, p) for q, p in zip(prompts, params) if isinstance(p, BeamSearchParams)]
     if samples:
@@ -201,12 +204,15 @@ def _interrupted_workload(llm: FakeLLM, event: int | None) -> tuple[object, int]
             [[s.token_ids for s in o.sequences] for o in b]), count[0]
 
 
-def test_an_interrupt_anywhere_leaves_every_block_free():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_an_interrupt_anywhere_leaves_every_block_free(mode):
     """Ctrl-C injected at 60 points spread over every line the scheduler, policies, block
-    manager and request builder execute: each time the pool is whole and consistent, and the
-    next call gives the uninterrupted outputs."""
+    manager and request builder execute (swaps out and in included): each time the device
+    and host pools are whole and consistent, and the next call gives the uninterrupted
+    outputs."""
     def make():
-        return FakeLLM(num_blocks=22, block_size=2, max_num_batched_tokens=8)
+        return FakeLLM(num_blocks=22, block_size=2, max_num_batched_tokens=8,
+                       num_host_blocks=40 if mode == "swap" else 0, preemption_mode=mode)
 
     want, _ = _interrupted_workload(make(), None)
     total = _interrupted_workload(make(), 0)[1]  # lines a whole run executes
@@ -220,6 +226,7 @@ def test_an_interrupt_anywhere_leaves_every_block_free():
         _assert_whole(llm)
     assert _interrupted_workload(llm, None)[0] == want
     assert llm.scheduler.num_preemptions > 0  # the workload preempts, so those paths were hit
+    assert (llm.scheduler.num_swap_ins > 0) == (mode == "swap")
 
 
 def test_penalty_state_follows_each_sequence_through_forks_moves_growth_and_preemption():

@@ -25,6 +25,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks (processes; GPUs on CUDA): N must divide "
                         "its attention and KV heads (default 1)")
+    e.add_argument("--swap-space", type=float, default=0, metavar="GIB",
+                   help="GiB of CPU RAM to swap preempted groups' KV blocks into (default 0)")
+    e.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
+                   help="default: swap with --swap-space, else recompute")
 
 
 def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict[str, Any]:
@@ -36,4 +40,5 @@ def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict
                 kv_cache_dtype=args.kv_cache_dtype, kv_cache_memory=kv_cache_memory,
                 num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size)
+                tensor_parallel_size=args.tensor_parallel_size, swap_space=args.swap_space,
+                preemption_mode=args.preemption_mode)

@@ -41,6 +41,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--length-penalty", type=float, default=1.0)
     b.add_argument("--early-stopping", action="store_true")
     b.add_argument("--num-return-sequences", type=int, default=None)
+    c = beam.add_argument_group("beam controls (HF's logits processors) and diverse beams")
+    c.add_argument("--repetition-penalty", type=float, default=1.0)
+    c.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    c.add_argument("--bad-word", action="append", default=None, dest="bad_words",
+                   help="a word no beam may contain (repeatable)")
+    c.add_argument("--min-tokens", type=int, default=0, help="HF's min_new_tokens")
+    c.add_argument("--temperature", type=float, default=1.0,
+                   help="divides the beams' processed log-probs (scores only)")
+    c.add_argument("--num-beam-groups", type=int, default=1,
+                   help="diverse beam search: groups of beam-width / G beams")
+    c.add_argument("--diversity-penalty", type=float, default=0.0,
+                   help="Hamming diversity between groups (> 0 with --num-beam-groups > 1)")
+    b.add_argument("--logprobs", type=int, default=0,
+                   help="top-k alternatives per token of each beam (0-20; 0: none)")
     beam.set_defaults(run=run, kind="beam")
 
 
@@ -159,13 +173,21 @@ def _params(args: argparse.Namespace) -> Any:
                                 length_penalty=args.length_penalty,
                                 early_stopping=args.early_stopping,
                                 num_return_sequences=args.num_return_sequences,
-                                structured_outputs=so)
+                                structured_outputs=so, logprobs=args.logprobs,
+                                **_beam_controls(args))
     return SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p,
                           repetition_penalty=args.repetition_penalty,
                           max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
                           logprobs=args.logprobs, ignore_eos=args.ignore_eos, seed=args.seed,
                           structured_outputs=so)
+
+
+def _beam_controls(args: argparse.Namespace) -> dict[str, Any]:
+    """The beam-control flags as BeamSearchParams fields (checked there, before loading)."""
+    names = ("repetition_penalty", "no_repeat_ngram_size", "bad_words", "min_tokens",
+             "temperature", "num_beam_groups", "diversity_penalty")
+    return {n: getattr(args, n) for n in names}
 
 
 def _constraint(args: argparse.Namespace) -> Any:

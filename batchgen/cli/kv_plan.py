@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="model dtype ('auto': the config's); the KV dtype for --kv-cache-dtype "
                         "auto")
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--swap-space", type=float, default=0, metavar="GIB",
+                   help="GiB of CPU RAM for swapped-out blocks (LLM's swap_space; default 0)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=run)
@@ -67,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     config = loader.load_config(path, args.trust_remote_code)
     plan = plan_kv(config, memory=memory, block_size=args.block_size,
                    max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
-                   dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+                   dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                   swap_space=args.swap_space)
     if args.json:
         print(json.dumps({"model": str(path), **plan.to_dict()}, indent=2))
     else:
@@ -102,6 +105,13 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
         lines.append(f"max_model_len = {s}, what the KV pool holds (the model allows "
                      f"{plan.model_max_len})")
     lines.append(f"max concurrency at max_model_len={s}: {plan.max_concurrency:.2f}x")
+    if plan.num_host_blocks:
+        lines.append(
+            f"swap pool: {plan.swap_space:g} GiB of CPU RAM / {plan.bytes_per_block:,} bytes "
+            f"per block = {plan.num_host_blocks:,} blocks = "
+            f"{plan.num_host_blocks * plan.block_size:,} tokens "
+            f"({plan.num_host_blocks / plan.seq_blocks:.2f} max_model_len sequences "
+            "swapped out at once)")
     if plan.sliding is not None:
         sw, windowed = plan.sliding, plan.windowed_seq_bytes or 0
         lines.append(

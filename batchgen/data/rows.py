@@ -57,7 +57,7 @@ def output_type(params: SamplingParams | BeamSearchParams, constraint: str | Non
     fields = list(_FIELDS[kind_of(params).name])
     if constraint is not None:
         fields.append(("valid", pa.bool_()))
-    if params.logprobs is not None:
+    if kind_of(params).keeps_logprobs(params):
         fields.append(("logprobs", pa.list_(pa.list_(_LOGPROB))))
     return pa.list_(pa.struct(fields))
 

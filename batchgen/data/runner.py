@@ -211,6 +211,7 @@ def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any,
                 ) -> None:
     """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
     check_type(params, "params", (SamplingParams, BeamSearchParams))
+    kind_of(params).check_job(params)
     check_int(rows_per_shard, "rows_per_shard")
     check_flag(resume, "resume")
     if resume and output_dir is None:
@@ -252,6 +253,9 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
         fields["structured_outputs"] = dataclasses.asdict(fields["structured_outputs"])
     else:  # absent, as in manifests written before it existed (they stay resumable)
         fields.pop("structured_outputs", None)
+    for name, default in _BEAM_CONTROLS.items():  # at their defaults: absent, as in
+        if isinstance(params, BeamSearchParams) and fields[name] == default:  # manifests
+            fields.pop(name)  # written before them (older beam jobs stay resumable)
     if not fields.get("prompt_logprobs_start"):  # absent when 0, as in older manifests
         fields.pop("prompt_logprobs_start", None)
     fields["seed"] = None  # the job seed below covers it
@@ -263,6 +267,13 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
     if writer is not None and writer.name != "parquet":  # (absent for Parquet, as before)
         job["output_format"] = writer.name
     return job
+
+
+# BeamSearchParams fields newer than the manifest format, with their defaults
+_BEAM_CONTROLS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words": None,
+                  "bad_words_ids": None, "min_tokens": 0, "temperature": 1.0,
+                  "num_beam_groups": 1, "diversity_penalty": 0.0, "logprobs": 0,
+                  "return_trace": False}
 
 
 def json_safe(value: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Rank 0's model runner under tensor parallelism: each step's block copies and rows go to the
-workers in one broadcast, then through rank 0's own shard; the logits (full vocabulary on every
+"""Rank 0's model runner under tensor parallelism: each step's block swaps, copies and rows go
+to the workers in one broadcast, then through rank 0's own shard; the logits (full vocabulary on every
 rank) are rank 0's to sample. Same interface as ModelRunner (the Engine's Runner)."""
 
 from __future__ import annotations
@@ -24,11 +24,21 @@ class TPRunner:
         self.local = local
         self.group = group
         self.backend = local.backend
-        self.pending: list[tuple[int, int]] = []  # copies the workers make before the next step
+        # block operations the workers make, in order, before the next step's forward:
+        # ("swap_in" | "swap_out" | "copy", pairs)
+        self.pending: list[tuple[str, list[tuple[int, int]]]] = []
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.local.copy_blocks(copies)
-        self.pending.extend(copies)
+        if copies:
+            self.pending.append(("copy", copies))
+
+    def swap_blocks(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]
+                    ) -> None:
+        """Every rank swaps the same block ids of its own host pool (its local KV heads)."""
+        self.local.swap_blocks(swap_in, swap_out)
+        self.pending += [(kind, pairs) for kind, pairs in (("swap_in", swap_in),
+                                                             ("swap_out", swap_out)) if pairs]
 
     def execute(self, rows: StepRows) -> torch.Tensor:
         """One step on every rank. A Ctrl-C during it is held until every rank has finished the

@@ -1,7 +1,7 @@
 """A tensor-parallel worker (ranks 1..k-1): loads its shard of the weights, probes its layers,
 and then runs whatever rank 0 sends on the control channel: the pool and backend to build
-("setup"), a profiling forward on a GPU ("profile"), a step's block copies and forward
-("step"), "stop". Its logits are dropped: rank 0 samples. It owns its shard, its KV pool of
+("setup"), a profiling forward on a GPU ("profile"), a step's block swaps, copies and
+forward ("step"), "stop". Its logits are dropped: rank 0 samples. It owns its shard, its KV pool of
 local heads (same block ids as every rank) and its step buffers; rank 0 owns everything else.
 """
 
@@ -23,6 +23,7 @@ from batchgen.attention.spec import probe_specs
 from batchgen.distributed.group import WorkerSpec, init_rank
 from batchgen.distributed.plan import rank_device
 from batchgen.kv.cache import KVCache
+from batchgen.kv.swap import HostPool
 from batchgen.model import loader
 from batchgen.model.inputs import StepInputs
 from batchgen.model.profile import device_kv_budget
@@ -40,6 +41,7 @@ class ShardSetup:
     backend: str
     max_step_tokens: int
     inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
+    num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
 
 
 def worker_main(rank: int, spec: WorkerSpec, life: Any) -> None:
@@ -90,9 +92,19 @@ def serve(rank: int, spec: WorkerSpec) -> None:
             budget = torch.tensor([device_kv_budget(model, *args[:2], device, *args[2:])])
             dist.all_reduce(budget, op=dist.ReduceOp.MIN, group=control)
         elif kind == "step":
-            copies, rows = args
-            runner.copy_blocks(copies)
+            block_ops, rows = args
+            _block_ops(runner, block_ops)
             runner.execute(rows)
+
+
+def _block_ops(runner: ModelRunner, ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
+    """Rank 0's swaps and copies since the last step, in its order."""
+    for kind, pairs in ops:
+        if kind == "copy":
+            runner.copy_blocks(pairs)
+        else:
+            runner.swap_blocks(pairs if kind == "swap_in" else [],
+                               pairs if kind == "swap_out" else [])
 
 
 def _build(model: torch.nn.Module, specs: list, setup: ShardSetup, device: torch.device
@@ -106,4 +118,5 @@ def _build(model: torch.nn.Module, specs: list, setup: ShardSetup, device: torch
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
                         device)
-    return ModelRunner(model, cache, backend, inputs)
+    host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
+    return ModelRunner(model, cache, backend, inputs, host)

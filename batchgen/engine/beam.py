@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.engine.beam_controls import BeamControls
+from batchgen.engine.beam_trace import TokenLogprob, step_top
+
 __all__ = ["BeamHypothesis", "BeamSearchState", "BeamStep", "StopFn"]
 
 #: ``is_stop(parent_idx, token) -> bool``: does appending ``token`` to live beam
@@ -76,7 +79,7 @@ class BeamHypothesis:
     sum_logprobs: float  # accumulated log-probs (HF's raw running score)
     score: float  # HF sequences_scores: sum_logprobs / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" (EOS / stop id / stop string) or "length"
-    token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # (logprob, rank)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # (logprob, rank, top-k)
 
 
 @dataclass
@@ -94,7 +97,7 @@ class BeamStep:
     tokens: list[int]
     done: bool
     finished: list[BeamHypothesis] = field(default_factory=list)
-    token_logprobs: list[tuple[float, int]] = field(default_factory=list)  # of tokens[j]
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # of tokens[j]
 
 
 class BeamSearchState:
@@ -104,7 +107,8 @@ class BeamSearchState:
     ``eos_token_ids=[]`` for ``ignore_eos``); their count sets ``K`` like HF's
     ``len(eos_token_id)``, so ``stop_token_ids=[s]`` behaves like HF with
     ``eos_token_id=[eos, s]``. ``vocab_size`` (optional) is checked against the log-probs width.
-    The arguments are those of a validated ``BeamSearchParams``.
+    ``top_logprobs`` (k) makes every token also keep its parent row's top-k alternatives (one
+    ``topk`` per step). The arguments are those of a validated ``BeamSearchParams``.
     """
 
     def __init__(
@@ -117,13 +121,17 @@ class BeamSearchState:
         num_return_sequences: int | None = None,
         vocab_size: int | None = None,
         stop_token_ids: Sequence[int] = (),
+        controls: BeamControls | None = None,
+        top_logprobs: int = 0,
     ) -> None:
         self.beam_width = beam_width
+        self.controls = controls  # HF's logits processors, run on each step's log-probs
         self.max_tokens = max_tokens
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
         self.num_return_sequences = num_return_sequences or beam_width
         self.vocab_size = vocab_size
+        self.top_logprobs = top_logprobs
         self.stop_ids = list(dict.fromkeys(int(t) for t in (*eos_token_ids, *stop_token_ids)))
         self.num_candidates = max(2, 1 + len(self.stop_ids)) * beam_width  # HF beams_to_keep
         self.gen_len = 0  # generated tokens so far (HF cur_len - decoder_prompt_len)
@@ -131,11 +139,11 @@ class BeamSearchState:
         self._device: torch.device | None = None
         # Running beams (HF running_sequences / running_beam_scores).
         self._running: list[list[int]] = [[]]
-        self._running_lps: list[list[tuple[float, int]]] = [[]]  # each token's (logprob, rank)
+        self._running_lps: list[list[TokenLogprob]] = [[]]  # each token's logprob, rank, top-k
         self._running_scores: torch.Tensor | None = None
         # Finished buffer (HF sequences / beam_scores / is_sent_finished), W slots.
         self._fin_tokens: list[list[int]] = [[] for _ in range(beam_width)]
-        self._fin_lps: list[list[tuple[float, int]]] = [[] for _ in range(beam_width)]
+        self._fin_lps: list[list[TokenLogprob]] = [[] for _ in range(beam_width)]
         self._fin_scores: torch.Tensor | None = None
         self._fin_sums: torch.Tensor | None = None  # raw sums, gathered alongside
         self._fin_reason: torch.Tensor | None = None
@@ -168,11 +176,14 @@ class BeamSearchState:
         """Advance one token.
 
         ``logprobs``: ``[num_live_beams, V]`` float32 ``log_softmax`` of the live beams'
-        next-token logits (after any processors), rows in beam order. On the first step a
+        next-token logits, rows in beam order; ``controls`` (HF's processors) run on them here,
+        and the hypotheses' scores and per-token logprobs are the processed values. On the first step a
         single row (the prompt) is expected; ``W`` identical rows are also accepted.
         ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
         """
         logprobs, first_single = self._check_rows(logprobs)
+        if self.controls is not None:
+            logprobs = self.controls.process(logprobs)
         # b-c. accumulate, flatten to [1, W * V], top-K continuations
         vocab = logprobs.shape[1]
         flat = (logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]).reshape(1, -1)
@@ -181,7 +192,7 @@ class BeamSearchState:
         ids_l = topk_ids[0].tolist()
         parents_l = ([0] * len(ids_l) if first_single
                      else (topk_indices // vocab)[0].tolist())
-        cand_lps = _candidate_logprobs(logprobs, parents_l, topk_ids[0])
+        cand_lps = _candidate_logprobs(logprobs, parents_l, topk_ids[0], self.top_logprobs)
         new_len = self.gen_len + 1  # generated length including the new token
         # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
         is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
@@ -207,6 +218,8 @@ class BeamSearchState:
         parents = [parents_l[c] for c in next_l]
         tokens = [ids_l[c] for c in next_l]
         lps = [cand_lps[c] for c in next_l]
+        if self.controls is not None:
+            self.controls.advance(parents, tokens)
         self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
         self._running_lps = [[*old_lps[p], lp] for p, lp in zip(parents, lps)]
         return BeamStep(parents, tokens, False, finished, lps)
@@ -233,7 +246,7 @@ class BeamSearchState:
 
     def _update_finished(self, topk_log_probs: torch.Tensor, hits: torch.Tensor,
                          is_stop_tok: torch.Tensor, new_len: int, parents_l: list[int],
-                         ids_l: list[int], cand_lps: list[tuple[float, int]]
+                         ids_l: list[int], cand_lps: list[TokenLogprob]
                          ) -> list[BeamHypothesis]:
         """Merge this step's admitted hits into the W-slot finished buffer (HF
         _update_finished_beams); returns the hypotheses admitted now."""
@@ -253,7 +266,7 @@ class BeamSearchState:
         self._fin_scores, self._fin_sums, self._fin_reason, self._fin_done = (
             torch.take_along_dim(m, keep, dim=1) for m in merged)
         new_fin: list[list[int]] = []
-        new_lps: list[list[tuple[float, int]]] = []
+        new_lps: list[list[TokenLogprob]] = []
         finished: list[BeamHypothesis] = []
         scores_l, sums_l = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
         reasons_l = self._fin_reason[0].tolist()
@@ -288,6 +301,21 @@ class BeamSearchState:
         valid_continuations = not bool(torch.all(hits))
         return not (improvement_possible and exists_open_beam and valid_continuations)
 
+    # ------------------------------------------------------------ trace views
+    def running_scores(self) -> list[float]:
+        """The live beams' cumulative log-probs (HF running_beam_scores), best first."""
+        return [] if self._running_scores is None else self._running_scores[0].tolist()
+
+    def finished_slots(self) -> list[tuple[int, tuple[float, float, int, str]]]:
+        """The finished buffer's filled slots: (slot, (score, sum of log-probs, number of
+        tokens, finish reason)), best first."""
+        if self._fin_done is None:
+            return []
+        done, reasons = self._fin_done[0].tolist(), self._fin_reason[0].tolist()
+        scores, sums = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
+        return [(j, (scores[j], sums[j], len(self._fin_tokens[j]), _REASONS[reasons[j]]))
+                for j in range(self.beam_width) if done[j] and reasons[j] != _UNSET]
+
     # ----------------------------------------------------------------- finalize
     def finalize(self) -> list[BeamHypothesis]:
         """Best ``num_return_sequences`` hypotheses, best first (HF ``sequences[:n]``).
@@ -310,11 +338,14 @@ class BeamSearchState:
         ]
 
 
-def _candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor
-                        ) -> list[tuple[float, int]]:
+def _candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor,
+                        k: int = 0) -> list[TokenLogprob]:
     """Each candidate token's own log-prob in its parent's row and its rank there (1 = the
-    most likely), for the hypotheses' per-token logprobs."""
+    most likely), for the hypotheses' per-token logprobs; with ``k``, a reference to the
+    parent row's top-k alternatives (one topk over the rows up to the last parent)."""
     rows = logprobs[torch.tensor(parents, device=logprobs.device)].to(torch.float32)
     lp = rows.gather(1, tokens[:, None])
     ranks = (rows > lp).sum(dim=-1) + 1
-    return list(zip(lp[:, 0].tolist(), ranks.tolist()))
+    top = step_top(logprobs[:max(parents) + 1], k) if k else None
+    return [TokenLogprob(v, r, top, p)
+            for v, r, p in zip(lp[:, 0].tolist(), ranks.tolist(), parents)]

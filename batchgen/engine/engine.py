@@ -1,4 +1,4 @@
-"""The step loop: schedule → copy blocks → run → advance → sample → update."""
+"""The step loop: schedule → swap and copy blocks → run → advance → sample → update."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ class Runner(Protocol):
     """What the engine needs of a model runner (tests use a fake one, without weights)."""
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None: ...
+
+    def swap_blocks(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]
+                    ) -> None: ...
 
     def execute(self, rows: StepRows) -> torch.Tensor: ...
 
@@ -57,6 +60,7 @@ class Engine:
                     return
                 out = self.scheduler.schedule()
                 if not out.scheduled:
+                    self._block_ops(out)  # swaps and copies must not wait for a forward
                     idle += 1
                     if idle > 2:  # a scheduling bug, never a silent spin
                         raise RuntimeError(
@@ -87,9 +91,15 @@ class Engine:
             waiting += len(group.seqs)
         return True
 
+    def _block_ops(self, out: SchedulerOutput) -> None:
+        """The step's block moves before anything writes: swaps in, swaps out, then the
+        copy-on-write copies (one batched copy each)."""
+        self.runner.swap_blocks(out.swap_in, out.swap_out)
+        self.runner.copy_blocks(out.copies)
+
     def step(self, out: SchedulerOutput) -> StepStats:
         """Execute one scheduled step and hand its results back to the scheduler."""
-        self.runner.copy_blocks(out.copies)
+        self._block_ops(out)
         logits = self.runner.execute(out.rows)
         self.scheduler.computed(out)
         sampled = None

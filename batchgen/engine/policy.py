@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.engine.beam import BeamSearchState, StopFn
+from batchgen.engine.beam_trace import BeamTrace
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -84,10 +85,12 @@ class BeamPolicy:
     """HF beam search over the group's W live beams. After the first step the beams decode
     together (one step needs all their logits), so each leaves its last token to that step.
     The first child of a parent takes over its sequence, other children fork it, parents
-    without children end."""
+    without children end. With a `trace`, each step is recorded there (the beams' block
+    tables included), behind one check per group step."""
 
-    def __init__(self, state: BeamSearchState) -> None:
+    def __init__(self, state: BeamSearchState, trace: BeamTrace | None = None) -> None:
         self.state = state
+        self.trace = trace
 
     def held_tokens(self, group: SequenceGroup) -> int:
         return 1 if self.state.gen_len > 0 else 0
@@ -103,6 +106,8 @@ class BeamPolicy:
         """One beam step over the live beams' float32 log-probabilities (rows in beam order)."""
         beams = group.seqs
         step = self.state.step(logprobs, self._stop_fn(beams))
+        if self.trace is not None:
+            self.trace.record(beams, step, self.state)
         if step.done:
             return [Free(b) for b in beams]
         ops: list[Op] = []

@@ -4,8 +4,10 @@ Each step it picks which sequences run and how many query tokens each: decodes f
 group's live beams all together or not at all, since one beam step needs all their rows),
 then chunked prefills, within `max_num_seqs` and `max_num_batched_tokens`; then it admits
 waiting groups in input order while free blocks allow. When a running sequence cannot get a
-block, the newest running group is preempted by recompute (its blocks freed, its tokens
-recomputed later), which never changes outputs.
+block, the newest running group is preempted: swapped out to the host pool when
+`preemption_mode="swap"` and the pool has room for all its blocks (its samples or beams as a
+unit; they come back, before any new admission, once the device pool has room), else by
+recompute (its blocks freed, its tokens recomputed later). Neither changes outputs.
 
 Decoding samples, the bulk of every step, are found, reserved and described by vector ops
 over the persistent batch's columns (a block only for rows that open one or may share one
@@ -21,6 +23,7 @@ persistent batch's membership and of the BlockManager.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +63,8 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_new: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device), first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host), then
     rows: StepRows | None = None
     samplers: list[Sequence] = field(default_factory=list)  # sequences that draw a token...
     sample_rows: np.ndarray | None = None  # ...from these logits rows (None: row i ↔ i)
@@ -110,8 +115,13 @@ class Scheduler:
     persistent batch's membership."""
 
     def __init__(self, block_manager: BlockManager, batch: PersistentBatch, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, preemption_mode: str = "recompute") -> None:
+        if preemption_mode == "swap" and not block_manager.num_host_blocks:
+            raise ValueError("preemption_mode 'swap' needs a host pool (swap_space > 0)")
         self.bm = block_manager
+        self.preemption_mode = preemption_mode
+        self.swapped: list[SequenceGroup] = []  # swapped out, in admission order
+        self.num_swap_outs = self.num_swap_ins = 0
         self.batch = batch
         self.block_size = block_manager.block_size
         self.max_num_seqs = max_num_seqs
@@ -131,13 +141,14 @@ class Scheduler:
         self.waiting.append(group)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def abort_all(self) -> None:
         """Drop every group (a failed or interrupted call), empty the batch and free every
         block table, so the next call starts from a whole pool."""
         self.running.clear()
         self.waiting.clear()
+        self.swapped.clear()
         self.batch.clear()
         self.bm.free_all()
 
@@ -149,13 +160,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = _Budget(self.max_num_batched_tokens, self.max_num_seqs)
         self._preempted_now = set()
+        self._swap_in(out)
         beams = [g for g in self.running if g.spec.beam]
         if self._decode_samples(out, budget, beams):
             preempted = self._schedule_decodes(out, budget, beams)
         else:
             preempted = self._schedule_decodes(out, budget, list(self.running))
         preempted |= self._schedule_prefills(out, budget)
-        if not preempted:  # a preemption just freed room: admit nothing over it this step
+        if not preempted and not self.swapped:  # swapped groups come back first
             self._admit(out, budget)
         self._describe(out)
         return out
@@ -585,10 +597,32 @@ class Scheduler:
                 self._fork(leader, seq, group.num_prompt_tokens)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
-        """Recompute preemption: free the group's blocks and requeue it at the front; its
-        sequences will wait for the leader to recompute the prompt and fork again."""
+        """Preempt a running group for room: swap it out when the mode is "swap" and the host
+        pool has a block for each of its blocks, else recompute it later. Either way it
+        leaves this step's schedule."""
         self.running.remove(group)
         self._preempted_now.add(group)
+        self._unschedule(group, out, budget)
+        held = [s for s in group.seqs if self.bm.has_table(s)]
+        if self.preemption_mode == "swap" and self.bm.can_swap_out(held):
+            self._swap_out(group, held, out)
+        else:
+            self._recompute(group, out)
+        self.num_preemptions += 1
+
+    def _unschedule(self, group: SequenceGroup, out: SchedulerOutput, budget: _Budget) -> None:
+        """Take the group's sequences out of this step, refunding the budget they held."""
+        out.decode_rows -= sum(s.group is group for s in out.seqs[:out.decode_rows])
+        keep = [(s, n) for s, n in zip(out.seqs, out.num_new) if s.group is not group]
+        for s, n in zip(out.seqs, out.num_new):
+            if s.group is group:
+                budget.tokens += n
+                budget.seqs += 1
+        out.seqs, out.num_new = [s for s, _ in keep], [n for _, n in keep]
+
+    def _recompute(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Recompute preemption: free the group's blocks and requeue it at the front; its
+        sequences will wait for the leader to recompute the prompt and fork again."""
         freed: set[int] = set()
         for seq in group.seqs:
             freed.update(self._free_blocks(seq))
@@ -596,17 +630,47 @@ class Scheduler:
             seq.cached_blocks = 0  # the memo of hashes stays valid: the tokens are unchanged
             if not seq.finished:
                 seq.status = SequenceStatus.WAITING
-        out.decode_rows -= sum(s.group is group for s in out.seqs[:out.decode_rows])
-        keep = [(s, n) for s, n in zip(out.seqs, out.num_new) if s.group is not group]
-        for s, n in zip(out.seqs, out.num_new):  # refund the step budget they held
-            if s.group is group:
-                budget.tokens += n
-                budget.seqs += 1
-        out.seqs, out.num_new = [s for s, _ in keep], [n for _, n in keep]
         out.copies = [(s, d) for s, d in out.copies if d not in freed]
         group.fork_pending = len(group.unfinished()) > 1
         self.waiting.appendleft(group)
-        self.num_preemptions += 1
+
+    def _swap_out(self, group: SequenceGroup, held: list[Sequence], out: SchedulerOutput
+                  ) -> None:
+        """Swap preemption: the sequences leave the batch (keeping their computed tokens) and
+        their tables move to the host pool, shared blocks once. A copy-on-write this step made
+        into one of their blocks is dropped, and that block is swapped out from the copy's
+        source instead (the copy would only run after the swap)."""
+        for seq in held:
+            self.batch.remove(seq)
+            seq.status = SequenceStatus.SWAPPED
+        cow = {d: s for s, d in out.copies}
+        moved = self.bm.swap_out(held)
+        out.swap_out += [(cow.get(d, d), h) for d, h in moved]
+        gone = {d for d, _ in moved}
+        out.copies = [(s, d) for s, d in out.copies if d not in gone]
+        bisect.insort(self.swapped, group, key=_admission_order)
+        self.num_swap_outs += 1
+
+    def _swap_in(self, out: SchedulerOutput) -> None:
+        """Swapped groups come back, oldest admission first and before any new one, while the
+        device pool has room for all their blocks (beside running groups, also a block per
+        sequence to grow and the admission watermark); none overtakes one that does not fit.
+        They rejoin the running list at their old place and can decode this step."""
+        while self.swapped:
+            group = self.swapped[0]
+            held = [s for s in group.seqs if self.bm.is_swapped(s)]
+            headroom = self.watermark_blocks + len(held) if self.running else 0
+            if not self.bm.can_swap_in(held, headroom):
+                return
+            self.swapped.pop(0)
+            out.swap_in += self.bm.swap_in(held)
+            cow = self.batch.cols["cow_check"]
+            for seq in held:
+                seq.status = SequenceStatus.RUNNING
+                self.batch.enter(seq, self.bm.table(seq))
+                cow[seq.slot] = True  # its blocks may be shared: the next write checks
+            bisect.insort(self.running, group, key=_admission_order)
+            self.num_swap_ins += 1
 
     # ---- prefix caching -----------------------------------------------------------------------
     def _prefix_hit(self, leader: Sequence, limit: int) -> tuple[list[bytes], list[int]]:
@@ -650,3 +714,7 @@ class Scheduler:
         if self.bm.enable_prefix_caching and done > seq.cached_blocks:
             self.bm.register(seq, self._hashes(seq, seq.num_computed_tokens)[:done])
             seq.cached_blocks = done
+
+
+def _admission_order(group: SequenceGroup) -> int:
+    return group.order

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # no block table (not admitted yet, preempted, or waiting for a fork)
     RUNNING = "running"  # has a block table and a batch slot
+    SWAPPED = "swapped"  # its block table maps to the host swap pool; no batch slot
     FINISHED = "finished"  # its blocks are freed
 
 

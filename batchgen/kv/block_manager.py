@@ -13,7 +13,7 @@ from collections.abc import Hashable, Iterator, Sequence
 
 class PoolExhausted(MemoryError):
     """No free physical block is left for a reservation; nothing was changed. The scheduler
-    catches it and preempts the newest running group (recompute), then tries again."""
+    catches it and preempts the newest running group (swap or recompute), then tries again."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -53,10 +53,10 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int,
-                 enable_prefix_caching: bool = False) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"num_blocks and block_size must be >= 1, got {num_blocks}, {block_size}")
+                 enable_prefix_caching: bool = False, num_host_blocks: int = 0) -> None:
+        if num_blocks < 1 or block_size < 1 or num_host_blocks < 0:
+            raise ValueError(f"num_blocks and block_size must be >= 1 and num_host_blocks >= 0, "
+                             f"got {num_blocks}, {block_size}, {num_host_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
@@ -71,6 +71,14 @@ class BlockManager:
         self.block_hash: list[bytes | None] = [None] * num_blocks
         self.evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_hit_tokens = 0
+        # Host swap pool: its own free list, reference counts and the swapped sequences' tables
+        # (host block ids, a separate numbering: never in the prefix cache, never a hit).
+        self.num_host_blocks = num_host_blocks
+        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.host_ref_count: list[int] = [0] * num_host_blocks
+        self._host_tables: dict[Hashable, list[int]] = {}
+        self.blocks_swapped_out = 0
+        self.blocks_swapped_in = 0
 
     # ---- reading the tables -------------------------------------------------------------------
     def table(self, seq_id: Hashable) -> list[int]:
@@ -134,12 +142,17 @@ class BlockManager:
     def free_seq(self, seq_id: Hashable) -> None:
         """Drop a sequence's table; blocks whose last reference this was go back to the pool."""
         for blk in self._tables.pop(seq_id):
-            self.ref_count[blk] -= 1
-            if self.ref_count[blk] == 0:
-                if self.block_hash[blk] is not None:
-                    self.evictable[blk] = None  # most recently used last
-                else:
-                    self.free.append(blk)
+            self._release(blk)
+
+    def _release(self, blk: int) -> None:
+        """One reference to `blk` less; at none it is free, or evictable while it is cached
+        (its bytes stay valid until it is handed out again)."""
+        self.ref_count[blk] -= 1
+        if self.ref_count[blk] == 0:
+            if self.block_hash[blk] is not None:
+                self.evictable[blk] = None  # most recently used last
+            else:
+                self.free.append(blk)
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None
              ) -> None:
@@ -221,6 +234,9 @@ class BlockManager:
         reference counts from the prefix cache alone: whatever step an interrupt cut short,
         the pool comes back whole and the cache consistent."""
         self._tables.clear()
+        self._host_tables.clear()
+        self.host_free = list(range(self.num_host_blocks - 1, -1, -1))
+        self.host_ref_count = [0] * self.num_host_blocks
         self.cached = {h: b for h, b in self.cached.items() if self.block_hash[b] == h}
         hashed = set(self.cached.values())
         self.block_hash = [h if b in hashed else None for b, h in enumerate(self.block_hash)]
@@ -233,7 +249,7 @@ class BlockManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (their blocks go back to the free list); refused while a
         sequence holds blocks, since its published blocks would lose their hashes under it."""
-        if self._tables:
+        if self._tables or self._host_tables:
             return False
         self.free.extend(self.evictable)
         self.evictable.clear()
@@ -246,6 +262,7 @@ class BlockManager:
         self.peak_blocks_in_use = self.num_blocks_in_use()
         self.cow_copies = 0
         self.prefix_hit_tokens = 0
+        self.blocks_swapped_out = self.blocks_swapped_in = 0
 
     def _grow(self, table: list[int], num_tokens: int) -> None:
         """Append blocks until the table holds `num_tokens` tokens (room already checked)."""
@@ -308,3 +325,72 @@ class BlockManager:
             if self.block_hash[blk] is None and h not in self.cached:
                 self.cached[h] = blk
                 self.block_hash[blk] = h
+
+    # ---- swapping to the host pool ------------------------------------------------------------
+    def is_swapped(self, seq_id: Hashable) -> bool:
+        """Does the sequence's table map to host blocks (its group is swapped out)?"""
+        return seq_id in self._host_tables
+
+    def host_table(self, seq_id: Hashable) -> list[int]:
+        """A swapped sequence's table of host blocks (read only)."""
+        return self._host_tables[seq_id]
+
+    def host_tables(self) -> list[tuple[Hashable, list[int]]]:
+        """Every (swapped sequence, host block table) pair (read only)."""
+        return list(self._host_tables.items())
+
+    def host_blocks_in_use(self) -> int:
+        return self.num_host_blocks - len(self.host_free)
+
+    def can_swap_out(self, seq_ids: Sequence[Hashable]) -> bool:
+        """Does the host pool have a block for each distinct block of these tables?"""
+        distinct = {b for s in seq_ids for b in self._tables[s]}
+        return len(distinct) <= len(self.host_free)
+
+    def can_swap_in(self, seq_ids: Sequence[Hashable], headroom: int = 0) -> bool:
+        """Do the free device blocks hold these swapped tables, with `headroom` to spare?"""
+        distinct = {b for s in seq_ids for b in self._host_tables[s]}
+        return len(distinct) + headroom <= self.num_free_blocks()
+
+    def swap_out(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
+        """Move these sequences' tables to the host pool: each distinct device block gets one
+        host block whose reference count is its references among them (a block shared by k
+        of them moves once), and loses those device references. A cached block whose last
+        reference this was stays in the prefix cache as evictable: its device bytes are valid
+        until it is handed out again. Returns the (device, host) copies, to make before any
+        write of this step. All or nothing (PoolExhausted when the host pool is short)."""
+        if not self.can_swap_out(seq_ids):
+            raise PoolExhausted("host swap pool exhausted")
+        moved: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = self._tables.pop(seq_id)
+            for blk in table:
+                if blk not in moved:
+                    moved[blk] = self.host_free.pop()
+                self.host_ref_count[moved[blk]] += 1
+                self._release(blk)
+            self._host_tables[seq_id] = [moved[b] for b in table]
+        self.blocks_swapped_out += len(moved)
+        return list(moved.items())
+
+    def swap_in(self, seq_ids: Sequence[Hashable]) -> list[tuple[int, int]]:
+        """Bring swapped tables back: each distinct host block gets one device block with its
+        reference count, and goes back to the host free list. Returns the (host, device)
+        copies. All or nothing (PoolExhausted when the device pool is short)."""
+        if not self.can_swap_in(seq_ids):
+            raise PoolExhausted("KV pool exhausted: no room to swap in")
+        moved: dict[int, int] = {}
+        for seq_id in seq_ids:
+            table = self._host_tables.pop(seq_id)
+            for hblk in table:
+                if hblk not in moved:
+                    moved[hblk] = self._alloc_block()
+                else:
+                    self.ref_count[moved[hblk]] += 1
+                self.host_ref_count[hblk] -= 1
+                if self.host_ref_count[hblk] == 0:
+                    self.host_free.append(hblk)
+            self._tables[seq_id] = [moved[b] for b in table]
+        self.blocks_swapped_in += len(moved)
+        self._track_peak()
+        return list(moved.items())

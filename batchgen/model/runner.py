@@ -12,18 +12,20 @@ from batchgen.attention.backend import AttentionBackend, GraphBackend
 from batchgen.attention.interface import StepContext
 from batchgen.attention.metadata import StepRows
 from batchgen.kv.cache import KVCache
+from batchgen.kv.swap import HostPool
 from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
 
 
 class ModelRunner:
-    """The model is the loader's, the pool and the backend are the LLM's; the step buffers
+    """The model is the loader's, the pools and the backend are the LLM's; the step buffers
     (`inputs`) and the captured graphs are the runner's own."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 inputs: StepInputs) -> None:
+                 inputs: StepInputs, host: HostPool | None = None) -> None:
         self.model = model
         self.cache = cache
+        self.host = host  # the swap pool (swap_space > 0)
         self.backend = backend
         self.inputs = inputs
         self.graphs: DecodeGraphs | None = None
@@ -41,6 +43,16 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The step's copy-on-write block copies, before its forward writes anything."""
         self.cache.copy_blocks(copies)
+
+    def swap_blocks(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]
+                    ) -> None:
+        """The step's swaps, before its copy-on-write copies: (host, device) blocks in, then
+        (device, host) blocks out, one indexed copy each (a block swapped in may leave again
+        in the same step; one swapped out may be rewritten by this step's copies)."""
+        if swap_in or swap_out:
+            assert self.host is not None, "swaps need the host pool (swap_space > 0)"
+            self.host.swap_in(swap_in)
+            self.host.swap_out(swap_out)
 
     @torch.inference_mode()
     def execute(self, rows: StepRows) -> torch.Tensor:

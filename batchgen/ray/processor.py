@@ -74,6 +74,7 @@ def _check(c: BatchgenProcessorConfig) -> None:
     check(isinstance(c.model_source, (str, os.PathLike)) and bool(str(c.model_source)),
           "model_source", "a model folder (a non-empty path)", c.model_source)
     check_type(c.sampling_params, "sampling_params", (SamplingParams, BeamSearchParams))
+    kind_of(c.sampling_params).check_job(c.sampling_params)
     check_type(c.engine_kwargs, "engine_kwargs", dict, "a dict of LLM arguments")
     _ = c.prompt_spec  # PromptSpec checks the prompt column and the chat fields
     check_seed(c.seed)  # the job seed: validated only, as in generate_dataset

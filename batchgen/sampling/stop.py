@@ -275,7 +275,7 @@ class StopChecker:
         self.stop_strings: list[str] = list(params.stop_strings)
         self.stop_ids = frozenset(params.stop_ids)
         self.ignore_eos = params.ignore_eos
-        self.min_tokens: int = params.min_tokens
+        self.min_tokens: int = params.stop_min_tokens
         self.include_stop = params.include_stop_str_in_output
         self.skip_special_tokens = params.skip_special_tokens
         if self.tokenizer is not None and special is None:
