@@ -54,3 +54,13 @@ def test_torn_lines(tmp_path: Path) -> None:
     assert list(read_jsonl(path, skip_torn=True)) == [{"a": 1}]
     with pytest.raises(ValueError):
         list(read_jsonl(path))
+
+
+def test_the_cli_offers_every_format() -> None:
+    from batchgen.cli import build_parser
+
+    for command in (["generate"], ["beam", "--beam-width", "2"]):
+        for fmt in WRITERS:
+            args = build_parser().parse_args([*command, "--model", "m", "--input", "x",
+                                              "--output", "o", "--output-format", fmt])
+            assert args.output_format == fmt
