@@ -48,8 +48,9 @@ def shards(out: Path) -> int:
 def start_then_signal(cmd: list[str], out: Path, min_shards: int, sig: int
                       ) -> subprocess.CompletedProcess:
     """Run `cmd`, send `sig` once `out` holds `min_shards` shards, and wait for it to end."""
+    # a background shell starts pytest with SIGINT ignored, which a child would inherit
     proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     deadline = time.monotonic() + 120
     while shards(out) < min_shards and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -57,6 +58,11 @@ def start_then_signal(cmd: list[str], out: Path, min_shards: int, sig: int
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=60)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _default_sigint() -> None:
+    """In the child before exec: Ctrl-C's default action, so Python installs its handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def rows_by_id(out: Path) -> list[dict]:
