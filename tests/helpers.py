@@ -180,3 +180,27 @@ def interrupt_tracer(event: int, paths: tuple[str, ...], counter: list[int]) -> 
         return local
 
     return lambda frame, what, arg: local if frame.f_code.co_filename.startswith(paths) else None
+
+
+def traced_workload(llm: Any, tracer: Any) -> tuple[list, list]:
+    """The interrupt tests' run under `tracer` (sys.settrace; None: untraced): samples (n=2,
+    greedy, seeded, n=3) and width-3 beams, small enough to preempt and fork in a small pool.
+    Returns the samples' and the beams' token ids."""
+    import sys
+
+    from batchgen import BeamSearchParams, SamplingParams
+
+    prompts = [{"prompt_token_ids": p}
+               for p in make_prompt_token_ids(4, 3, 40, vocab_size=512, seed=5)]
+    sys.settrace(tracer)
+    try:
+        a = llm.generate(prompts, [SamplingParams(n=2, seed=1, max_tokens=8),
+                                   SamplingParams(temperature=0, max_tokens=12),
+                                   SamplingParams(seed=2, max_tokens=6),
+                                   SamplingParams(n=3, seed=3, max_tokens=5)], use_tqdm=False)
+        b = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=3, max_tokens=6),
+                            use_tqdm=False)
+    finally:
+        sys.settrace(None)
+    return ([[c.token_ids for c in o.outputs] for o in a],
+            [[s.token_ids for s in o.sequences] for o in b])

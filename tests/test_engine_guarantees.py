@@ -5,19 +5,21 @@ bits alone or batched, chunked or not, cached or not (the CPU decode kernel)."""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
 import batchgen
-from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import LLM, SamplingParams
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import (
     assert_pool_whole,
     cpu_kernel_or_skip,
     interrupt_tracer,
     make_prompt_token_ids,
+    traced_workload,
 )
+
+ROOT = (batchgen.__path__[0],)
 
 
 @pytest.fixture(scope="module")
@@ -53,23 +55,6 @@ def test_a_tiny_temperature_samples_like_greedy(model_dir):
         assert all(v.logprob > -1e30 for d in c.outputs[0].logprobs for v in d.values())
 
 
-def _workload(llm: LLM, event: int, counter: list[int]):
-    prompts = make_prompt_token_ids(4, 3, 40, vocab_size=512, seed=5)
-    sys.settrace(interrupt_tracer(event, (batchgen.__path__[0],), counter))
-    try:
-        a = llm.generate(_ids(prompts), [SamplingParams(n=2, seed=1, max_tokens=8),
-                                         SamplingParams(temperature=0, max_tokens=12),
-                                         SamplingParams(seed=2, max_tokens=6),
-                                         SamplingParams(n=3, seed=3, max_tokens=5)],
-                         use_tqdm=False)
-        b = llm.beam_search(_ids(prompts[:2]), BeamSearchParams(beam_width=3, max_tokens=6),
-                            use_tqdm=False)
-    finally:
-        sys.settrace(None)
-    return ([[c.token_ids for c in o.outputs] for o in a],
-            [[s.token_ids for s in o.sequences] for o in b])
-
-
 def test_an_interrupt_anywhere_in_a_real_run_leaves_the_pool_whole(model_dir):
     """Ctrl-C at 25 points over every batchgen line of a run (scheduler, runner inputs,
     attention plans, sampler, stop checks): each leaves the pool whole; the next call is
@@ -78,14 +63,14 @@ def test_an_interrupt_anywhere_in_a_real_run_leaves_the_pool_whole(model_dir):
     llm = LLM(model_dir, block_size=4, num_kv_blocks=20, max_num_batched_tokens=16,
               enable_prefix_caching=False)
     counter = [0]
-    want = _workload(llm, 0, counter)
+    want = traced_workload(llm, interrupt_tracer(0, ROOT, counter))
     assert llm.kv_stats().cow_copies > 0 and llm.scheduler.num_preemptions > 0
     total = counter[0]
     for event in sorted(random.Random(1).sample(range(1, total), 25)):
         with pytest.raises(KeyboardInterrupt):
-            _workload(llm, event, [0])
+            traced_workload(llm, interrupt_tracer(event, ROOT, [0]))
         assert_pool_whole(llm)
-    assert _workload(llm, 0, [0]) == want
+    assert traced_workload(llm, None) == want
 
 
 def test_batch_composition_leaves_the_bits_unchanged_with_an_odd_ffn(tiny_model_factory):

@@ -6,7 +6,6 @@ kv_stats() show the host pool; an interrupt mid-swap returns every device and ho
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
@@ -15,7 +14,12 @@ from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.engine.scheduler import request_peak_blocks
 from batchgen.kv.swap import GIB, host_available_bytes
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
-from tests.helpers import assert_pool_whole, interrupt_tracer, make_prompt_token_ids
+from tests.helpers import (
+    assert_pool_whole,
+    interrupt_tracer,
+    make_prompt_token_ids,
+    traced_workload,
+)
 
 T = 10
 
@@ -191,22 +195,6 @@ def _swap_tracer(event: int, counter: list[int]):
                                      and frame.f_code.co_filename.startswith(root) else None)
 
 
-def _workload(llm: LLM, tracer):
-    prompts = make_prompt_token_ids(3, 3, 40, vocab_size=512, seed=5)
-    sys.settrace(tracer)
-    try:
-        a = llm.generate(_ids(prompts), [SamplingParams(n=2, seed=1, max_tokens=8),
-                                         SamplingParams(temperature=0, max_tokens=12),
-                                         SamplingParams(n=3, seed=3, max_tokens=5)],
-                         use_tqdm=False)
-        b = llm.beam_search(_ids(prompts[:2]), BeamSearchParams(beam_width=3, max_tokens=6),
-                            use_tqdm=False)
-    finally:
-        sys.settrace(None)
-    return ([[c.token_ids for c in o.outputs] for o in a],
-            [[s.token_ids for s in o.sequences] for o in b])
-
-
 def test_an_interrupt_mid_swap_returns_every_device_and_host_block(tiny_model_factory):
     """Ctrl-C at 12 points inside the swap code (block manager, scheduler, runner, host
     pool) and 6 anywhere in batchgen, of a real run that swaps: each leaves both pools whole;
@@ -215,20 +203,20 @@ def test_an_interrupt_mid_swap_returns_every_device_and_host_block(tiny_model_fa
     llm = LLM(model, block_size=4, num_kv_blocks=20, max_num_batched_tokens=16,
               swap_space=_gib(model, 60, 4))
     swap_lines, all_lines = [0], [0]
-    want = _workload(llm, _swap_tracer(0, swap_lines))
+    want = traced_workload(llm, _swap_tracer(0, swap_lines))
     assert llm.scheduler.num_swap_outs > 0 and swap_lines[0] > 50
-    _workload(llm, interrupt_tracer(0, (batchgen.__path__[0],), all_lines))
+    traced_workload(llm, interrupt_tracer(0, (batchgen.__path__[0],), all_lines))
     rng = random.Random(2)
     tracers = [_swap_tracer(e, [0]) for e in sorted(rng.sample(range(1, swap_lines[0]), 12))]
     tracers += [interrupt_tracer(e, (batchgen.__path__[0],), [0])
                 for e in sorted(rng.sample(range(1, all_lines[0]), 6))]
     for tracer in tracers:
         with pytest.raises(KeyboardInterrupt):
-            _workload(llm, tracer)
+            traced_workload(llm, tracer)
         assert_pool_whole(llm)
         bm = llm.block_manager
         assert bm.host_blocks_in_use() == 0 and not bm.host_tables()
-    assert _workload(llm, None) == want
+    assert traced_workload(llm, None) == want
 
 
 def test_tensor_parallel_ranks_swap_their_own_host_pools(tiny_model_factory):
