@@ -84,7 +84,7 @@ def test_paged_attention_matches_dense(block_size, hq, hkv, window, softcap, sin
     d, num_blocks = 8, 1200
     cache = KVCache(1, num_blocks, block_size, hkv, d, torch.float32, "cpu")
     bm = BlockManager(num_blocks, block_size)
-    rng.shuffle(bm.free)  # scattered physical blocks
+    rng.shuffle(bm._free)  # scattered physical blocks
     # (cached tokens, new tokens): decodes, fresh prefills, chunks on a cached prefix, exact
     # block multiples
     # long chunks (> 32 queries) are cut into query tiles, also mid-sequence
@@ -123,7 +123,7 @@ def test_step_inputs_match_block_tables():
     """The runner's packed batch: rows sorted by (query length, cached length), logits rows in
     chunk order, FlashInfer's int32 metadata, the chapter's slot arithmetic."""
     bm = BlockManager(32, 4)
-    bm.free.reverse()
+    bm._free.reverse()
     bm.allocate("a", 10)
     bm.allocate("b", 8)  # exact block multiple
     bm.allocate("c", 1)

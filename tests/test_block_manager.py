@@ -1,4 +1,5 @@
-"""BlockManager: the chapter's boundary test unchanged, plus invariants over random operations."""
+"""BlockManager beyond the chapter's own snippets (tests/test_chapter_snippets.py): COW counts,
+exhaustion, peaks, and invariants over random operations."""
 
 import pytest
 from hypothesis import given, settings
@@ -7,32 +8,6 @@ from hypothesis import strategies as st
 from batchgen.kv import BlockManager, PoolExhausted
 from batchgen.kv.block_manager import chain_hashes
 from tests.helpers import check_pool_invariants
-
-
-def test_block_boundary():
-    B = 16
-    mgr = BlockManager(num_blocks=8, block_size=B)
-    prompt_len = 32                         # EXACT multiple of B -> the tricky case
-    mgr.allocate("s", prompt_len)           # reserves ceil(32/16) = 2 blocks (pos 0..31)
-    assert len(mgr.table("s")) == 2
-
-    # emulate serve_step's write ordering for three decode steps (pos 32, 33, 34)
-    for cur_len in range(prompt_len, prompt_len + 3):
-        mgr.append_token("s", cur_len)      # grow BEFORE the write (the fix)
-        slot = mgr.slot_index("s", cur_len) # would raise IndexError without the grow
-        phys, off = divmod(slot, B)
-        assert off == cur_len % B           # offset within the physical block
-
-    # writing positions 32..34 needed exactly one new block beyond prefill's two
-    assert len(mgr.table("s")) == 3
-    print("boundary case OK")
-
-
-def test_exercise_5_can_allocate():
-    mgr = BlockManager(num_blocks=8, block_size=16)
-    assert mgr.num_free_blocks() == 8
-    assert not mgr.can_allocate(200)
-    assert mgr.can_allocate(100)
 
 
 def test_fork_and_cow_copy_only_the_written_block():
@@ -92,7 +67,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
     lengths: dict[int, int] = {}
     contents: dict[int, list[int]] = {}  # token ids per sequence, to hash its full blocks
     for op, a, b, n in ops:
-        before = (list(mgr.free), {k: list(v) for k, v in mgr.tables()},
+        before = (list(mgr._free), {k: list(v) for k, v in mgr.tables()},
                   list(mgr.ref_count))
         try:
             if op == "alloc" and a not in lengths:
@@ -132,7 +107,7 @@ def test_invariants_hold_under_random_operations(ops, block_size, num_blocks):
                 lengths.clear()
                 contents.clear()
         except PoolExhausted:  # all or nothing
-            assert (mgr.free, dict(mgr.tables()), mgr.ref_count) == (before[0], before[1],
+            assert (mgr._free, dict(mgr.tables()), list(mgr.ref_count)) == (before[0], before[1],
                                                                      before[2])
         check_pool_invariants(mgr)
         for sid, length in lengths.items():
@@ -150,8 +125,8 @@ def test_free_all_repairs_a_half_done_registration():
     hashes = chain_hashes([1, 2, 3, 4, 5, 6], 2, [])
     mgr.register("a", hashes[:2])
     blk = mgr.table("a")[2]
-    mgr.cached[hashes[2]] = blk  # ...interrupted before block_hash[blk] was set
+    mgr._cached[hashes[2]] = blk  # ...interrupted before _block_hash[blk] was set
     mgr.free_all()
     check_pool_invariants(mgr)
-    assert mgr.num_free_blocks() == 8 and hashes[2] not in mgr.cached
+    assert mgr.num_free_blocks() == 8 and mgr.lookup(hashes[2:3]) == []
     assert mgr.lookup(hashes) == mgr.lookup(hashes[:2]) and len(mgr.lookup(hashes)) == 2

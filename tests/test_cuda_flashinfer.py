@@ -42,7 +42,7 @@ def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
     bs, hq, hkv, d = 16, 8, 2, 128
     cache = KVCache(1, 512, bs, hkv, d, torch.bfloat16, dev)
     bm = BlockManager(512, bs)
-    random.Random(1).shuffle(bm.free)
+    random.Random(1).shuffle(bm._free)
     lens = {"prefill": [(0, 70), (0, 33), (0, 128)], "chunked": [(48, 30), (100, 7), (16, 64)],
             "decode": [(70, 1), (5, 1), (300, 1)], "shared": [(80, 1)] * 4}[kind]
     chunks = []

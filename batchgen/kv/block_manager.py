@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 
 
 class PoolExhausted(MemoryError):
     """No free physical block is left for a reservation; nothing was changed. The scheduler
-    catches it and preempts the newest running group (swap or recompute), then tries again."""
+    (through the KVManager) catches it and preempts the newest running group (swap or recompute), then tries again."""
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -41,15 +41,49 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, parent_hashes: list[
     return hashes
 
 
+class ReadOnlyList(Sequence[int]):
+    """A list read through indexing and iteration only (`ref_count` as the chapter reads it:
+    `mgr.ref_count[blk]`); the manager alone writes it."""
+
+    def __init__(self, owner: object, name: str) -> None:
+        self._owner, self._name = owner, name  # the list is rebound by free_all: look it up
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return getattr(self._owner, self._name)[i]
+
+    def __len__(self) -> int:
+        return len(getattr(self._owner, self._name))
+
+
+class TablesView(Mapping[Hashable, tuple[int, ...]]):
+    """`block_tables` as the chapter reads it (`mgr.block_tables["s"]`): each sequence's table
+    as a tuple; tables change only through the BlockManager's methods."""
+
+    def __init__(self, tables: dict[Hashable, list[int]]) -> None:
+        self._tables = tables
+
+    def __getitem__(self, seq_id: Hashable) -> tuple[int, ...]:
+        return tuple(self._tables[seq_id])
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(self._tables)
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+
 class BlockManager:
     """Paged KV allocator with the chapter's API and names (vLLM's design).
 
     Block ids are global to the pool and shared by every layer. A sequence's block table maps
     its logical blocks to physical ones; `ref_count[blk]` counts the table entries that point
     at `blk`, so forked sequences share blocks until one of them writes (copy-on-write). The
-    tables are this object's own: others read them through `table()` and change them only
-    through the methods below. Every change that can fail checks first and then changes
-    nothing (all or nothing).
+    tables are this object's own: others read them (`block_tables`, `table()`) and change
+    them only through the methods below. Every change that can fail checks first and then
+    changes nothing (all or nothing). The free list, the prefix cache's maps and the host
+    pool's lists are private; `ref_count` and `block_tables` are read-only views, and the
+    statistics (`peak_blocks_in_use`, `cow_copies`, `prefix_hit_tokens`, `blocks_swapped_*`)
+    are read-only counters that `reset_stats` starts again.
     """
 
     def __init__(self, num_blocks: int, block_size: int,
@@ -59,26 +93,29 @@ class BlockManager:
                              f"got {num_blocks}, {block_size}, {num_host_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
-        self.ref_count: list[int] = [0] * num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, ...
+        self._ref_count: list[int] = [0] * num_blocks
         self._tables: dict[Hashable, list[int]] = {}
         self.peak_blocks_in_use = 0
         self.cow_copies = 0
         # Prefix cache: hash -> block, each hashed block's hash, and the hashed blocks that no
         # sequence references any more, oldest first (evicted only when the free list is empty).
         self.enable_prefix_caching = enable_prefix_caching
-        self.cached: dict[bytes, int] = {}
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[bytes, int] = {}
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._evictable: OrderedDict[int, None] = OrderedDict()
         self.prefix_hit_tokens = 0
         # Host swap pool: its own free list, reference counts and the swapped sequences' tables
         # (host block ids, a separate numbering: never in the prefix cache, never a hit).
         self.num_host_blocks = num_host_blocks
-        self.host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
-        self.host_ref_count: list[int] = [0] * num_host_blocks
+        self._host_free: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self._host_ref_count: list[int] = [0] * num_host_blocks
         self._host_tables: dict[Hashable, list[int]] = {}
         self.blocks_swapped_out = 0
         self.blocks_swapped_in = 0
+        self.block_tables = TablesView(self._tables)  # the chapter's name, read only
+        self.ref_count = ReadOnlyList(self, "_ref_count")
+        self.host_ref_count = ReadOnlyList(self, "_host_ref_count")
 
     # ---- reading the tables -------------------------------------------------------------------
     def table(self, seq_id: Hashable) -> list[int]:
@@ -96,6 +133,41 @@ class BlockManager:
         """Every (sequence, block table) pair (read only)."""
         return iter(self._tables.items())
 
+    def audit(self) -> list[str]:
+        """What is inconsistent in the bookkeeping (empty when all holds): reference counts
+        equal table entries (host ones too); free, evictable and referenced blocks partition
+        the pool; each cached hash names a block carrying it; only unreferenced hashed blocks
+        are evictable, and no free block carries a hash."""
+        problems: list[str] = []
+        refs = Counter(b for t in self._tables.values() for b in t)
+        problems += [f"ref_count of block {b} is {n}, its table entries {refs.get(b, 0)}"
+                     for b, n in enumerate(self._ref_count) if n != refs.get(b, 0)]
+        free, lru = set(self._free), set(self._evictable)
+        if len(free) != len(self._free):
+            problems.append("a block is on the free list twice")
+        if free & set(refs) or lru & set(refs) or free & lru:
+            problems.append("a block is free, evictable and referenced at once")
+        if len(free) + len(lru) + len(refs) != self.num_blocks:
+            problems.append("free, evictable and referenced blocks do not make up the pool")
+        hashed = {b for b, h in enumerate(self._block_hash) if h is not None}
+        if any(self._block_hash[b] != h for h, b in self._cached.items()) or (
+                hashed != set(self._cached.values())):
+            problems.append("the prefix cache and the blocks' hashes disagree")
+        if not lru <= hashed or free & hashed:
+            problems.append("an evictable block has no hash, or a free block has one")
+        return problems + self._audit_host()
+
+    def _audit_host(self) -> list[str]:
+        """The host pool's part of `audit`."""
+        refs = Counter(b for t in self._host_tables.values() for b in t)
+        problems = [f"host ref_count of block {b} is {n}, its table entries {refs.get(b, 0)}"
+                    for b, n in enumerate(self._host_ref_count) if n != refs.get(b, 0)]
+        free = set(self._host_free)
+        if len(free) != len(self._host_free) or free & set(refs) or (
+                len(free) + len(refs) != self.num_host_blocks):
+            problems.append("host free and referenced blocks do not partition the host pool")
+        return problems
+
     # ---- the chapter's API ------------------------------------------------------------------
     def allocate(self, seq_id: Hashable, num_tokens: int, cached_blocks: Sequence[int] = ()
                  ) -> None:
@@ -107,9 +179,9 @@ class BlockManager:
             raise PoolExhausted(f"KV pool exhausted: {num_tokens} tokens do not fit "
                                 f"{self.num_free_blocks()} free blocks")
         for blk in cached_blocks:  # take the hits first: allocating could evict them
-            if self.ref_count[blk] == 0:
-                del self.evictable[blk]
-            self.ref_count[blk] += 1
+            if self._ref_count[blk] == 0:
+                del self._evictable[blk]
+            self._ref_count[blk] += 1
         self._tables[seq_id] = list(cached_blocks)
         self.prefix_hit_tokens += len(cached_blocks) * self.block_size
         self._grow(self._tables[seq_id], num_tokens)
@@ -147,12 +219,12 @@ class BlockManager:
     def _release(self, blk: int) -> None:
         """One reference to `blk` less; at none it is free, or evictable while it is cached
         (its bytes stay valid until it is handed out again)."""
-        self.ref_count[blk] -= 1
-        if self.ref_count[blk] == 0:
-            if self.block_hash[blk] is not None:
-                self.evictable[blk] = None  # most recently used last
+        self._ref_count[blk] -= 1
+        if self._ref_count[blk] == 0:
+            if self._block_hash[blk] is not None:
+                self._evictable[blk] = None  # most recently used last
             else:
-                self.free.append(blk)
+                self._free.append(blk)
 
     def fork(self, parent_id: Hashable, child_id: Hashable, num_tokens: int | None = None
              ) -> None:
@@ -165,16 +237,16 @@ class BlockManager:
             raise KeyError(f"sequence {child_id!r} already has a block table")
         self._tables[child_id] = list(parent)
         for blk in parent:
-            self.ref_count[blk] += 1
+            self._ref_count[blk] += 1
 
     def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
         """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""
         table = self._tables[seq_id]
         phys = table[logical_block_idx]
-        if self.ref_count[phys] == 1:
+        if self._ref_count[phys] == 1:
             return phys, phys
         new_phys = self._alloc_block()
-        self.ref_count[phys] -= 1
+        self._ref_count[phys] -= 1
         table[logical_block_idx] = new_phys
         self.cow_copies += 1
         self._track_peak()
@@ -182,7 +254,7 @@ class BlockManager:
 
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free ones and cached ones nobody references."""
-        return len(self.free) + len(self.evictable)
+        return len(self._free) + len(self._evictable)
 
     def can_allocate(self, num_tokens: int, cached_blocks: Sequence[int] = (),
                      headroom: int = 0) -> bool:
@@ -192,7 +264,7 @@ class BlockManager:
         new = max(0, blocks_for(num_tokens, self.block_size) - len(cached_blocks))
         return new + self.num_evictable(cached_blocks) + headroom <= self.num_free_blocks()
 
-    # ---- the scheduler's one call per step ------------------------------------------------------
+    # ---- a step's reservation (the KVManager's call for the scheduler) ---------------------------
     def reserve(self, appends: Sequence[tuple[Hashable, int, int]]) -> list[tuple[int, int]]:
         """Make positions [cur_len, cur_len + num_new) of each (seq_id, cur_len, num_new)
         writable, in order: copy-on-write the block holding cur_len where it is shared, then
@@ -224,7 +296,7 @@ class BlockManager:
             if self._shared_at(table, cur_len):
                 blk = table[cur_len // self.block_size]
                 writers[blk] = writers.get(blk, 0) + 1
-        return grow + sum(k - (k == self.ref_count[b]) for b, k in writers.items())
+        return grow + sum(k - (k == self._ref_count[b]) for b, k in writers.items())
 
     def num_blocks_in_use(self) -> int:
         return self.num_blocks - self.num_free_blocks()
@@ -235,26 +307,26 @@ class BlockManager:
         the pool comes back whole and the cache consistent."""
         self._tables.clear()
         self._host_tables.clear()
-        self.host_free = list(range(self.num_host_blocks - 1, -1, -1))
-        self.host_ref_count = [0] * self.num_host_blocks
-        self.cached = {h: b for h, b in self.cached.items() if self.block_hash[b] == h}
-        hashed = set(self.cached.values())
-        self.block_hash = [h if b in hashed else None for b, h in enumerate(self.block_hash)]
-        lru = [b for b in self.evictable if b in hashed]
+        self._host_free = list(range(self.num_host_blocks - 1, -1, -1))
+        self._host_ref_count = [0] * self.num_host_blocks
+        self._cached = {h: b for h, b in self._cached.items() if self._block_hash[b] == h}
+        hashed = set(self._cached.values())
+        self._block_hash = [h if b in hashed else None for b, h in enumerate(self._block_hash)]
+        lru = [b for b in self._evictable if b in hashed]
         lru += sorted(hashed.difference(lru))  # referenced until now: the most recently used
-        self.evictable = OrderedDict.fromkeys(lru)
-        self.ref_count = [0] * self.num_blocks
-        self.free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in hashed]
+        self._evictable = OrderedDict.fromkeys(lru)
+        self._ref_count = [0] * self.num_blocks
+        self._free = [b for b in range(self.num_blocks - 1, -1, -1) if b not in hashed]
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash (their blocks go back to the free list); refused while a
         sequence holds blocks, since its published blocks would lose their hashes under it."""
         if self._tables or self._host_tables:
             return False
-        self.free.extend(self.evictable)
-        self.evictable.clear()
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._cached.clear()
+        self._block_hash = [None] * self.num_blocks
         return True
 
     def reset_stats(self) -> None:
@@ -275,24 +347,24 @@ class BlockManager:
         alone (nothing to reserve)? O(1)."""
         table = self._tables[seq_id]
         return (blocks_for(cur_len + num_new, self.block_size) <= len(table)
-                and self.ref_count[table[cur_len // self.block_size]] == 1)
+                and self._ref_count[table[cur_len // self.block_size]] == 1)
 
     def _alloc_block(self) -> int:
-        if self.free:
-            blk = self.free.pop()
-        elif self.evictable:  # the least recently used cached block gives up its content
-            blk, _ = self.evictable.popitem(last=False)
-            del self.cached[self.block_hash[blk]]
-            self.block_hash[blk] = None
+        if self._free:
+            blk = self._free.pop()
+        elif self._evictable:  # the least recently used cached block gives up its content
+            blk, _ = self._evictable.popitem(last=False)
+            del self._cached[self._block_hash[blk]]
+            self._block_hash[blk] = None
         else:
             raise PoolExhausted("KV pool exhausted: no free block")
-        self.ref_count[blk] = 1
+        self._ref_count[blk] = 1
         return blk
 
     def _shared_at(self, table: Sequence[int], pos: int) -> bool:
         """Would writing position `pos` hit an existing block that others reference too?"""
         i = pos // self.block_size
-        return pos % self.block_size != 0 and i < len(table) and self.ref_count[table[i]] > 1
+        return pos % self.block_size != 0 and i < len(table) and self._ref_count[table[i]] > 1
 
     def _track_peak(self) -> None:
         in_use = self.num_blocks_in_use()
@@ -306,7 +378,7 @@ class BlockManager:
             return []
         hit = []
         for h in hashes:
-            blk = self.cached.get(h)
+            blk = self._cached.get(h)
             if blk is None:
                 break
             hit.append(blk)
@@ -314,7 +386,7 @@ class BlockManager:
 
     def num_evictable(self, blocks: Sequence[int]) -> int:
         """How many of these cached blocks sit unreferenced (taking them uses free room)."""
-        return sum(self.ref_count[b] == 0 for b in blocks)
+        return sum(self._ref_count[b] == 0 for b in blocks)
 
     def register(self, seq_id: Hashable, hashes: list[bytes]) -> None:
         """Publish the hashes of a sequence's computed full blocks (hashes[i] ↔ table[i])."""
@@ -322,9 +394,9 @@ class BlockManager:
             return
         table = self._tables[seq_id]
         for blk, h in zip(table, hashes):
-            if self.block_hash[blk] is None and h not in self.cached:
-                self.cached[h] = blk
-                self.block_hash[blk] = h
+            if self._block_hash[blk] is None and h not in self._cached:
+                self._cached[h] = blk
+                self._block_hash[blk] = h
 
     # ---- swapping to the host pool ------------------------------------------------------------
     def is_swapped(self, seq_id: Hashable) -> bool:
@@ -340,12 +412,12 @@ class BlockManager:
         return list(self._host_tables.items())
 
     def host_blocks_in_use(self) -> int:
-        return self.num_host_blocks - len(self.host_free)
+        return self.num_host_blocks - len(self._host_free)
 
     def can_swap_out(self, seq_ids: Sequence[Hashable]) -> bool:
         """Does the host pool have a block for each distinct block of these tables?"""
         distinct = {b for s in seq_ids for b in self._tables[s]}
-        return len(distinct) <= len(self.host_free)
+        return len(distinct) <= len(self._host_free)
 
     def can_swap_in(self, seq_ids: Sequence[Hashable], headroom: int = 0) -> bool:
         """Do the free device blocks hold these swapped tables, with `headroom` to spare?"""
@@ -366,8 +438,8 @@ class BlockManager:
             table = self._tables.pop(seq_id)
             for blk in table:
                 if blk not in moved:
-                    moved[blk] = self.host_free.pop()
-                self.host_ref_count[moved[blk]] += 1
+                    moved[blk] = self._host_free.pop()
+                self._host_ref_count[moved[blk]] += 1
                 self._release(blk)
             self._host_tables[seq_id] = [moved[b] for b in table]
         self.blocks_swapped_out += len(moved)
@@ -386,10 +458,10 @@ class BlockManager:
                 if hblk not in moved:
                     moved[hblk] = self._alloc_block()
                 else:
-                    self.ref_count[moved[hblk]] += 1
-                self.host_ref_count[hblk] -= 1
-                if self.host_ref_count[hblk] == 0:
-                    self.host_free.append(hblk)
+                    self._ref_count[moved[hblk]] += 1
+                self._host_ref_count[hblk] -= 1
+                if self._host_ref_count[hblk] == 0:
+                    self._host_free.append(hblk)
             self._tables[seq_id] = [moved[b] for b in table]
         self.blocks_swapped_in += len(moved)
         self._track_peak()
