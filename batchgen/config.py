@@ -19,8 +19,9 @@ from batchgen.checks import (
     is_number,
 )
 from batchgen.kv.block_manager import blocks_for
-from batchgen.kv.cache import num_blocks_for_memory
+from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
+from batchgen.model.loader import KVGeometry
 
 # CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
 DEFAULT_CPU_KV_BYTES = 4 << 30
@@ -127,6 +128,44 @@ class CacheConfig:
         tokens = self.num_host_blocks * self.block_size
         return (f"; host swap pool: {self.num_host_blocks} blocks = {tokens} tokens, "
                 f"{tokens * self.bytes_per_token / 2**20:.1f} MiB of CPU RAM")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a token costs in the pool and how long a sequence may be, from the config alone."""
+
+    kv_dtype: torch.dtype
+    bytes_per_token: int  # β = 2 · L · H_kv · d_h · b
+    target_len: int  # max_model_len wanted (the pool may cap it)
+
+
+@dataclass(frozen=True)
+class PoolSize:
+    """The pool's blocks, the max_model_len it allows, and the host swap pool's blocks."""
+
+    num_blocks: int
+    max_model_len: int
+    num_host_blocks: int
+
+
+def kv_layout(cfg: EngineConfig, geo: KVGeometry, model_dtype: torch.dtype) -> KVLayout:
+    """The pool's dtype, β for this rank's KV heads (`geo`), and the wanted max_model_len."""
+    kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
+    beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
+                          torch.empty((), dtype=kv_dtype).element_size())
+    return KVLayout(kv_dtype, beta, target_max_model_len(cfg, geo.max_position_embeddings))
+
+
+def size_pool(cfg: EngineConfig, layout: KVLayout, device: torch.device,
+              gpu_free_bytes: int | None, swap_space: float) -> PoolSize:
+    """The one pool-sizing function (LLM and `batchgen kv-plan`): blocks from num_kv_blocks,
+    kv_cache_memory, the GPU's free bytes or the CPU default; max_model_len within them; the
+    host pool's blocks in `swap_space` GiB. ValueError naming the setting that cannot fit."""
+    num_blocks = pool_blocks(cfg, layout.bytes_per_token, device, gpu_free_bytes,
+                             layout.target_len)
+    max_len = fit_max_model_len(cfg, layout.target_len, num_blocks * cfg.block_size)
+    host = host_pool_blocks(swap_space, cfg.block_size, layout.bytes_per_token)
+    return PoolSize(num_blocks, max_len, host)
 
 
 def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,

@@ -1,25 +1,24 @@
 """Request kinds: what differs between n samples (SamplingParams) and beam search
-(BeamSearchParams), in one object each, so the rest of batchgen asks the kind instead of
-testing which params it holds: the groups and sequences a request becomes, its batch columns,
-its output, and how dataset and Ray jobs seed and run it."""
+(BeamSearchParams) inside the engine, in one object each, so the rest of batchgen asks the kind
+instead of testing which params it holds: the groups and sequences a request becomes, its batch
+columns and its output. How dataset and Ray jobs seed, run and write each kind is
+`batchgen.data.jobs`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
-from batchgen.checks import check
 from batchgen.engine.beam import BeamSearchState
-from batchgen.engine.beam_controls import BeamControls, ControlSpec
-from batchgen.engine.beam_trace import BeamTrace
+from batchgen.engine.beam_controls import BeamControls
+from batchgen.engine.beam_trace import TraceRecorder
 from batchgen.engine.group_beam import GroupBeamSearchState
 from batchgen.engine.policy import BeamPolicy, SamplePolicy
 from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
-from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from batchgen.params import BeamSearchParams, ControlSpec, SamplingParams, StructuredOutputsParams
 from batchgen.sampling.grammar import Constraint
 from batchgen.sampling.sampler import NO_LOGPROBS, NUM_PARAMS, PARAM_NAMES
 from batchgen.sampling.stop import StopFactory
@@ -61,13 +60,6 @@ class Samples:
     def check(self, params: SamplingParams, step_limit: int) -> None:
         """Limits beyond the params' own checks (none: samples decode independently)."""
 
-    def check_job(self, params: SamplingParams) -> None:
-        """What a dataset job cannot write (nothing: every sample field has a column)."""
-
-    def keeps_logprobs(self, params: SamplingParams) -> bool:
-        """Whether a dataset row's outputs carry per-token logprobs."""
-        return params.logprobs is not None
-
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: SamplingParams, max_tokens: int) -> SequenceGroup:
         """The request's group: n sequences sharing the prompt, each with its own seed (and,
@@ -86,34 +78,6 @@ class Samples:
     def output(self, results: Results, group: SequenceGroup) -> RequestOutput:
         return results.request_output(group)
 
-    def job_seed(self, params: SamplingParams, seed: int | None) -> int:
-        """A dataset job's seed: params.seed, else `seed`, else 0 (never random: a resume, or
-        another machine, must redo the same draws)."""
-        if params.seed is not None:
-            return params.seed
-        return 0 if seed is None else int(seed)
-
-    def row_params(self, params: SamplingParams, row_seed: int) -> SamplingParams:
-        """A dataset row's params: seeded from the row (its samples then do not depend on
-        which rows ran beside it)."""
-        return replace(params, seed=row_seed)
-
-    def stream(self, llm: Any, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
-        return llm.generate_stream(prompts, params, use_tqdm=False)
-
-    def run(self, llm: Any, prompts: Any, params: Any) -> list[Any]:
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    def records(self, out: RequestOutput) -> list[dict[str, Any]]:
-        """The completions as plain dicts (a dataset row's `outputs`)."""
-        return [_completion(c) for c in out.outputs]
-
-
-def _logprob_records(logprobs: list[Any]) -> list[list[dict[str, Any]]]:
-    """Per-token {token_id: Logprob} dicts as plain records (a dataset row's `logprobs`)."""
-    return [[{"token_id": t, "logprob": v.logprob, "rank": v.rank,
-              "decoded_token": v.decoded_token} for t, v in e.items()] for e in logprobs]
-
 
 class Beams:
     """Beam search with HF's selection (`LLM.beam_search`)."""
@@ -130,20 +94,10 @@ class Beams:
                              f"({step_limit}): all beams decode together, got "
                              f"{params.beam_width!r}")
 
-    def check_job(self, params: BeamSearchParams) -> None:
-        """A dataset job writes hypotheses, one list per row: the per-step trace is
-        LLM.beam_search's (it has no column)."""
-        check(not params.return_trace, "params.return_trace",
-              "False in a dataset job (use LLM.beam_search for the trace)", True)
-
-    def keeps_logprobs(self, params: BeamSearchParams) -> bool:
-        """Beams' outputs carry logprobs in a dataset only when top-k was asked."""
-        return params.logprobs > 0
-
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: BeamSearchParams, max_tokens: int) -> SequenceGroup:
         """The request's group: one leader that the beam state forks as beams appear."""
-        trace = BeamTrace() if p.return_trace else None
+        trace = TraceRecorder() if p.return_trace else None
         group = SequenceGroup(index, text, ids, p, max_tokens, BeamPolicy(
                                   beam_state(b, p, ids, max_tokens), trace),
                               RowSpec(max_tokens=max_tokens, beam=True,
@@ -155,27 +109,6 @@ class Beams:
 
     def output(self, results: Results, group: SequenceGroup) -> BeamSearchOutput:
         return results.beam_output(group)
-
-    def job_seed(self, params: BeamSearchParams, seed: int | None) -> int:
-        return 0 if seed is None else int(seed)
-
-    def row_params(self, params: BeamSearchParams, row_seed: int) -> BeamSearchParams:
-        return params  # beams draw nothing
-
-    def stream(self, llm: Any, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
-        return llm.beam_search_stream(prompts, params, use_tqdm=False)
-
-    def run(self, llm: Any, prompts: Any, params: Any) -> list[Any]:
-        return llm.beam_search(prompts, params, use_tqdm=False)
-
-    def records(self, out: BeamSearchOutput) -> list[dict[str, Any]]:
-        recs = [{"text": s.text, "token_ids": s.token_ids,
-                 "cumulative_logprob": s.cumulative_logprob, "score": s.score,
-                 "finish_reason": s.finish_reason} for s in out.sequences]
-        if out.num_logprobs:
-            for r, s in zip(recs, out.sequences):
-                r["logprobs"] = _logprob_records(s.logprobs)
-        return recs
 
 
 RequestKind = Samples | Beams
@@ -254,12 +187,3 @@ def _constrain(b: Builder, group: SequenceGroup) -> None:
     group.constraint = b.constraint(so)
     for seq in group.seqs:
         seq.constraint = group.constraint.fork()
-
-
-def _completion(c: Any) -> dict[str, Any]:
-    d = {"index": c.index, "text": c.text, "token_ids": c.token_ids,
-         "cumulative_logprob": c.cumulative_logprob, "finish_reason": c.finish_reason,
-         "stop_reason": None if c.stop_reason is None else str(c.stop_reason)}
-    if c.logprobs is not None:
-        d["logprobs"] = _logprob_records(c.logprobs)
-    return d

@@ -1,9 +1,7 @@
 """KV capacity planning from a model's config alone (no weights): β, blocks, concurrency.
 
-The numbers come from the same functions `LLM.__init__` sizes its pool with (`EngineConfig`,
-`kv_cache_torch_dtype`, `kv_cache_bytes`, `target_max_model_len`, `pool_blocks`,
-`fit_max_model_len`, `host_pool_blocks`, `CacheConfig`), so a plan's capacity line is, by
-construction, the line `LLM(model, kv_cache_memory=M, block_size=B, max_model_len=N,
+The numbers come from the functions `LLM` sizes its pool with (`EngineConfig`, `kv_layout`,
+`size_pool`, `CacheConfig`), so a plan's capacity line is, by construction, the line `LLM(model, kv_cache_memory=M, block_size=B, max_model_len=N,
 kv_cache_dtype=..., swap_space=S)` logs. The swap pool is sized, not checked against this
 machine's RAM (a plan is often made for another host).
 
@@ -182,23 +180,20 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
                        max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory=memory)
     model_dtype = loader.resolve_dtype(dtype, config)
-    kv_dtype = engine_config.kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
     geo = loader.kv_geometry(config)
-    target = engine_config.target_max_model_len(cfg, geo.max_position_embeddings)
-    dtype_bytes = torch.empty((), dtype=kv_dtype).element_size()
-    beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1, dtype_bytes)
-    num_blocks = engine_config.pool_blocks(cfg, beta, _CPU, None, target)
-    fitted = engine_config.fit_max_model_len(cfg, target, num_blocks * cfg.block_size)
+    layout = engine_config.kv_layout(cfg, geo, model_dtype)
+    pool = engine_config.size_pool(cfg, layout, _CPU, None, swap_space)
     return KvPlan(
         model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_layers,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
-        model_dtype=_dtype_name(model_dtype), kv_dtype=_dtype_name(kv_dtype),
-        dtype_bytes=dtype_bytes, block_size=cfg.block_size, num_blocks=num_blocks,
+        model_dtype=_dtype_name(model_dtype), kv_dtype=_dtype_name(layout.kv_dtype),
+        dtype_bytes=torch.empty((), dtype=layout.kv_dtype).element_size(),
+        block_size=cfg.block_size, num_blocks=pool.num_blocks,
         memory_bytes=engine_config.DEFAULT_CPU_KV_BYTES if memory is None else memory,
         memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
-        model_max_len=target, max_model_len=fitted, sliding=sliding_windows(config),
-        swap_space=swap_space,
-        num_host_blocks=engine_config.host_pool_blocks(swap_space, cfg.block_size, beta))
+        model_max_len=layout.target_len, max_model_len=pool.max_model_len,
+        sliding=sliding_windows(config), swap_space=swap_space,
+        num_host_blocks=pool.num_host_blocks)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from batchgen.engine.beam_trace import BeamTrace
+from typing import Any
 
 
 @dataclass
@@ -75,6 +72,47 @@ class BeamSequence:
     def cum_logprob(self) -> float:
         """vLLM's name for `cumulative_logprob`."""
         return self.cumulative_logprob
+
+
+@dataclass
+class BeamTrace:
+    """How one request's beams evolved, as plain records (see :meth:`to_records`); recorded
+    by the engine (engine/beam_trace.py) with ``BeamSearchParams(return_trace=True)``.
+
+    ``live``: per step (0 = the first generated token) one record per running beam after the
+    step: ``beam`` (its slot), ``parent`` (the slot it continued at the previous step),
+    ``token``, ``cumulative_logprob`` (HF's running beam score) and ``blocks``, the physical KV
+    block ids of its block table once its new token's K/V is written (read at the next step,
+    after any copy-on-write: beams sharing a prefix show the same ids for the shared blocks).
+    ``finished``: per step, the finished buffer's filled slots: ``slot``, ``score`` (HF's
+    length-penalised ``sequences_scores``), ``cumulative_logprob``, ``num_tokens``,
+    ``finish_reason``.
+    """
+
+    live: list[dict[str, Any]] = field(default_factory=list)
+    finished: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def num_steps(self) -> int:
+        """Beam steps recorded so far."""
+        return 1 + max((r["step"] for r in (*self.live, *self.finished)), default=-1)
+
+    def to_records(self) -> list[dict[str, Any]]:
+        """Live and finished records in one list (``kind`` tells them apart; the other
+        kind's columns are None), ordered by step: ``pandas.DataFrame(trace.to_records())``."""
+        cols = ("step", "kind", "beam", "parent", "token", "cumulative_logprob", "score",
+                "num_tokens", "finish_reason", "blocks")
+        rows = [{**dict.fromkeys(cols), **r, "kind": "live"} for r in self.live]
+        rows += [{**dict.fromkeys(cols), **{k: v for k, v in r.items() if k != "slot"},
+                  "beam": r["slot"], "kind": "finished"} for r in self.finished]
+        rows.sort(key=lambda r: (r["step"], r["kind"] != "live", r["beam"]))
+        return rows
+
+    def to_pandas(self) -> Any:
+        """The records as a pandas DataFrame (pandas is optional: imported only here)."""
+        import pandas as pd
+
+        return pd.DataFrame(self.to_records())
 
 
 @dataclass

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
-from batchgen.engine.beam_controls import ControlSpec
 
 # vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
 # (prompt_token_ids, output_token_ids, logits) -> logits; logits is the row's float32 [V].
@@ -274,6 +273,30 @@ class SamplingParams(_Stops):
     def width(self) -> int:
         """Sequences one request runs at once."""
         return self.n
+
+
+@dataclass(frozen=True)
+class ControlSpec:
+    """A beam request's validated logits controls, in HF's processor order
+    (`BeamSearchParams.controls`; engine/beam_controls.py applies them)."""
+
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    min_tokens: int = 0
+    temperature: float = 1.0
+
+    @property
+    def active(self) -> bool:
+        """Whether any processor changes the log-probabilities."""
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+                or bool(self.bad_words_ids) or self.min_tokens > 0 or self.temperature != 1.0)
+
+    @property
+    def needs_sequences(self) -> bool:
+        """Whether a processor reads the beams' token ids (penalty, n-grams, long bad words)."""
+        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
+                or any(len(w) > 1 for w in self.bad_words_ids))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from itertools import islice, zip_longest
 from typing import Any
 
 from batchgen.checks import check, check_type
-from batchgen.engine.scheduler import request_peak_blocks
+from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.kinds import RequestKind
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams

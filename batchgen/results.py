@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from batchgen.engine.beam import _NEG as IMPOSSIBLE
-from batchgen.engine.beam import BeamHypothesis
+from batchgen.engine.beam import IMPOSSIBLE, BeamHypothesis
 from batchgen.engine.policy import BeamPolicy
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.outputs import (
@@ -57,7 +56,8 @@ class ResultBuilder:
                                       seq.stop_token)
 
     def beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
-        assert isinstance(group.policy, BeamPolicy)
+        policy = group.policy
+        assert isinstance(policy, BeamPolicy)
         decode = self._decoder(True)
         seqs = [BeamSequence(
             token_ids=h.token_ids,
@@ -66,9 +66,10 @@ class ResultBuilder:
             logprobs=[_logprobs(lp.entry(t), decode) for t, lp in zip(h.token_ids,
                                                                       h.token_logprobs)],
             prompt_token_ids=group.prompt_token_ids)
-            for h in group.policy.state.finalize() if _grammar_accepts(group, h)]
+            for h in policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
-                                sequences=seqs, trace=group.policy.trace,
+                                sequences=seqs,
+                                trace=None if policy.trace is None else policy.trace.trace,
                                 num_logprobs=group.params.logprobs)
 
     def _beam_text(self, group: SequenceGroup, token_ids: list[int], reason: str) -> str:

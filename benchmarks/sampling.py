@@ -477,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         llm = make_llm(model_dir, prompts, args)
         eos_ids = list(llm.eos_token_ids)
-        kv_blocks = llm.block_manager.num_blocks
+        kv_blocks = llm.engine.kv.block_manager.num_blocks
         print(f"batchgen KV pool: num_kv_blocks={kv_blocks} x {args.block_size} tokens "
               f"({'given' if args.num_kv_blocks else 'no-sharing worst case of the largest run'})",
               flush=True)

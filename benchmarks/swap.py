@@ -75,7 +75,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def pool_blocks(prompts: list[list[int]], width: int, args: argparse.Namespace) -> int:
     """The tight pool: --pool-factor x the largest request's admission bound."""
-    from batchgen.engine.scheduler import request_peak_blocks
+    from batchgen.engine.kv_manager import request_peak_blocks
 
     bound = max(request_peak_blocks(len(p), width, args.output_len, args.block_size)
                 for p in prompts)

@@ -16,17 +16,14 @@ import random
 import torch
 
 from batchgen.attention.metadata import StepRows
-from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.beam import BeamSearchState
-from batchgen.engine.engine import Engine
-from batchgen.engine.scheduler import Scheduler
 from batchgen.engine.sequence import sample_seed
+from batchgen.factory import EngineShape, build_engine, build_frontend
 from batchgen.kinds import BEAMS, SAMPLES
-from batchgen.kv import BlockManager, blocks_for
+from batchgen.kv import blocks_for
 from batchgen.model.inputs import StepInputs
 from batchgen.params import BeamSearchParams, SamplingParams
-from batchgen.requests import Limits, RequestBuilder
-from batchgen.results import ResultBuilder
+from batchgen.progress import CallMeter
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
 from tests.helpers import check_batch
@@ -95,34 +92,28 @@ class FakeRunner:
 
 
 class FakeLLM:
-    """The engine's real parts (scheduler, block manager, request builder, sampler) around a
-    FakeRunner: what `LLM` assembles, minus the model."""
+    """The engine's real parts (scheduler, KV and block managers, request builder, sampler,
+    output processor), built by the same factory as `LLM`, around a FakeRunner."""
 
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
                  max_model_len: int = 256, min_rows: int = 0, num_host_blocks: int = 0,
                  preemption_mode: str = "recompute") -> None:
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
-                                          num_host_blocks)
-        self.batch = PersistentBatch(max_num_seqs, VOCAB, blocks_for(max_model_len, block_size),
-                                     [EOS], torch.device("cpu"))
-        self.scheduler = Scheduler(self.block_manager, self.batch, max_num_seqs,
-                                   max_num_batched_tokens, preemption_mode)
+        shape = EngineShape(num_blocks, block_size, max_model_len, max_num_seqs,
+                            max_num_batched_tokens, VOCAB, [EOS], enable_prefix_caching,
+                            num_host_blocks, preemption_mode)
         self.runner = FakeRunner(num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
                                  max_model_len, min_rows, num_host_blocks)
-        self.engine = Engine(self.scheduler, self.runner, Sampler())
+        self.engine = build_engine(shape, self.runner)
         step = self.engine.step
 
-        def checked_step(out):  # the persistent batch mirrors the sequences after every step
-            stats = step(out)
-            check_batch(self.scheduler)
+        def checked_step(plan):  # the persistent batch mirrors the sequences after every step
+            stats = step(plan)
+            check_batch(self.engine)
             return stats
 
         self.engine.step = checked_step
-        self.requests = RequestBuilder(
-            None, Limits(max_model_len, VOCAB, block_size, num_blocks, max_num_seqs,
-                         max_num_batched_tokens), StopFactory(None, [EOS]), [EOS])
-        self.results = ResultBuilder(None, StopFactory(None, [EOS]))
+        self.requests, self.results = build_frontend(shape, None)
 
     def generate(self, prompts: list[list[int]], params):
         return self._run(prompts, params, SAMPLES)
@@ -132,9 +123,16 @@ class FakeLLM:
 
     def _run(self, prompts, params, kind):
         groups = self.requests.build([{"prompt_token_ids": p} for p in prompts], params, kind)
-        self.block_manager.reset_stats()
-        self.engine.run(groups)
+        meter = CallMeter(self.engine, len(groups), False)
+        try:
+            self.engine.run(groups, meter.on_step)
+        finally:
+            self.stats = meter.close()
         return [kind.output(self.results, g) for g in groups]
+
+    def kv_stats(self):
+        """The last call's KV figures, as LLM.kv_stats()."""
+        return self.stats
 
 
 def reference_samples(prompt: list[int], p: SamplingParams, max_tokens: int

@@ -95,37 +95,25 @@ def hf_greedy(
 
 
 def check_pool_invariants(bm: Any) -> None:
-    """A BlockManager's bookkeeping is consistent: reference counts equal table entries; free,
-    evictable (cached, unreferenced) and referenced blocks partition the pool; the prefix cache
-    maps each hash to a block that carries that hash, and only unreferenced hashed blocks are
-    evictable."""
-    from collections import Counter
-
-    refs = Counter(b for table in (t for _, t in bm.tables()) for b in table)
-    for blk in range(bm.num_blocks):
-        assert bm.ref_count[blk] == refs.get(blk, 0), f"ref_count of block {blk}"
-    free, evictable = set(bm.free), set(bm.evictable)
-    assert len(free) == len(bm.free), "a block is on the free list twice"
-    assert not free & set(refs) and not evictable & set(refs) and not free & evictable
-    assert len(free) + len(evictable) + len(refs) == bm.num_blocks
-    for h, blk in bm.cached.items():
-        assert bm.block_hash[blk] == h, f"cached hash of block {blk}"
-    hashed = {b for b, h in enumerate(bm.block_hash) if h is not None}
-    assert hashed == set(bm.cached.values())
-    assert evictable <= hashed and not free & hashed
+    """A BlockManager's bookkeeping is consistent (its own audit: reference counts equal table
+    entries; free, evictable and referenced blocks partition the pool; the prefix cache and
+    the blocks' hashes agree; the host pool likewise)."""
+    problems = bm.audit()
+    assert not problems, problems
 
 
-def check_batch(scheduler: Any) -> None:
+def check_batch(engine: Any) -> None:
     """The persistent batch mirrors the running sequences exactly: one dense slot per
     sequence holding a block table, each slot's counters equal to its sequence's, its
     block-table row equal to the BlockManager's table."""
-    batch, bm = scheduler.batch, scheduler.bm
-    seqs = [s for g in scheduler.running for s in g.seqs if bm.has_table(s)]
+    kv, running = engine.kv, engine.scheduler.running
+    batch, bm = kv.batch, kv.block_manager
+    seqs = [s for g in running for s in g.seqs if bm.has_table(s)]
     assert sorted(id(s) for s in batch.seqs) == sorted(id(s) for s in seqs)
     assert bm.num_tables() == len(batch.seqs)
     c = batch.cols
     for slot, seq in enumerate(batch.seqs):
-        assert seq.slot == slot and seq.batch is batch
+        assert seq.slot == slot and kv.num_computed(seq) == c["num_computed"][slot]
         table = bm.table(seq)
         assert c["num_blocks"][slot] == len(table)
         assert batch.block_table[slot, :len(table)].tolist() == table
@@ -142,10 +130,10 @@ def check_batch(scheduler: Any) -> None:
 
 def assert_pool_whole(llm: Any) -> None:
     """After a call (finished or aborted): no block tables, every block free or evictable."""
-    bm = llm.block_manager
+    bm = llm.engine.kv.block_manager
     check_pool_invariants(bm)
     assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
-    assert not llm.scheduler.has_unfinished() and not llm.scheduler.batch.num_seqs
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.kv.batch.num_seqs
 
 
 def cpu_kernel_or_skip() -> Any:

@@ -34,5 +34,5 @@ def columns(rows: list[Row], vocab: int, eos_ids: list[int]) -> SamplingColumns:
         spec = sample_spec(r.params, 1 << 30, bool(r.bad_word_ids))
         group = SequenceGroup(0, None, r.token_ids[:r.num_prompt], r.params, 1 << 30,
                               SamplePolicy(), spec, bad_word_ids=r.bad_word_ids)
-        batch.enter(Sequence(group, 0, list(r.token_ids), None, r.seed), [0])
+        batch.enter(Sequence(group, 0, list(r.token_ids), None, r.seed), [0], 0)
     return batch.sampling_columns(np.arange(len(rows)))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from batchgen import LLM, BeamSearchParams
-from batchgen.engine.beam_controls import BeamControls, ControlSpec
+from batchgen.engine.beam_controls import BeamControls
+from batchgen.params import ControlSpec
 from tests.helpers import load_hf_model, make_prompt_token_ids
 
 FAMILIES = ["llama", "qwen3", "gemma2"]
@@ -75,7 +76,7 @@ def _check(llm, model_dir, prompts, controls, bad_ids=(), **extra):
             assert math.isclose(s.score, s.cumulative_logprob / len(s.token_ids) ** lp,
                                 rel_tol=1e-5)
             assert len(s.token_ids) >= controls.get("min_tokens", 0) + (s.token_ids[-1] == 2)
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
     return outs
 
 
@@ -212,4 +213,4 @@ def test_width_64_runs_with_controls_and_groups(tiny_model_factory, prompts):
         for s in out.sequences:
             pairs = list(zip(s.token_ids, s.token_ids[1:]))
             assert len(pairs) == len(set(pairs)) and 5 not in s.token_ids
-    assert llm.block_manager.num_free_blocks() == 4096
+    assert llm.engine.kv.block_manager.num_free_blocks() == 4096

@@ -58,7 +58,7 @@ def _check(llm, model_dir, prompts, width, lp, es, stop_ids=()):
             gen_len = len(s.token_ids)
             assert math.isclose(s.score, s.cumulative_logprob / gen_len ** lp, rel_tol=1e-5)
             assert s.finish_reason == ("stop" if s.token_ids[-1] in (2, *stop_ids) else "length")
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
     return outs
 
 
@@ -140,7 +140,7 @@ def test_wide_beams_complete_within_the_block_bound(tiny_model_factory, prompts)
         bound = math.ceil(len(p) / 16) + 2 * width * (math.ceil(T / 16) + 1)
         assert llm.kv_stats().peak_blocks_in_use <= bound
         assert llm.kv_stats().cow_copies > 0
-    assert llm.block_manager.num_free_blocks() == 4096
+    assert llm.engine.kv.block_manager.num_free_blocks() == 4096
 
 
 def test_num_return_sequences_and_bad_params(tiny_model_factory, prompts):

@@ -36,3 +36,11 @@ def test_the_check_counts_from_def_to_the_last_line(tmp_path: Path) -> None:
                                    "    pass\n")
     assert long_functions(tmp_path) == [f"{tmp_path.name}/m.py:2 long (61 lines)"]
     assert long_functions(tmp_path, limit=61) == []
+
+
+ROOM_LIMITS = {"engine/scheduler.py": 400, "llm.py": 300}  # decisions only; the user's API
+
+
+def test_the_scheduler_and_the_llm_stay_small() -> None:
+    sizes = {name: len((PACKAGE / name).read_text().splitlines()) for name in ROOM_LIMITS}
+    assert {n: s for n, s in sizes.items() if s > ROOM_LIMITS[n]} == {}

@@ -28,7 +28,7 @@ def test_greedy_on_cuda_equals_hf(model_dir, prompts, block_size, blocks, budget
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(model_dir, prompts, 24)
-    assert llm.block_manager.num_free_blocks() == blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == blocks
 
 
 def test_samples_and_beams_on_cuda_match_cpu(model_dir, prompts):
@@ -61,7 +61,7 @@ def test_a_decode_step_synchronises_only_to_read_its_tokens(model_dir, prompts):
         pytest.skip("the torch backend plans its tiles with device tensors (synchronising)")
     sp = SamplingParams(n=2, temperature=0.8, top_p=0.9, repetition_penalty=1.2,
                         frequency_penalty=0.3, seed=1, max_tokens=8, ignore_eos=True)
-    sched, engine = llm.scheduler, llm.engine
+    sched, engine = llm.engine.scheduler, llm.engine
     for group in llm.requests.build([{"prompt_token_ids": p} for p in prompts[:4]], sp, SAMPLES):
         sched.add(group)
     checked = 0

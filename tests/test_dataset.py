@@ -211,7 +211,7 @@ def test_interrupt_keeps_finished_rows_and_resume_completes(llm, data, reference
                          output_format=fmt, use_tqdm=False)
     manifest = json.loads((out / MANIFEST).read_text())
     assert not manifest["complete"] and manifest["rows"] == 9  # 2 full shards + the rest
-    assert llm.block_manager.num_blocks_in_use() == 0
+    assert llm.engine.kv.block_manager.num_blocks_in_use() == 0
     monkeypatch.undo()
     counting = Counting(llm, monkeypatch)
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=4,
@@ -319,7 +319,7 @@ def test_bad_data(llm, data, tmp_path) -> None:
     with pytest.raises(ValueError, match="must hold a string or a list of token ids"):
         generate_dataset(llm, datasets.Dataset.from_dict({"prompt": [3.5]}), PARAMS,
                          use_tqdm=False)
-    assert llm.block_manager.num_blocks_in_use() == 0
+    assert llm.engine.kv.block_manager.num_blocks_in_use() == 0
 
 
 def test_messages_without_chat_template(tiny_model_factory) -> None:

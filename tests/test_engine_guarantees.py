@@ -64,7 +64,7 @@ def test_an_interrupt_anywhere_in_a_real_run_leaves_the_pool_whole(model_dir):
               enable_prefix_caching=False)
     counter = [0]
     want = traced_workload(llm, interrupt_tracer(0, ROOT, counter))
-    assert llm.kv_stats().cow_copies > 0 and llm.scheduler.num_preemptions > 0
+    assert llm.kv_stats().cow_copies > 0 and llm.engine.scheduler.num_preemptions > 0
     total = counter[0]
     for event in sorted(random.Random(1).sample(range(1, total), 25)):
         with pytest.raises(KeyboardInterrupt):

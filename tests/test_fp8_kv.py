@@ -48,7 +48,7 @@ def test_fp8_greedy_equals_hf_with_fp8_rounded_kv(setup, backend):
 def test_fp8_prefill_logits_equal_hf_with_fp8_rounded_kv(setup):
     path, ref, prompts = setup
     llm = LLM(path, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8")
-    runner, bm = llm.engine.runner, llm.block_manager
+    runner, bm = llm.engine.runner, llm.engine.kv.block_manager
     batch = sorted(prompts, key=len)
     chunks = []
     for i, p in enumerate(batch):

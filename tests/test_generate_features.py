@@ -120,7 +120,7 @@ def test_seeded_requests_survive_preemption(model_dir, prompts):
     b = tight.generate(_ids(prompts), sp, use_tqdm=False)
     assert tight.kv_stats().preemptions > 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
-    assert tight.block_manager.num_free_blocks() == 40
+    assert tight.engine.kv.block_manager.num_free_blocks() == 40
 
 
 def test_logprobs_equal_hf_scores(llm, model_dir, prompts):
@@ -158,7 +158,7 @@ def test_n_samples_are_independent_and_greedy_at_temperature_zero(llm, prompts):
                                                              seed=5, ignore_eos=True),
                            use_tqdm=False)[0].outputs
     assert len({tuple(c.token_ids) for c in sampled}) > 1
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
 
 
 def test_kv_stats_report_the_last_call(model_dir, prompts):
@@ -170,7 +170,7 @@ def test_kv_stats_report_the_last_call(model_dir, prompts):
     expect = sum((len(p) + 8 - 1 + 3) // 4 for p in prompts)  # all fit at once: the sum
     assert s.peak_blocks_in_use == expect
     assert s.preemptions == 0 and s.prefix_hit_tokens == 0
-    assert llm.block_manager.num_free_blocks() == 1024
+    assert llm.engine.kv.block_manager.num_free_blocks() == 1024
 
 
 def test_progress_bar_shows_token_rates(llm, prompts, capsys):

@@ -49,7 +49,7 @@ def test_greedy_equals_hf_generate(family_case, prompts, layout):
     eos = [o.outputs[0].finish_reason for o in outs]
     assert "stop" in eos and "length" in eos, "EOS must be reachable and not always reached"
     stats = llm.kv_stats()
-    assert llm.block_manager.num_free_blocks() == blocks, "blocks leaked"
+    assert llm.engine.kv.block_manager.num_free_blocks() == blocks, "blocks leaked"
     if layout == "preempt+chunked":
         assert stats.preemptions > 0
         assert stats.peak_blocks_in_use <= blocks
@@ -63,7 +63,7 @@ def test_packed_prefill_logits_equal_hf(tiny_model_factory, prompts, family):
     llm = LLM(path, block_size=4, num_kv_blocks=512)
     ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     batch = sorted(prompts[:8], key=len)  # the runner packs rows by length: keep this order
-    bm = llm.block_manager
+    bm = llm.engine.kv.block_manager
     chunks = []
     for i, p in enumerate(batch):
         bm.allocate(("packed", i), len(p))

@@ -98,16 +98,16 @@ def test_llm_keeps_the_backend_reserve_out_of_the_gpu_budget(tiny_model_factory,
     """The pool sized from free GPU memory (simulated: the budget is recorded, not measured)
     leaves the backend's declared reserve for the probed specs, plus the graph pool's allowance
     when graphs are on; both are logged after the capacity line."""
-    from batchgen import LLM
+    from batchgen import LLM, factory
 
     asked = []
 
-    def budget(self, cfg, other):
+    def budget(model, num_tokens, num_logits, device, utilization, other):
         asked.append(other)
         return 64 * MiB
 
-    monkeypatch.setattr(LLM, "_pool_from_gpu_memory", lambda self, cfg: True)
-    monkeypatch.setattr(LLM, "_gpu_budget", budget)
+    monkeypatch.setattr(factory, "pool_from_gpu_memory", lambda device, cfg: True)
+    monkeypatch.setattr(factory, "device_kv_budget", budget)
     entry = registry.BACKENDS["torch"]
     monkeypatch.setitem(registry.BACKENDS, "torch", registry.BackendEntry(
         "torch", entry.devices, None, None, None, entry.load, graphs=True,

@@ -50,7 +50,7 @@ def _check(llm, fam, case, prompts=None):
             assert math.isclose(s.score, s.cumulative_logprob / len(s.token_ids) ** lp,
                                 rel_tol=1e-5)
             assert s.finish_reason == ("stop" if s.token_ids[-1] == 2 else "length")
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
     return outs
 
 

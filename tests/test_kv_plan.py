@@ -137,7 +137,7 @@ def test_plan_matches_llm_capacity_line(tiny_model_factory, family: str, kw: dic
                    max_num_seqs=kw.get("max_num_seqs", 256),
                    swap_space=kw.get("swap_space", 0))
     assert plan.capacity_line() == logged
-    assert plan.host_bytes == (llm.host_pool.nbytes if llm.host_pool else 0)
+    assert plan.host_bytes == (llm.engine.runner.host.nbytes if llm.engine.runner.host else 0)
     assert (plan.num_blocks, plan.max_model_len) == (llm.cache.num_blocks, llm.max_model_len)
     assert plan.bytes_per_token == llm.cache.bytes_per_token
     assert plan.pool_bytes == llm.cache.pool[:, :, :-1].nbytes  # scratch block aside

@@ -39,8 +39,8 @@ BAD_REQUESTS = [
 def test_bad_requests_raise_before_any_work(llm, match, prompts, params):
     with pytest.raises(ValueError, match=match):
         llm.generate(prompts(), params, use_tqdm=False)
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
-    assert not llm.scheduler.has_unfinished()
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
+    assert not llm.engine.scheduler.has_unfinished()
 
 
 def test_a_bad_request_loses_nothing_and_the_engine_still_works(llm):
@@ -115,7 +115,7 @@ def test_a_one_block_pool_serves_what_fits_it(tiny_model_factory):
     assert len(out[0].outputs[0].token_ids) == 2
     with pytest.raises(ValueError, match="needs 2 KV blocks"):
         llm.generate(ids(2), SamplingParams(n=2, max_tokens=2), use_tqdm=False)
-    assert llm.block_manager.num_free_blocks() == 1
+    assert llm.engine.kv.block_manager.num_free_blocks() == 1
 
 
 def test_the_smallest_pool_serves_the_smallest_request(tiny_model_factory):
@@ -125,7 +125,7 @@ def test_the_smallest_pool_serves_the_smallest_request(tiny_model_factory):
     assert llm.max_model_len == 2
     out = llm.generate(ids(1), SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 1
-    assert llm.block_manager.num_free_blocks() == 1
+    assert llm.engine.kv.block_manager.num_free_blocks() == 1
 
 
 def test_unknown_folder(tmp_path):
@@ -183,8 +183,8 @@ def test_a_failed_call_leaves_a_clean_engine(llm):
             llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     finally:
         hook.remove()
-    assert not llm.scheduler.has_unfinished()
-    assert llm.block_manager.num_free_blocks() == llm.block_manager.num_blocks
+    assert not llm.engine.scheduler.has_unfinished()
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.engine.kv.block_manager.num_blocks
     again = llm.generate(good, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
 

@@ -3,7 +3,7 @@
 import pytest
 
 from batchgen import LLM, SamplingParams
-from batchgen.engine.scheduler import request_peak_blocks
+from batchgen.engine.kv_manager import request_peak_blocks
 from tests.helpers import make_prompt_token_ids
 
 
@@ -26,7 +26,7 @@ def test_chapter_exercise_4_peaks_at_exactly_90_blocks(model_dir):
     assert [len(c.token_ids) for c in out[0].outputs] == [150] * 4
     assert llm.kv_stats().peak_blocks_in_use == 90
     assert llm.kv_stats().cow_copies == 0  # 800 is a block multiple: nothing shared is written
-    assert llm.block_manager.num_free_blocks() == 512
+    assert llm.engine.kv.block_manager.num_free_blocks() == 512
 
 
 @pytest.mark.parametrize("s,n,t,bs", [(37, 4, 20, 16), (33, 8, 5, 4), (10, 3, 30, 1),
@@ -40,7 +40,7 @@ def test_n_samples_stay_within_the_sharing_bound(model_dir, s, n, t, bs):
     assert stats.peak_blocks_in_use == request_peak_blocks(s, n, t, bs)  # the exact bound
     partial = s % bs != 0
     assert stats.cow_copies == (n - 1 if partial else 0)  # the last writer keeps the original
-    assert llm.block_manager.num_free_blocks() == 2048
+    assert llm.engine.kv.block_manager.num_free_blocks() == 2048
 
 
 def test_prompt_is_computed_once(model_dir):
@@ -81,7 +81,7 @@ def test_preempted_n_groups_recompute_with_sharing(model_dir):
     assert [[c.token_ids for c in o.outputs] for o in a] == \
         [[c.token_ids for c in o.outputs] for o in b]
     assert tight.kv_stats().peak_blocks_in_use <= 30
-    assert tight.block_manager.num_free_blocks() == 30
+    assert tight.engine.kv.block_manager.num_free_blocks() == 30
 
 
 def test_thousands_of_samples(model_dir):
@@ -93,4 +93,4 @@ def test_thousands_of_samples(model_dir):
     assert all(len(c.token_ids) == 4 for c in out[0].outputs)
     # 256 samples decode at a time (max_num_seqs): far below the all-at-once bound of 2002
     assert llm.kv_stats().peak_blocks_in_use <= request_peak_blocks(40, 2000, 4, 16) == 2002
-    assert llm.block_manager.num_free_blocks() == 4096
+    assert llm.engine.kv.block_manager.num_free_blocks() == 4096

@@ -51,7 +51,7 @@ def _same(a, b, bits=True):
 
 
 def _no_leak(llm):
-    bm = llm.block_manager
+    bm = llm.engine.kv.block_manager
     assert bm.num_free_blocks() == bm.num_blocks and not bm.num_tables()
     assert all(r == 0 for r in bm.ref_count)
 

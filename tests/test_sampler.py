@@ -376,7 +376,7 @@ def test_unpenalised_rows_beside_penalised_ones_are_untouched() -> None:
         group = SequenceGroup(0, None, tokens[:2], params, 50, SamplePolicy(),
                               sample_spec(params, 50, False))
         seq = Sequence(group, 0, list(tokens), None, 1)
-        batch.enter(seq, [0])
+        batch.enter(seq, [0], 0)
         return seq
 
     penalised = SamplingParams(temperature=0, frequency_penalty=1.5, presence_penalty=1.0,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchgen.engine.scheduler import request_peak_blocks
+from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.params import BeamSearchParams, SamplingParams
 from tests.fake_engine import (
     VOCAB,
@@ -25,11 +25,11 @@ from tests.helpers import check_pool_invariants, interrupt_tracer
 
 
 def _assert_whole(llm: FakeLLM) -> None:
-    bm = llm.block_manager
+    bm = llm.engine.kv.block_manager
     check_pool_invariants(bm)
     assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
     assert not bm.host_blocks_in_use() and not any(bm.host_ref_count) and not bm.host_tables()
-    assert not llm.scheduler.has_unfinished() and not llm.batch.num_seqs
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.kv.batch.num_seqs
 
 
 def _prompts(rng: random.Random, n: int, shared: int, lo: int, hi: int) -> list[list[int]]:
@@ -110,13 +110,13 @@ def test_a_request_admitted_alone_always_finishes_within_its_exact_bound(
     if beams:
         llm.beam_search([prompt], BeamSearchParams(beam_width=width, max_tokens=max_tokens,
                                                    ignore_eos=True))
-        assert llm.block_manager.peak_blocks_in_use <= bound
+        assert llm.engine.kv.block_manager.peak_blocks_in_use <= bound
     else:
         out = llm.generate([prompt], SamplingParams(n=width, seed=3, max_tokens=max_tokens,
                                                     ignore_eos=True))
         assert all(len(c.token_ids) == max_tokens for c in out[0].outputs)
-        assert llm.block_manager.peak_blocks_in_use == bound
-    assert llm.scheduler.num_preemptions == 0
+        assert llm.engine.kv.block_manager.peak_blocks_in_use == bound
+    assert llm.engine.scheduler.num_preemptions == 0
     _assert_whole(llm)
     with pytest.raises(ValueError, match="can never fit"):  # one block less is refused
         FakeLLM(num_blocks=bound - 1, block_size=block_size).generate(
@@ -128,8 +128,8 @@ def test_n_samples_compute_the_prompt_once_then_one_row_each():
     llm = FakeLLM(num_blocks=64, block_size=16)
     prompt = [1] + [3 + i % 40 for i in range(49)]
     _check_samples(llm, [prompt], [SamplingParams(n=6, seed=1, max_tokens=3, ignore_eos=True)])
-    assert llm.runner.step_tokens == [50, 6, 6]  # no sample recomputes the prompt
-    assert llm.runner.copies == 5  # 50 % 16 != 0: all but the last writer copy the last block
+    assert llm.engine.runner.step_tokens == [50, 6, 6]  # no sample recomputes the prompt
+    assert llm.engine.runner.copies == 5  # 50 % 16 != 0: all but the last writer copy the last block
 
 
 def test_the_reported_hang_is_refused_and_its_exact_pool_finishes():
@@ -142,7 +142,7 @@ def test_the_reported_hang_is_refused_and_its_exact_pool_finishes():
         FakeLLM(num_blocks=7).generate([prompt], sp)
     llm = FakeLLM(num_blocks=8)
     _check_samples(llm, [prompt], [sp])
-    assert llm.block_manager.peak_blocks_in_use == 8
+    assert llm.engine.kv.block_manager.peak_blocks_in_use == 8
 
 
 def test_a_group_preempting_itself_alone_is_an_error_not_a_hang(monkeypatch):
@@ -166,7 +166,7 @@ def test_a_group_wider_than_max_num_seqs_is_preempted_and_readmitted():
     bound = request_peak_blocks(9, 12, 10, 4)  # the group alone fits, not beside the others
     llm = FakeLLM(num_blocks=bound, max_num_seqs=5, max_num_batched_tokens=8)
     _check_samples(llm, prompts, params)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     _assert_whole(llm)
 
 
@@ -177,7 +177,7 @@ def test_preemption_recomputes_and_shares_again():
     need = max(request_peak_blocks(len(q), 3, 12, 2) for q in prompts)
     llm = FakeLLM(num_blocks=need, block_size=2, max_num_batched_tokens=6)
     _check_samples(llm, prompts, params)
-    assert llm.scheduler.num_preemptions > 0 and llm.runner.copies > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.runner.copies > 0
     _assert_whole(llm)
 
 
@@ -225,8 +225,8 @@ def test_an_interrupt_anywhere_leaves_every_block_free(mode):
             pass
         _assert_whole(llm)
     assert _interrupted_workload(llm, None)[0] == want
-    assert llm.scheduler.num_preemptions > 0  # the workload preempts, so those paths were hit
-    assert (llm.scheduler.num_swap_ins > 0) == (mode == "swap")
+    assert llm.engine.scheduler.num_preemptions > 0  # the workload preempts, so those paths were hit
+    assert (llm.engine.scheduler.num_swap_ins > 0) == (mode == "swap")
 
 
 def test_penalty_state_follows_each_sequence_through_forks_moves_growth_and_preemption():
@@ -242,6 +242,6 @@ def test_penalty_state_follows_each_sequence_through_forks_moves_growth_and_pree
     need = max(request_peak_blocks(len(q), p.n, 14, 2) for q, p in zip(prompts, params))
     llm = FakeLLM(num_blocks=need, block_size=2, max_num_seqs=6, max_num_batched_tokens=16)
     _check_samples(llm, prompts, params)
-    assert llm.scheduler.num_preemptions > 0 and llm.batch.capacity > 3
-    assert llm.batch.penalties is not None
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.kv.batch.capacity > 3
+    assert llm.engine.kv.batch.penalties is not None
     _assert_whole(llm)

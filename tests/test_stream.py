@@ -52,7 +52,7 @@ def test_stream_with_params_per_prompt(llm: LLM) -> None:
     with pytest.raises(ValueError, match="sampling_params and prompts must have the same "
                                          "length: one ended at item 4"):
         list(llm.generate_stream(iter(PROMPTS[:5]), iter(params[:4]), use_tqdm=False))
-    assert llm.block_manager.num_blocks_in_use() == 0
+    assert llm.engine.kv.block_manager.num_blocks_in_use() == 0
 
 
 def test_beam_stream_equals_beam_search(llm: LLM) -> None:
@@ -68,12 +68,12 @@ def test_early_close_frees_every_block_and_the_llm(llm: LLM) -> None:
     stream = llm.generate_stream(PROMPTS * 4, SamplingParams(n=2, max_tokens=20, seed=1),
                                  use_tqdm=False)
     next(stream)
-    assert llm.block_manager.num_blocks_in_use() > 0
+    assert llm.engine.kv.block_manager.num_blocks_in_use() > 0
     with pytest.raises(RuntimeError, match="already running a call"):
         llm.generate("the cat", use_tqdm=False)
     stream.close()
-    assert llm.block_manager.num_blocks_in_use() == 0
-    assert not llm.scheduler.has_unfinished()
+    assert llm.engine.kv.block_manager.num_blocks_in_use() == 0
+    assert not llm.engine.scheduler.has_unfinished()
     out = llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) > 0
 
@@ -92,7 +92,7 @@ def test_bad_prompt_mid_stream_names_it_and_keeps_earlier_outputs(llm: LLM) -> N
             got[i] = out
     expected = llm.generate(PROMPTS * 2, params, use_tqdm=False)
     assert got and all(completions(o) == completions(expected[i]) for i, o in got.items())
-    assert llm.block_manager.num_blocks_in_use() == 0
+    assert llm.engine.kv.block_manager.num_blocks_in_use() == 0
 
 
 # ---- the window and the full batch, on the fake engine (no weights: fast) -----------------
@@ -113,14 +113,14 @@ def test_stream_keeps_the_batch_full_with_a_bounded_window() -> None:
                                   SAMPLES, max_seqs)
     running: list[int] = []  # sequences in each step's batch
     exhausted: list[bool] = []  # whether the input had run out by that step
-    execute = fake.runner.execute
+    execute = fake.engine.runner.execute
 
     def counting_execute(rows):
         running.append(rows.num_rows)
         exhausted.append(pulled == total)
         return execute(rows)
 
-    fake.runner.execute = counting_execute
+    fake.engine.runner.execute = counting_execute
     finished = 0
     for _group in fake.engine.stream(groups, window):
         finished += 1
@@ -144,8 +144,8 @@ def test_engine_stream_abort_on_error_frees_everything() -> None:
     with pytest.raises(KeyboardInterrupt):
         for _ in fake.engine.stream(groups, 16):
             pass
-    assert fake.block_manager.num_blocks_in_use() == 0
-    assert not fake.scheduler.has_unfinished()
+    assert fake.engine.kv.block_manager.num_blocks_in_use() == 0
+    assert not fake.engine.scheduler.has_unfinished()
 
 
 # ---- memory: a generator of 100k prompts through the real engine --------------------------

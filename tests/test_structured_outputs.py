@@ -86,7 +86,7 @@ def test_invalid_constraints_fail_before_any_work(llm, so, field):
     bad = SamplingParams(max_tokens=4, structured_outputs=so)
     with pytest.raises(ValueError, match=re.escape(field)):
         llm.generate(["a", "b"], [good, bad], use_tqdm=False)
-    assert not llm.scheduler.has_unfinished() and llm.kv_stats().prompt_tokens_computed == 0
+    assert not llm.engine.scheduler.has_unfinished() and llm.kv_stats().prompt_tokens_computed == 0
 
 
 def test_missing_xgrammar_names_the_extra(monkeypatch):
@@ -192,7 +192,7 @@ def test_preemption_and_prefix_caching_keep_matchers_right(model_dir):
         got = tight.generate(prompts, sp, use_tqdm=False)
         assert tight.kv_stats().preemptions > 0
         assert [[c.token_ids for c in o.outputs] for o in got] == expect
-        assert tight.block_manager.num_free_blocks() == 48
+        assert tight.engine.kv.block_manager.num_free_blocks() == 48
 
 
 def test_sampler_masks_only_the_constrained_rows(llm):

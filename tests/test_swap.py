@@ -4,12 +4,11 @@ groups out and back as units, without changing a token, over the weightless fake
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 import pytest
 import torch
 
-from batchgen.engine.scheduler import request_peak_blocks
+from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.kv import BlockManager, KVCache, PoolExhausted
 from batchgen.kv.block_manager import chain_hashes
 from batchgen.kv.swap import HostPool
@@ -18,25 +17,14 @@ from tests.fake_engine import VOCAB, FakeLLM, reference_beams, reference_samples
 from tests.helpers import check_pool_invariants
 
 
-def check_host_pool(bm: BlockManager) -> None:
-    """Host reference counts equal host-table entries; free and referenced host blocks
-    partition the host pool."""
-    refs = Counter(b for _, table in bm.host_tables() for b in table)
-    assert [bm.host_ref_count[b] for b in range(bm.num_host_blocks)] == [
-        refs.get(b, 0) for b in range(bm.num_host_blocks)]
-    assert len(set(bm.host_free)) == len(bm.host_free)
-    assert not set(bm.host_free) & set(refs)
-    assert len(bm.host_free) + len(refs) == bm.num_host_blocks
-
-
 def assert_all_free(llm: FakeLLM) -> None:
     """After a call: every device and host block free, no table on either side."""
-    bm = llm.block_manager
+    bm = llm.engine.kv.block_manager
     check_pool_invariants(bm)
-    check_host_pool(bm)
+    check_pool_invariants(bm)
     assert not bm.num_tables() and bm.num_free_blocks() == bm.num_blocks
     assert bm.host_blocks_in_use() == 0 and not bm.host_tables()
-    assert not llm.scheduler.has_unfinished() and not llm.batch.num_seqs
+    assert not llm.engine.scheduler.has_unfinished() and not llm.engine.kv.batch.num_seqs
 
 
 # ---- the block manager ------------------------------------------------------------------------
@@ -49,7 +37,7 @@ def test_a_shared_block_moves_once_and_its_reference_counts_survive_the_round_tr
     assert len(out) == 3 and bm.blocks_swapped_out == 3  # each distinct block once
     assert bm.num_free_blocks() == 8 and not bm.num_tables()
     assert sorted(bm.host_ref_count) == [0, 0, 0, 2, 3, 3]
-    check_host_pool(bm)
+    check_pool_invariants(bm)
     check_pool_invariants(bm)
     bm.allocate("x", 8)  # the device pool is free for others meanwhile
     back = bm.swap_in(["a", "b", "c"])
@@ -59,7 +47,7 @@ def test_a_shared_block_moves_once_and_its_reference_counts_survive_the_round_tr
     assert not set(bm.table("a")) & set(bm.table("x"))
     host_of = dict(out)
     assert {host_of[d] for d in host_of} == {h for h, _ in back}  # every host block came back
-    check_host_pool(bm)
+    check_pool_invariants(bm)
     check_pool_invariants(bm)
 
 
@@ -79,7 +67,7 @@ def test_swaps_are_all_or_nothing():
     assert bm.is_swapped("b") and bm.host_blocks_in_use() == 2
     bm.free_all()  # an aborted call returns the host pool too
     assert bm.host_blocks_in_use() == 0 and not bm.is_swapped("b")
-    check_host_pool(bm)
+    check_pool_invariants(bm)
 
 
 def test_a_swapped_out_block_is_a_prefix_hit_only_while_its_device_bytes_stand():
@@ -95,14 +83,14 @@ def test_a_swapped_out_block_is_a_prefix_hit_only_while_its_device_bytes_stand()
     published = bm.table("a")[:2]
     bm.swap_out(["a"])
     assert bm.lookup(hashes) == published  # evictable, bytes intact
-    assert sorted(bm.evictable) == sorted(published)
+    assert bm.num_evictable(published) == len(published)
     bm.allocate("b", 8)  # the whole pool: the cached blocks are evicted and reused
-    assert bm.lookup(hashes) == [] and not bm.cached
+    assert bm.lookup(hashes) == []
     bm.free_seq("b")
     bm.swap_in(["a"])
     assert bm.lookup(hashes) == []  # the fresh blocks carry no hash until published again
     check_pool_invariants(bm)
-    check_host_pool(bm)
+    check_pool_invariants(bm)
     bm.register("a", hashes)
     assert bm.lookup(hashes) == bm.table("a")[:2]
 
@@ -132,10 +120,10 @@ def test_swapped_samples_equal_the_reference(bs, caching):
     outs = llm.generate(prompts, params)
     for prompt, p, o in zip(prompts, params, outs):
         assert [c.token_ids for c in o.outputs] == reference_samples(prompt, p, p.max_tokens)
-    s = llm.scheduler
+    s = llm.engine.scheduler
     assert s.num_swap_outs > 3 and s.num_swap_ins == s.num_swap_outs
-    assert llm.block_manager.blocks_swapped_out == llm.block_manager.blocks_swapped_in > 0
-    assert llm.runner.swaps == 2 * llm.block_manager.blocks_swapped_out
+    assert llm.engine.kv.block_manager.blocks_swapped_out == llm.engine.kv.block_manager.blocks_swapped_in > 0
+    assert llm.engine.runner.swaps == 2 * llm.engine.kv.block_manager.blocks_swapped_out
     assert_all_free(llm)
 
 
@@ -150,7 +138,7 @@ def test_swapped_beams_equal_the_reference(bs):
     outs = llm.beam_search(prompts, p)
     for prompt, o in zip(prompts, outs):
         assert [s.token_ids for s in o.sequences] == reference_beams(prompt, p, 8)
-    assert llm.scheduler.num_swap_outs > 0
+    assert llm.engine.scheduler.num_swap_outs > 0
     assert_all_free(llm)
 
 
@@ -165,7 +153,7 @@ def test_a_group_the_host_pool_cannot_hold_is_recomputed_instead():
     outs = llm.generate(prompts, params)
     for prompt, p, o in zip(prompts, params, outs):
         assert [c.token_ids for c in o.outputs] == reference_samples(prompt, p, p.max_tokens)
-    s = llm.scheduler
+    s = llm.engine.scheduler
     assert 0 < s.num_swap_outs < s.num_preemptions
     assert_all_free(llm)
 
@@ -179,7 +167,7 @@ def test_swap_recomputes_fewer_prompt_tokens_than_recompute():
         llm = _tight(prompts, params, 4, host=host, mode=mode, max_num_batched_tokens=32)
         outs = llm.generate(prompts, params)
         runs[mode] = ([[c.token_ids for c in o.outputs] for o in outs],
-                      llm.scheduler.prompt_tokens_computed, llm.scheduler.num_preemptions)
+                      llm.kv_stats().prompt_tokens_computed, llm.kv_stats().preemptions)
     assert runs["swap"][0] == runs["recompute"][0]
     assert runs["recompute"][2] > 0 and runs["swap"][2] > 0
     assert runs["swap"][1] == sum(map(len, prompts)) < runs["recompute"][1]
@@ -187,10 +175,12 @@ def test_swap_recomputes_fewer_prompt_tokens_than_recompute():
 
 def test_swap_mode_needs_a_host_pool():
     from batchgen.engine.batch import PersistentBatch
+    from batchgen.engine.kv_manager import KVManager
     from batchgen.engine.scheduler import Scheduler
 
+    kv = KVManager(BlockManager(4, 2), PersistentBatch(4, VOCAB, 4, [2], "cpu"))
     with pytest.raises(ValueError, match="swap_space"):
-        Scheduler(BlockManager(4, 2), PersistentBatch(4, VOCAB, 4, [2], "cpu"), 4, 8, "swap")
+        Scheduler(kv, 4, 8, "swap")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])

@@ -11,7 +11,7 @@ import pytest
 
 import batchgen
 from batchgen import LLM, BeamSearchParams, SamplingParams
-from batchgen.engine.scheduler import request_peak_blocks
+from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.kv.swap import GIB, host_available_bytes
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import (
@@ -99,7 +99,7 @@ def test_swap_gives_the_bits_of_a_pool_that_never_preempts(family_dir, bs):
             assert [[b[0] for b in o] for o in got_beams] == [[b[0] for b in o] for o in want_beams]
         assert tight.kv_stats().preemptions > 0
         assert_pool_whole(tight)
-        assert tight.block_manager.host_blocks_in_use() == 0
+        assert tight.engine.kv.block_manager.host_blocks_in_use() == 0
 
 
 def test_swap_recomputes_no_prompt_token(tiny_model_factory):
@@ -162,9 +162,9 @@ def test_capacity_line_progress_bar_and_stats_show_the_host_pool(tiny_model_fact
     beta = llm.cache.bytes_per_token
     assert (f"host swap pool: 100 blocks = 400 tokens, {400 * beta / 2**20:.1f} MiB of CPU RAM"
             in line)
-    assert llm.host_pool.pool.shape[2] == 100 and llm.host_pool.pool.shape[3:] == \
+    assert llm.engine.runner.host.pool.shape[2] == 100 and llm.engine.runner.host.pool.shape[3:] == \
         llm.cache.pool.shape[3:]
-    assert llm.scheduler.preemption_mode == "swap"
+    assert llm.engine.scheduler.preemption_mode == "swap"
     prompts = make_prompt_token_ids(6, 20, 30, vocab_size=512, seed=1)
     llm.generate(_ids(prompts), SamplingParams(n=3, seed=0, max_tokens=8, ignore_eos=True),
                  use_tqdm=_Bar)
@@ -204,17 +204,19 @@ def test_an_interrupt_mid_swap_returns_every_device_and_host_block(tiny_model_fa
               swap_space=_gib(model, 60, 4))
     swap_lines, all_lines = [0], [0]
     want = traced_workload(llm, _swap_tracer(0, swap_lines))
-    assert llm.scheduler.num_swap_outs > 0 and swap_lines[0] > 50
+    assert llm.engine.scheduler.num_swap_outs > 0 and swap_lines[0] > 50
     traced_workload(llm, interrupt_tracer(0, (batchgen.__path__[0],), all_lines))
     rng = random.Random(2)
     tracers = [_swap_tracer(e, [0]) for e in sorted(rng.sample(range(1, swap_lines[0]), 12))]
+    # an interrupted run publishes blocks the next run hits, so a later run may execute a few
+    # percent fewer lines than the counted one: the points are drawn from its first 90%
     tracers += [interrupt_tracer(e, (batchgen.__path__[0],), [0])
-                for e in sorted(rng.sample(range(1, all_lines[0]), 6))]
+                for e in sorted(rng.sample(range(1, all_lines[0] * 9 // 10), 6))]
     for tracer in tracers:
         with pytest.raises(KeyboardInterrupt):
             traced_workload(llm, tracer)
         assert_pool_whole(llm)
-        bm = llm.block_manager
+        bm = llm.engine.kv.block_manager
         assert bm.host_blocks_in_use() == 0 and not bm.host_tables()
     assert traced_workload(llm, None) == want
 
@@ -241,7 +243,7 @@ def test_tensor_parallel_ranks_swap_their_own_host_pools(tiny_model_factory):
         assert [[s.token_ids for s in o.sequences] for o in beams] == want_beams
         assert_pool_whole(two)
     finally:
-        two._tp.shutdown()
+        two._executor.shutdown()
 
 
 def test_an_fp8_pool_swaps_its_bytes_unchanged(tiny_model_factory):
@@ -256,7 +258,7 @@ def test_an_fp8_pool_swaps_its_bytes_unchanged(tiny_model_factory):
                                                                    use_tqdm=False))
     # _gib sizes by the model dtype's beta: at least 4 * need fp8 blocks
     tight = LLM(model, num_kv_blocks=need, swap_space=_gib(model, 4 * need, 4), **kw)
-    assert tight.host_pool.pool.dtype == tight.cache.pool.dtype
+    assert tight.engine.runner.host.pool.dtype == tight.cache.pool.dtype
     assert _samples(tight.generate(_ids(prompts), sp, use_tqdm=False)) == want
     assert tight.kv_stats().swap_outs > 0
     assert_pool_whole(tight)

@@ -32,7 +32,7 @@ def engines(request, tiny_model_factory):
     one = LLM(path, **CFG)
     two = LLM(path, tensor_parallel_size=2, **CFG)
     yield one, two
-    two._tp.shutdown()
+    two._executor.shutdown()
 
 
 def test_greedy_and_beams_equal_one_rank(engines):
@@ -75,7 +75,7 @@ def test_an_interrupt_leaves_the_group_usable(engines):
                 two.generate(PROMPTS, sp, use_tqdm=False)
     finally:
         timer.cancel()
-    assert two.block_manager.num_free_blocks() == two.cache.num_blocks
+    assert two.engine.kv.block_manager.num_free_blocks() == two.cache.num_blocks
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert _tokens(two.generate(PROMPTS[:2], sp, use_tqdm=False)) == _tokens(
         one.generate(PROMPTS[:2], sp, use_tqdm=False))

@@ -24,7 +24,7 @@ def test_a_worker_killed_mid_generation_raises_on_rank_0(tiny_model_factory, cap
         llm = LLM(tiny_model_factory("llama"), tensor_parallel_size=2, **CFG)
     assert ("tensor parallel: 2 ranks, each with that pool over 1 of the model's 2 KV heads"
             in caplog.text)  # the capacity line, per rank and in all
-    worker = llm._tp.procs[0]
+    worker = llm._executor.group.procs[0]
     calls = []
 
     def kill_on_third_step(token_ids, logits):
@@ -39,7 +39,7 @@ def test_a_worker_killed_mid_generation_raises_on_rank_0(tiny_model_factory, cap
     with pytest.raises(WorkerDied, match="batchgen-tp1 exited with code -9"):
         llm.generate(PROMPTS[:2], sp, use_tqdm=False)
     assert time.monotonic() - start < 30
-    assert llm.block_manager.num_free_blocks() == llm.cache.num_blocks
+    assert llm.engine.kv.block_manager.num_free_blocks() == llm.cache.num_blocks
     with pytest.raises(WorkerDied, match="make a new one"):
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)
 
@@ -61,7 +61,7 @@ import sys
 from batchgen import LLM, SamplingParams
 if __name__ == "__main__":
     llm = LLM(sys.argv[1], tensor_parallel_size=2, num_kv_blocks=32, block_size=4)
-    print("worker", llm._tp.procs[0].pid, flush=True)
+    print("worker", llm._executor.group.procs[0].pid, flush=True)
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3),
                        use_tqdm=False)
     print("tokens", len(out[0].outputs[0].token_ids), flush=True)

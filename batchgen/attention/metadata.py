@@ -14,11 +14,11 @@ import torch
 
 @dataclass
 class StepRows:
-    """One step's work as the scheduler hands it to the runner, one entry per row (a scheduled
-    sequence): its row of `block_tables`, the tokens it has cached (`starts`), its query length
-    and how many of its last positions' logits to keep; `token_ids` holds every row's query
-    tokens, row after row. The arrays are the scheduler's; `block_tables` is the persistent
-    batch's (read only here)."""
+    """One step's work as the engine hands it to the runner (engine/layout.py), one entry per
+    row (a scheduled sequence): its row of `block_tables`, the tokens it has cached (`starts`),
+    its query length and how many of its last positions' logits to keep; `token_ids` holds
+    every row's query tokens, row after row. The arrays are the step plan's and the layout's;
+    `block_tables` is the persistent batch's (read only here)."""
 
     slots: np.ndarray  # [R] int64: rows of block_tables
     starts: np.ndarray  # [R] int64
@@ -51,7 +51,7 @@ class StepRows:
 @dataclass
 class SeqChunk:
     """One sequence's share of a step written out in full (tests and graph capture build
-    steps this way; the scheduler hands the runner StepRows)."""
+    steps this way; the engine hands the runner StepRows)."""
 
     token_ids: list[int]  # the query tokens of this step (1 while decoding)
     block_table: list[int]  # covers every position up to num_computed + len(token_ids)

@@ -7,24 +7,12 @@ inputs print one `batchgen: error: ...` line and exit with code 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+from batchgen.cli.common import EXIT_INTERRUPTED, EXIT_USAGE, CliError, Parser
 
-
-class CliError(Exception):
-    """A problem with the command line or its inputs: one line, exit code 2."""
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (no usage dump) and exit code 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        sys.stderr.write(f"batchgen: error: {message}\n")
-        sys.exit(EXIT_USAGE)
+__all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "Parser", "build_parser", "main"]
 
 
 def build_parser() -> Parser:

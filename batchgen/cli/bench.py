@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 import torch
 
 from batchgen.checks import check
-from batchgen.cli import CliError
+from batchgen.cli.common import CliError
 from batchgen.cli.kv_plan import MODEL_DTYPES
 
 # The random model: benchmarks/throughput.py's default shape (a small GQA Llama).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from batchgen.cli import CliError
+from batchgen.cli.common import CliError
 
 # Our flag -> BatchgenLM / LLM keyword, given to lm-eval as model_args (`--device` is lm-eval's
 # own flag, passed on to BatchgenLM by lm-eval).

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.checks import check
-from batchgen.cli import EXIT_INTERRUPTED, CliError
+from batchgen.cli.common import EXIT_INTERRUPTED, CliError
 from batchgen.cli.engine import engine_args, engine_kwargs
 
 
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
     check_output_dir(Path(args.output).expanduser(), args.resume)
-    template = _chat_template(args.chat_template)
+    template = chat_template_arg(args.chat_template)
     source = open_source(args.input)
     column = args.messages_column or args.prompt_column or "prompt"
     for flag, name in (("--messages-column" if args.messages_column else "--prompt-column",
@@ -224,7 +224,8 @@ def _read(path: str, flag: str) -> str:
         raise CliError(f"{flag} {path!r} cannot be read: {e.strerror}") from e
 
 
-def _chat_template(path: str | None) -> str | None:
+def chat_template_arg(path: str | None) -> str | None:
+    """The text of `--chat-template FILE` (None without the flag); CliError if unreadable."""
     if path is None:
         return None
     try:

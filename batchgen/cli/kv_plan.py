@@ -11,7 +11,7 @@ import json
 import re
 from decimal import Decimal
 
-from batchgen.cli import CliError
+from batchgen.cli.common import CliError
 from batchgen.config import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES
 from batchgen.kv_plan import KvPlan, format_bytes, plan_kv
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from batchgen.checks import check
-from batchgen.cli import CliError
+from batchgen.cli.common import CliError
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import output_schema
 from batchgen.data.source import Source
@@ -26,6 +26,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     `--output-format`, print a summary."""
     ray = _import_ray()
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
+    from batchgen.ray.sinks import write_dataset
 
     check(args.actors >= 1, "--actors", ">= 1", args.actors)
     check(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
@@ -59,7 +60,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     try:
         start = time.perf_counter()
         ds = ray.data.from_arrow(numbered_blocks(source.dataset, args.batch_size))
-        writer.write_ray(build_processor(config)(ds), str(Path(args.output).expanduser()))
+        write_dataset(build_processor(config)(ds), str(Path(args.output).expanduser()), writer)
         seconds = time.perf_counter() - start
     finally:
         if started:

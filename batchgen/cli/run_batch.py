@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchgen.cli import EXIT_INTERRUPTED, CliError
+from batchgen.cli.common import EXIT_INTERRUPTED, CliError
 from batchgen.cli.engine import engine_args, engine_kwargs
 
 
@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Check the paths, load the model, serve the file, print one summary line."""
     from batchgen.batch_api import run_batch
-    from batchgen.cli.generate import _chat_template
+    from batchgen.cli.generate import chat_template_arg
     from batchgen.cli.kv_plan import parse_memory
     from batchgen.llm import LLM
 
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"-i {args.input_file!r} is not a file")
     if Path(args.output_file).expanduser().is_dir():
         raise CliError(f"-o {args.output_file!r} is a folder: give a file path")
-    template = _chat_template(args.chat_template)
+    template = chat_template_arg(args.chat_template)
     memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     llm = LLM(args.model, **engine_kwargs(args, memory))
     start = time.perf_counter()

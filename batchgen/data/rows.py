@@ -9,7 +9,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from batchgen.kinds import BEAMS, SAMPLES, RequestKind, kind_of
+from batchgen.data.jobs import BeamJobs, JobKind, SampleJobs, job_kind
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 
@@ -32,13 +32,13 @@ def row_seed(seed: int, row_id: int) -> int:
 def job_seed(params: SamplingParams | BeamSearchParams, seed: int | None) -> int:
     """A job's seed: params.seed (samples), else `seed`, else 0 (never random: a resume, or
     another machine, must redo the same draws)."""
-    return kind_of(params).job_seed(params, seed)
+    return job_kind(params).job_seed(params, seed)
 
 
 def row_params(params: SamplingParams | BeamSearchParams, seed: int, row_id: int
                ) -> SamplingParams | BeamSearchParams:
     """The row's copy of `params`: samples seeded from (seed, row id); beams unchanged."""
-    return kind_of(params).row_params(params, row_seed(seed, row_id))
+    return job_kind(params).row_params(params, row_seed(seed, row_id))
 
 
 _COMPLETION = [("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
@@ -47,17 +47,17 @@ _COMPLETION = [("index", pa.int32()), ("text", pa.string()), ("token_ids", pa.li
 _BEAM = [("text", pa.string()), ("token_ids", pa.list_(pa.int32())),
          ("cumulative_logprob", pa.float64()), ("score", pa.float64()),
          ("finish_reason", pa.string())]
-_FIELDS = {SAMPLES.name: _COMPLETION, BEAMS.name: _BEAM}  # one list item of `outputs`
+_FIELDS = {SampleJobs.name: _COMPLETION, BeamJobs.name: _BEAM}  # one list item of `outputs`
 
 
 def output_type(params: SamplingParams | BeamSearchParams, constraint: str | None = None
                 ) -> pa.DataType:
     """The Arrow type of the `outputs` column: a list of completions (or beam hypotheses);
     under a constraint (its kind, see `constraint_of`) each also has a `valid` flag."""
-    fields = list(_FIELDS[kind_of(params).name])
+    fields = list(_FIELDS[job_kind(params).name])
     if constraint is not None:
         fields.append(("valid", pa.bool_()))
-    if kind_of(params).keeps_logprobs(params):
+    if job_kind(params).keeps_logprobs(params):
         fields.append(("logprobs", pa.list_(pa.list_(_LOGPROB))))
     return pa.list_(pa.struct(fields))
 
@@ -104,7 +104,7 @@ def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamS
 
 
 def output_row(row: dict[str, Any], row_id: int, out: RequestOutput | BeamSearchOutput,
-               kind: RequestKind, constraint: str | None = None) -> dict[str, Any]:
+               kind: JobKind, constraint: str | None = None) -> dict[str, Any]:
     """The input row plus its id and completions (the kind's records of `out`, flagged
     valid or not under a constraint)."""
     return {**row, ROW_ID: row_id, NUM_PROMPT_TOKENS: len(out.prompt_token_ids),

@@ -15,6 +15,7 @@ import pyarrow as pa
 from tqdm.auto import tqdm
 
 from batchgen.checks import check_flag, check_int, check_seed, check_type
+from batchgen.data.jobs import job_kind
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import (
     ROW_ID,
@@ -27,7 +28,6 @@ from batchgen.data.rows import (
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
 from batchgen.data.writers import ShardWriter, writer_for
-from batchgen.kinds import kind_of
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -101,7 +101,7 @@ class _Job:
         self.llm, self.source, self.params, self.spec = llm, source, params, spec
         self.seed, self.schema, self.store = seed, schema, store
         self.rows_per_shard = rows_per_shard
-        self.kind = kind_of(params)
+        self.kind = job_kind(params)
         self.inflight: dict[int, tuple[int, dict[str, Any]]] = {}  # stream index -> row
         self.buffer: list[dict[str, Any]] = []  # finished rows not yet in a shard
         self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
@@ -211,7 +211,7 @@ def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any,
                 ) -> None:
     """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
     check_type(params, "params", (SamplingParams, BeamSearchParams))
-    kind_of(params).check_job(params)
+    job_kind(params).check_job(params)
     check_int(rows_per_shard, "rows_per_shard")
     check_flag(resume, "resume")
     if resume and output_dir is None:

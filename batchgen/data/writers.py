@@ -47,10 +47,6 @@ class ShardWriter(ABC):
     def load(self, files: list[Path], schema: pa.Schema | None) -> datasets.Dataset:
         """The shards as one Dataset (memory-mapped through the datasets cache)."""
 
-    @abstractmethod
-    def write_ray(self, dataset: Any, folder: str) -> None:
-        """Write a Ray Data `Dataset` to `folder` in this format (the `--ray` job's output)."""
-
 
 class ParquetWriter(ShardWriter):
     """Parquet shards: typed, compressed, read by pyarrow, pandas and polars as one folder."""
@@ -72,9 +68,6 @@ class ParquetWriter(ShardWriter):
         return datasets.load_dataset("parquet", data_files=[str(f) for f in files],
                                      split="train")
 
-    def write_ray(self, dataset: Any, folder: str) -> None:
-        dataset.write_parquet(folder)
-
 
 class JsonlWriter(ShardWriter):
     """JSON Lines shards: one row per line, readable by any tool (no types beyond JSON's: the
@@ -95,11 +88,6 @@ class JsonlWriter(ShardWriter):
         features = None if schema is None else datasets.Features.from_arrow_schema(schema)
         return datasets.load_dataset("json", data_files=[str(f) for f in files],
                                      features=features, split="train")
-
-    def write_ray(self, dataset: Any, folder: str) -> None:
-        from batchgen.ray.jsonl_sink import JsonlDatasink
-
-        dataset.write_datasink(JsonlDatasink(folder))
 
 
 WRITERS: dict[str, ShardWriter] = {w.name: w for w in (ParquetWriter(), JsonlWriter())}

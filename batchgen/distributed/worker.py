@@ -12,7 +12,6 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,26 +21,10 @@ from batchgen.attention.registry import BACKENDS
 from batchgen.attention.spec import probe_specs
 from batchgen.distributed.group import WorkerSpec, init_rank
 from batchgen.distributed.plan import rank_device
-from batchgen.kv.cache import KVCache
-from batchgen.kv.swap import HostPool
+from batchgen.factory import RunnerSetup, build_runner
 from batchgen.model import loader
-from batchgen.model.inputs import StepInputs
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
-
-
-@dataclass(frozen=True)
-class ShardSetup:
-    """Rank 0's pool and step-buffer sizes, and the backend it chose: every rank builds the
-    same, over its local heads."""
-
-    num_blocks: int
-    block_size: int
-    kv_dtype: torch.dtype
-    backend: str
-    max_step_tokens: int
-    inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
-    num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
 
 
 def worker_main(rank: int, spec: WorkerSpec, life: Any) -> None:
@@ -107,16 +90,9 @@ def _block_ops(runner: ModelRunner, ops: list[tuple[str, list[tuple[int, int]]]]
                                pairs if kind == "swap_out" else [])
 
 
-def _build(model: torch.nn.Module, specs: list, setup: ShardSetup, device: torch.device
+def _build(model: torch.nn.Module, specs: list, setup: RunnerSetup, device: torch.device
            ) -> ModelRunner:
-    """The rank's pool (local KV heads, as its attention layers see them), backend and step
-    buffers, sized as rank 0's."""
-    s0 = specs[0]
-    cache = KVCache(len(specs), setup.num_blocks, setup.block_size, s0.num_kv_heads,
-                    s0.head_dim, setup.kv_dtype, device)
-    backend = BACKENDS[setup.backend].load()(specs, cache, setup.max_step_tokens)
-    tokens, rows, pages, min_rows = setup.inputs
-    inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
-                        device)
-    host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
-    return ModelRunner(model, cache, backend, inputs, host)
+    """The rank's runner as rank 0 sized it, with the backend rank 0 chose."""
+    load = BACKENDS[setup.backend].load()
+    return build_runner(model, setup, device,
+                        lambda cache: load(specs, cache, setup.max_step_tokens))

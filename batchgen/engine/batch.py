@@ -7,10 +7,12 @@ fork, readmission after preemption), its block-table row when its table changes,
 counters (computed tokens, tokens, last token, cumulative logprob, penalty counts) by vector
 ops once per step. Nothing is rebuilt from Python lists while the set of sequences holds.
 
-Who writes what: the Scheduler enters and removes sequences, writes table rows after each
-BlockManager change and advances `num_computed` after a step, and calls `append` with the
-sampler's tokens. The runner reads table rows (through the scheduler's StepRows); the sampler
-reads `sampling_columns(slots)`; the stop check reads `stop_codes`.
+Who writes what: the KVManager enters and removes sequences (every sequence holding a block
+table holds a slot), writes table rows after each BlockManager change, the `cow_check` and
+`fork_pending` flags, and advances `num_computed` after a step (its one home while a sequence
+holds a slot); the OutputProcessor calls `append` with the sampler's tokens. The runner reads
+table rows (through StepRows); the sampler reads `sampling_columns(slots)`; the stop check
+reads `stop_codes`; the scheduler reads the counters to find decodes.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ if TYPE_CHECKING:
 
 # Per-slot columns, stored as rows of a few matrices (so a slot enters or moves with one row
 # write per matrix) and exposed by name as column views in `PersistentBatch.cols`.
-_INTS = ("num_computed",  # tokens whose K/V is cached (advanced per step; column 0: the
-         # sequence reads it there, Sequence.num_computed_tokens)
+_INTS = ("num_computed",  # tokens whose K/V is cached (advanced per step by the KVManager)
          "num_tokens",  # prompt + generated (advanced per sampled token)
          "last_token",  # the next decode step's input id
          "num_prompt", "max_tokens", "min_tokens",
@@ -51,7 +52,7 @@ _FLAGS = ("ignore_eos", "greedy",
           "controls",  # logit controls (per-row Python in the sampler)
           "stop_strings",  # stops are its StopChecker's (per-row Python)
           "beam",  # a beam: decodes with its group, never sampled
-          "fork_pending",  # a leader whose siblings wait for its prompt (scheduler)
+          "fork_pending",  # a leader whose siblings wait for its prompt (KVManager)
           "cow_check",  # forked since its last reservation: its block may be shared
           "constrained")  # structured outputs: its grammar masks its logits
 _MASK64 = (1 << 64) - 1
@@ -152,9 +153,10 @@ class PersistentBatch:
         return len(self.seqs)
 
     # ---- membership -----------------------------------------------------------------------------
-    def enter(self, seq: Sequence, table: list[int]) -> None:
+    def enter(self, seq: Sequence, table: list[int], num_computed: int) -> None:
         """Give `seq` the next slot and write its columns: its group's row spec, its own seed
-        and counters, its block table and (penalised) its penalty state."""
+        and counters (`num_computed` tokens of K/V cached), its block table and (penalised)
+        its penalty state."""
         spec = seq.group.spec
         if len(self.seqs) == self.capacity or len(spec.stop_ids) > self.stop_ids.shape[1]:
             self._grow(self.capacity * (2 if len(self.seqs) == self.capacity else 1),
@@ -162,7 +164,7 @@ class PersistentBatch:
         slot = len(self.seqs)
         self.seqs.append(seq)
         group = seq.group
-        self.ints[slot] = (seq.num_computed_tokens, len(seq.token_ids), seq.token_ids[-1],
+        self.ints[slot] = (num_computed, len(seq.token_ids), seq.token_ids[-1],
                            group.num_prompt_tokens, spec.max_tokens, spec.min_tokens,
                            spec.logprobs, 0, _mix_seed(seq.seed))
         self.flags[slot] = (spec.ignore_eos, spec.greedy, spec.penalized, spec.controls,
@@ -172,7 +174,7 @@ class PersistentBatch:
         self.cum_logprob[slot] = seq.cumulative_logprob
         self.stop_ids[slot] = -1
         self.stop_ids[slot, :len(spec.stop_ids)] = spec.stop_ids
-        seq.take_slot(self, slot)
+        seq.slot = slot
         self.write_table(seq, table, 0)
         if spec.penalized:
             self._enter_penalties(slot, seq)
@@ -180,12 +182,12 @@ class PersistentBatch:
             self.penalties.offsets[slot].zero_()
 
     def remove(self, seq: Sequence) -> None:
-        """`seq` leaves its slot (finished or preempted): its counters go back to the sequence
-        and the last slot moves into the hole."""
+        """`seq` leaves its slot (finished or preempted): its cumulative logprob goes back to
+        the sequence (its result) and the last slot moves into the hole."""
         slot, last = seq.slot, len(self.seqs) - 1
         self.moves += 1
         seq.cumulative_logprob = float(self.cols["cum_logprob"][slot])
-        seq.release_slot(int(self.cols["num_computed"][slot]))
+        seq.slot = -1
         if slot != last:
             for rows in (self.ints, self.flags, self.params, self.cum_logprob,
                          self.block_table, self.stop_ids):
@@ -200,7 +202,7 @@ class PersistentBatch:
     def clear(self) -> None:
         """Every sequence leaves (an aborted call)."""
         for seq in self.seqs:
-            seq.release_slot(0)
+            seq.slot = -1
         self.seqs.clear()
 
     def write_table(self, seq: Sequence, table: list[int], first: int) -> None:

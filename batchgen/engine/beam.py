@@ -50,13 +50,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from batchgen.engine.beam_controls import BeamControls
-from batchgen.engine.beam_trace import TokenLogprob, step_top
+from batchgen.engine.beam_logprobs import TokenLogprob, step_top
 
-__all__ = ["BeamHypothesis", "BeamSearchState", "BeamStep", "StopFn"]
+__all__ = ["BeamHypothesis", "BeamSearchState", "BeamSelector", "BeamStep", "StopFn",
+           "candidate_logprobs"]
 
 #: ``is_stop(parent_idx, token) -> bool``: does appending ``token`` to live beam
 #: ``parent_idx`` end the hypothesis (e.g. completes a stop string)? Called only on the top-K
@@ -80,6 +82,27 @@ class BeamHypothesis:
     score: float  # HF sequences_scores: sum_logprobs / len(token_ids) ** length_penalty
     finish_reason: str  # "stop" (EOS / stop id / stop string) or "length"
     token_logprobs: list[TokenLogprob] = field(default_factory=list)  # (logprob, rank, top-k)
+
+
+class BeamSelector(Protocol):
+    """What the engine needs of one request's beam selection: HF beam search
+    (BeamSearchState, here) or HF 4.x group beam search (engine/group_beam.py)."""
+
+    gen_len: int  # generated tokens so far
+    done: bool  # HF would stop: call finalize()
+
+    @property
+    def num_live_beams(self) -> int: ...
+
+    def step(self, logprobs: torch.Tensor, is_stop: StopFn | None = None) -> BeamStep:
+        """One token for the live beams (``logprobs``: their rows, in beam order)."""
+        ...
+
+    def running_scores(self) -> list[float]: ...
+
+    def finished_slots(self) -> list[tuple[int, tuple[float, float, int, str]]]: ...
+
+    def finalize(self) -> list[BeamHypothesis]: ...
 
 
 @dataclass
@@ -192,7 +215,7 @@ class BeamSearchState:
         ids_l = topk_ids[0].tolist()
         parents_l = ([0] * len(ids_l) if first_single
                      else (topk_indices // vocab)[0].tolist())
-        cand_lps = _candidate_logprobs(logprobs, parents_l, topk_ids[0], self.top_logprobs)
+        cand_lps = candidate_logprobs(logprobs, parents_l, topk_ids[0], self.top_logprobs)
         new_len = self.gen_len + 1  # generated length including the new token
         # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
         is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
@@ -338,7 +361,7 @@ class BeamSearchState:
         ]
 
 
-def _candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor,
+def candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor,
                         k: int = 0) -> list[TokenLogprob]:
     """Each candidate token's own log-prob in its parent's row and its rank there (1 = the
     most likely), for the hypotheses' per-token logprobs; with ``k``, a reference to the

@@ -17,34 +17,12 @@ ops over the group's rows (no Python loop over the vocabulary or over beams).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-__all__ = ["BeamControls", "ControlSpec"]
+from batchgen.params import ControlSpec
 
-
-@dataclass(frozen=True)
-class ControlSpec:
-    """The validated controls of one request (see ``BeamSearchParams``)."""
-
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()
-    min_tokens: int = 0
-    temperature: float = 1.0
-
-    @property
-    def active(self) -> bool:
-        """Whether any processor changes the log-probabilities."""
-        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
-                or bool(self.bad_words_ids) or self.min_tokens > 0 or self.temperature != 1.0)
-
-    @property
-    def needs_sequences(self) -> bool:
-        """Whether a processor reads the beams' token ids (penalty, n-grams, long bad words)."""
-        return (self.repetition_penalty != 1.0 or self.no_repeat_ngram_size > 0
-                or any(len(w) > 1 for w in self.bad_words_ids))
+__all__ = ["BeamControls"]
 
 
 class BeamControls:

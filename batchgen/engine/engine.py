@@ -1,4 +1,4 @@
-"""The step loop: schedule → swap and copy blocks → run → advance → sample → update."""
+"""The step loop: schedule → swap and copy blocks → lay out → run → advance → sample → apply."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import numpy as np
 import torch
 
 from batchgen.attention.metadata import StepRows
-from batchgen.engine.scheduler import Scheduler, SchedulerOutput, StepStats
+from batchgen.engine.layout import PromptRows, step_layout
+from batchgen.engine.output_processor import OutputProcessor, StepStats
+from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import SequenceGroup
 from batchgen.sampling.grammar import mask_beams
 from batchgen.sampling.sampler import RankedLogprobs, Sampler, ranked_logprobs
@@ -28,15 +30,18 @@ class Runner(Protocol):
 
 
 class Engine:
-    """Runs sequence groups to completion: the scheduler decides and applies, the runner
-    computes, the sampler draws. Results reach the scheduler keyed by sequence (sampled
-    tokens) or by group (beams' log-probabilities): it never sees logits. The engine holds
-    no request state of its own."""
+    """Runs sequence groups to completion. Each step the scheduler decides (a frozen plan),
+    the runner computes what `step_layout` lays out, the sampler draws, and the output
+    processor applies the results; the KVManager carries out every block change. The engine
+    holds no request state of its own."""
 
-    def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler) -> None:
+    def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler,
+                 outputs: OutputProcessor) -> None:
         self.scheduler = scheduler
+        self.kv = scheduler.kv
         self.runner = runner
         self.sampler = sampler
+        self.outputs = outputs
 
     def run(self, groups: list[SequenceGroup],
             on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -58,17 +63,17 @@ class Engine:
                     more = self._top_up(source, max_waiting_seqs)
                 if not self.scheduler.has_unfinished():
                     return
-                out = self.scheduler.schedule()
-                if not out.scheduled:
-                    self._block_ops(out)  # swaps and copies must not wait for a forward
+                plan = self.scheduler.schedule()
+                if not plan.scheduled:
+                    self._block_ops(plan)  # swaps and copies must not wait for a forward
                     idle += 1
                     if idle > 2:  # a scheduling bug, never a silent spin
                         raise RuntimeError(
                             f"batchgen scheduler made no progress ({len(self.scheduler.waiting)}"
-                            f" waiting, {self.scheduler.bm.num_free_blocks()} free blocks)")
+                            f" waiting, {self.kv.num_free_blocks()} free blocks)")
                     continue
                 idle = 0
-                stats = self.step(out)
+                stats = self.step(plan)
                 if on_step is not None:
                     on_step(stats)
                 yield from stats.finished
@@ -91,27 +96,29 @@ class Engine:
             waiting += len(group.seqs)
         return True
 
-    def _block_ops(self, out: SchedulerOutput) -> None:
+    def _block_ops(self, plan: StepPlan) -> None:
         """The step's block moves before anything writes: swaps in, swaps out, then the
         copy-on-write copies (one batched copy each)."""
-        self.runner.swap_blocks(out.swap_in, out.swap_out)
-        self.runner.copy_blocks(out.copies)
+        self.runner.swap_blocks(list(plan.swap_in), list(plan.swap_out))
+        self.runner.copy_blocks(list(plan.copies))
 
-    def step(self, out: SchedulerOutput) -> StepStats:
-        """Execute one scheduled step and hand its results back to the scheduler."""
-        self._block_ops(out)
-        logits = self.runner.execute(out.rows)
-        self.scheduler.computed(out)
+    def step(self, plan: StepPlan) -> StepStats:
+        """Execute one planned step and apply its results."""
+        self._block_ops(plan)
+        rows, layout = step_layout(plan, self.kv.batch)
+        logits = self.runner.execute(rows)
+        at = self.outputs.advance(plan, layout)
         sampled = None
-        if out.samplers:
-            rows = logits
-            if out.sample_rows is not None:
-                rows = logits[to_device(out.sample_rows, logits.device)]
-            cols = self.scheduler.batch.sampling_columns(out.sample_slots, out.sample_index)
-            sampled = self.sampler(rows, cols)
-        beams = beam_logprobs(logits, out.beam_rows) if out.beam_rows else {}
-        prompt = prompt_logprobs(logits, out.prompt_rows) if out.prompt_rows else []
-        return self.scheduler.update(out, sampled, beams, prompt)
+        if layout.samplers:
+            picked = logits
+            if layout.sample_rows is not None:
+                picked = logits[to_device(layout.sample_rows, logits.device)]
+            sampled = self.sampler(picked, self.kv.batch.sampling_columns(at.slots, at.index))
+        beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else {}
+        prompt = prompt_logprobs(logits, layout.prompt_rows) if layout.prompt_rows else []
+        stats = self.outputs.apply(layout, at, sampled, beams, prompt)
+        self.scheduler.retire(stats.finished)
+        return stats
 
 
 def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
@@ -132,14 +139,14 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any,
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_rows: list[tuple[SequenceGroup, int, int, int]]
+def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...]
                     ) -> list[RankedLogprobs | None]:
     """Raw logprobs of prompt tokens (each row scores the next prompt token), with the top
     `prompt_logprobs` and ranks; all rows of the step in one call."""
     rows, targets, ks = [], [], []
-    for group, first, row, count in prompt_rows:
-        rows += range(row, row + count)
-        targets += group.prompt_token_ids[first:first + count]
-        ks += [group.params.prompt_logprobs] * count
+    for p in prompt_rows:
+        rows += range(p.row, p.row + p.count)
+        targets += p.group.prompt_token_ids[p.first:p.first + p.count]
+        ks += [p.group.params.prompt_logprobs] * p.count
     lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)], dim=-1)
     return ranked_logprobs(lp, to_device(np.array(targets, np.int64), lp.device), ks)

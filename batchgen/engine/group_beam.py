@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from batchgen.engine.beam import BeamHypothesis, BeamStep, StopFn
-from batchgen.engine.beam import _candidate_logprobs as candidate_logprobs
+from batchgen.engine.beam import BeamHypothesis, BeamStep, StopFn, candidate_logprobs
 from batchgen.engine.beam_controls import BeamControls
 
 __all__ = ["GroupBeamSearchState"]

@@ -1,10 +1,11 @@
 """Group policies: what one request's sequences compute and, for beams, how a step's
 log-probabilities become plain operations on them.
 
-The Scheduler owns every sequence and applies the operations; a policy only decides. Two
-policies: n samples (each sample draws its own token from the sampler and finishes on its own;
-the scheduler applies those tokens for the whole batch at once) and beams (the group's W beams
-advance together through HF's beam selection, on log-probabilities the engine hands over).
+A policy only decides; the OutputProcessor applies the operations. Two policies (both
+implement sequence.GroupPolicy): n samples (each sample draws its own token from the sampler
+and finishes on its own; the output processor applies those tokens for the whole batch at
+once) and beams (the group's W beams advance together through HF's beam selection, a
+BeamSelector, on log-probabilities the engine hands over).
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.beam import BeamSearchState, StopFn
-from batchgen.engine.beam_trace import BeamTrace
-from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.engine.beam import BeamSelector, StopFn
+from batchgen.engine.beam_trace import Tables, TraceRecorder
+from batchgen.engine.sequence import Sequence, SequenceGroup
 
 
 @dataclass
@@ -53,11 +54,6 @@ class SetSeqs:
 Op = Fork | Append | Free | SetSeqs
 
 
-def ready(seqs: list[Sequence]) -> list[Sequence]:
-    """The sequences that hold blocks and have exactly one token left to compute."""
-    return [s for s in seqs if s.status is SequenceStatus.RUNNING and s.num_uncomputed == 1]
-
-
 class SamplePolicy:
     """n independent samples. They share the prompt: the leader's last prompt row is sampled
     once per sample that has not drawn a token yet; afterwards each decodes on its own."""
@@ -66,8 +62,10 @@ class SamplePolicy:
         """Uncomputed tokens each sequence leaves to the decode step (none for samples)."""
         return 0
 
-    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]:
-        return [[s] for s in ready(group.seqs)]
+    def decode_units(self, group: SequenceGroup, ready: list[Sequence]
+                     ) -> list[list[Sequence]]:
+        """Each ready sample decodes on its own."""
+        return [[s] for s in ready]
 
     def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
         """The sequences whose next token is drawn from `seq`'s logits row."""
@@ -88,26 +86,30 @@ class BeamPolicy:
     without children end. With a `trace`, each step is recorded there (the beams' block
     tables included), behind one check per group step."""
 
-    def __init__(self, state: BeamSearchState, trace: BeamTrace | None = None) -> None:
+    def __init__(self, state: BeamSelector, trace: TraceRecorder | None = None) -> None:
         self.state = state
         self.trace = trace
 
     def held_tokens(self, group: SequenceGroup) -> int:
         return 1 if self.state.gen_len > 0 else 0
 
-    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]:
-        beams = ready(group.seqs)
-        return [beams] if beams and len(beams) == len(group.seqs) else []
+    def decode_units(self, group: SequenceGroup, ready: list[Sequence]
+                     ) -> list[list[Sequence]]:
+        """The live beams decode together, once every one of them is ready."""
+        return [ready] if ready and len(ready) == len(group.seqs) else []
 
     def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
         return []  # beams read their logits rows directly
 
-    def update(self, group: SequenceGroup, logprobs: torch.Tensor) -> list[Op]:
-        """One beam step over the live beams' float32 log-probabilities (rows in beam order)."""
+    def update(self, group: SequenceGroup, logprobs: torch.Tensor, tables: Tables
+               ) -> list[Op]:
+        """One beam step over the live beams' float32 log-probabilities (rows in beam order);
+        `tables` reads a beam's block table for the trace. Every live beam has computed all
+        its tokens (it decoded its last one this step), so a child shares them all."""
         beams = group.seqs
         step = self.state.step(logprobs, self._stop_fn(beams))
         if self.trace is not None:
-            self.trace.record(beams, step, self.state)
+            self.trace.record(beams, step, self.state, tables)
         if step.done:
             return [Free(b) for b in beams]
         ops: list[Op] = []
@@ -117,7 +119,7 @@ class BeamPolicy:
             parent = beams[p]
             if p in taken:
                 child = parent.clone(j)
-                ops.append(Fork(parent, child, parent.num_computed_tokens))
+                ops.append(Fork(parent, child, len(parent.token_ids)))
                 nxt.append(child)
             else:
                 taken.add(p)
@@ -137,5 +139,3 @@ class BeamPolicy:
     def finished(self, group: SequenceGroup) -> bool:
         return self.state.done
 
-
-GroupPolicy = SamplePolicy | BeamPolicy

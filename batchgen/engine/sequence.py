@@ -1,7 +1,11 @@
-"""Sequence and SequenceGroup: the engine's per-request state. The Scheduler is the only writer
-of this state once a group is added; policies read it and return operations. While a sequence
-holds a block table it also holds a slot of the persistent batch (engine/batch.py), whose
-columns then keep its per-step counters."""
+"""Sequence and SequenceGroup: the engine's per-request state (tokens, status, results).
+
+Who writes what once a group is queued: `status` and `fork_pending` follow where the KV is, so
+the KVManager alone writes them (admission, forks, swaps, frees); the OutputProcessor appends
+tokens and records finish reasons and logprobs; the PersistentBatch writes `slot` (and hands a
+leaving sequence its cumulative logprob back); policies only read and return operations.
+How many tokens a sequence has computed is the KVManager's (`KVManager.num_computed`): the
+batch's column while the sequence holds a slot."""
 
 from __future__ import annotations
 
@@ -16,12 +20,13 @@ from batchgen.sampling.sampler import NUM_PARAMS, TopLogprobs
 from batchgen.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
-    from batchgen.engine.batch import PersistentBatch
     from batchgen.params import BeamSearchParams, SamplingParams
     from batchgen.sampling.grammar import Constraint
 
 
 class SequenceStatus(enum.Enum):
+    """Where a sequence's KV is (written by the KVManager alone)."""
+
     WAITING = "waiting"  # no block table (not admitted yet, preempted, or waiting for a fork)
     RUNNING = "running"  # has a block table and a batch slot
     SWAPPED = "swapped"  # its block table maps to the host swap pool; no batch slot
@@ -57,13 +62,23 @@ class RowSpec:
 
 
 class GroupPolicy(Protocol):
-    """What the scheduler asks of a group's policy (engine/policy.py)."""
+    """What the engine asks of every group's policy (engine/policy.py): the scheduler how
+    its sequences decode, the logits layout who samples from a row, the output processor
+    whether it is done. A beam policy also turns a step's log-probabilities into operations
+    (`BeamPolicy.update`, the BeamSelector protocol behind it)."""
 
-    def held_tokens(self, group: SequenceGroup) -> int: ...
+    def held_tokens(self, group: SequenceGroup) -> int:
+        """Uncomputed tokens each sequence leaves to its decode step."""
+        ...
 
-    def decode_units(self, group: SequenceGroup) -> list[list[Sequence]]: ...
+    def decode_units(self, group: SequenceGroup, ready: list[Sequence]
+                     ) -> list[list[Sequence]]:
+        """Which of the `ready` sequences (running, one token to compute) decode together."""
+        ...
 
-    def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]: ...
+    def samples_from(self, group: SequenceGroup, seq: Sequence) -> list[Sequence]:
+        """The sequences that draw their next token from `seq`'s logits row."""
+        ...
 
     def finished(self, group: SequenceGroup) -> bool: ...
 
@@ -84,43 +99,14 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     stop_token: bool = False  # it ended on an EOS / stop id (that token's text is dropped)
-    # prefix cache: chained hashes of the full blocks of token_ids (a memo that may run ahead of
-    # the KV; tokens only grow, so it stays valid), and how many blocks have been published
-    block_hashes: list[bytes] = field(default_factory=list)
-    cached_blocks: int = 0
-    slot: int = -1  # its row in the persistent batch while RUNNING
+    slot: int = -1  # its row in the persistent batch while RUNNING (the batch's to write)
     # structured outputs: its grammar matcher, advanced by every token it keeps (never
     # replayed: a preempted sequence keeps it, since its tokens are unchanged)
     constraint: Constraint | None = field(default=None, repr=False)
-    batch: PersistentBatch | None = field(default=None, repr=False)
-    _num_computed: int = field(default=0, repr=False)
 
     def __repr__(self) -> str:
         return (f"Sequence(request={self.group.index}, index={self.index}, "
-                f"tokens={len(self.token_ids)}, computed={self.num_computed_tokens}, "
-                f"{self.status.value})")
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens whose K/V is in the cache (the batch column while it holds a slot)."""
-        if self.batch is None:
-            return self._num_computed
-        return self.batch.ints.item(self.slot, 0)
-
-    @num_computed_tokens.setter
-    def num_computed_tokens(self, value: int) -> None:
-        if self.batch is None:
-            self._num_computed = value
-        else:
-            self.batch.ints[self.slot, 0] = value
-
-    def take_slot(self, batch: PersistentBatch, slot: int) -> None:
-        """It now lives in `batch` at `slot` (the batch wrote its columns)."""
-        self.batch, self.slot = batch, slot
-
-    def release_slot(self, num_computed: int) -> None:
-        """It left the batch; its counters are its own again."""
-        self.batch, self.slot, self._num_computed = None, -1, num_computed
+                f"tokens={len(self.token_ids)}, {self.status.value})")
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -129,11 +115,6 @@ class Sequence:
     @property
     def num_generated(self) -> int:
         return len(self.token_ids) - self.group.num_prompt_tokens
-
-    @property
-    def num_uncomputed(self) -> int:
-        """Tokens whose K/V is not yet in the cache (1 while decoding)."""
-        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -145,7 +126,7 @@ class Sequence:
 
     def clone(self, index: int) -> Sequence:
         """A new sequence continuing this one (a beam's extra child): same tokens, score, stop
-        and grammar state, no KV yet (the scheduler forks this one's blocks to it)."""
+        and grammar state, no KV yet (the KVManager forks this one's blocks to it)."""
         return Sequence(self.group, index, list(self.token_ids),
                         self.stop.fork() if self.stop is not None else None, self.seed,
                         cumulative_logprob=self.cumulative_logprob,
@@ -171,7 +152,7 @@ class SequenceGroup:
     policy: GroupPolicy
     spec: RowSpec = field(default_factory=RowSpec)
     seqs: list[Sequence] = field(default_factory=list)
-    fork_pending: bool = False
+    fork_pending: bool = False  # the KVManager's: set when the leader is admitted
     bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
     num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
     order: int = 0  # its place in the scheduler's running order (set at each admission)

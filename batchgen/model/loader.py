@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -171,3 +172,28 @@ def load_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_supported(config)
     return config
+
+
+def pad_id(config: PretrainedConfig, generation_config: GenerationConfig | None) -> int | None:
+    """The pad id HF generate uses: the generation config's, else the model config's (None:
+    HF falls back to the first EOS id)."""
+    for source in (generation_config, config):
+        pad = getattr(source, "pad_token_id", None)
+        if isinstance(pad, int):
+            return pad
+    return None
+
+
+def eos_ids(config: PretrainedConfig, generation_config: GenerationConfig | None,
+            tokenizer: Any) -> list[int]:
+    """Every id that ends a sequence as EOS: the config's, the generation config's (e.g. a chat
+    model's end-of-turn id) and the tokenizer's, as HF generate and vLLM do."""
+    ids: list[int] = []
+    sources = [getattr(config, "eos_token_id", None),
+               getattr(generation_config, "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None)]
+    for eos in sources:
+        for e in eos if isinstance(eos, (list, tuple)) else [eos]:
+            if isinstance(e, int) and e not in ids:
+                ids.append(e)
+    return ids

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from batchgen.checks import check, check_int, check_number, check_seed, check_type, is_int
+from batchgen.data.jobs import job_kind
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import (
     ROW_ID,
@@ -28,7 +29,6 @@ from batchgen.data.rows import (
     output_schema,
     row_params,
 )
-from batchgen.kinds import kind_of
 from batchgen.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ def _check(c: BatchgenProcessorConfig) -> None:
     check(isinstance(c.model_source, (str, os.PathLike)) and bool(str(c.model_source)),
           "model_source", "a model folder (a non-empty path)", c.model_source)
     check_type(c.sampling_params, "sampling_params", (SamplingParams, BeamSearchParams))
-    kind_of(c.sampling_params).check_job(c.sampling_params)
+    job_kind(c.sampling_params).check_job(c.sampling_params)
     check_type(c.engine_kwargs, "engine_kwargs", dict, "a dict of LLM arguments")
     _ = c.prompt_spec  # PromptSpec checks the prompt column and the chat fields
     check_seed(c.seed)  # the job seed: validated only, as in generate_dataset
@@ -117,7 +117,7 @@ class _Generate:
         ids = [int(r[ROW_ID]) for r in rows]
         prompts = [self.spec.prompt(self.llm, i, r) for i, r in zip(ids, rows)]
         p = self.config.sampling_params
-        kind, seed = kind_of(p), job_seed(p, self.config.seed)
+        kind, seed = job_kind(p), job_seed(p, self.config.seed)
         outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids])
         constraint = constraint_of(p)
         schema = output_schema(_without(batch.schema, ROW_ID), p, constraint)

@@ -5,7 +5,7 @@ bitmask per step for the constrained rows.
 once, on the first constrained request: the model's vocabulary (its lm_head rows, so ids the
 tokenizer lacks are never allowed) and the engine's EOS ids as the grammar's stop tokens. It
 compiles each constraint once (cached by `StructuredOutputsParams.key`). A `Constraint` is one
-sequence's matcher: n samples fork the prompt's, a beam forks its parent's; the scheduler
+sequence's matcher: n samples fork the prompt's, a beam forks its parent's; the output processor
 advances it with each token the sequence keeps. Each step the sampler (and the beam step) fills
 the bitmask of the constrained rows in one batched call and sets every other token of those
 rows to -inf before any other stage; rows without a constraint are not touched. On a GPU the

@@ -1,0 +1,44 @@
+"""The executor seam under tensor parallelism: rank 0's view of its group as the factory's
+Executor (workers build and size what rank 0 does; each step reaches them through TPRunner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from batchgen.config import EngineConfig
+from batchgen.distributed.driver import start_group
+from batchgen.distributed.group import TPGroup
+from batchgen.distributed.runner import TPRunner
+from batchgen.engine.engine import Runner
+from batchgen.factory import EnginePlan, Executor, LocalExecutor, RunnerSetup
+from batchgen.model.runner import ModelRunner
+
+
+class TPExecutor:
+    """Rank 0 of a tensor-parallel group."""
+
+    def __init__(self, group: TPGroup) -> None:
+        self.group = group
+        self.tp_size = group.spec.tp_size
+
+    def setup(self, setup: RunnerSetup) -> None:
+        """Every worker builds the same runner over its local heads."""
+        self.group.send(("setup", setup))
+
+    def kv_budget(self, profile: tuple[int, int, float, int], local: Callable[[], int]) -> int:
+        """Every rank profiles the largest step; the pool is what the tightest can hold."""
+        self.group.send(("profile", *profile))
+        return self.group.min_over_ranks(local())
+
+    def runner(self, local: ModelRunner) -> Runner:
+        return TPRunner(local, self.group)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def start_executor(owner: object, plan: EnginePlan, cfg: EngineConfig) -> Executor:
+    """This process alone (tensor_parallel_size 1), or the started group's rank 0 (stopped
+    when `owner` is collected or the interpreter exits)."""
+    group = start_group(owner, plan.path, plan.config, plan.dtype, plan.device, cfg)
+    return LocalExecutor() if group is None else TPExecutor(group)

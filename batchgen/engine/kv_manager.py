@@ -1,0 +1,282 @@
+"""KVManager: where every sequence's K/V lives, and the one writer of that state.
+
+It sits over the chapter's BlockManager (free list, block tables, reference counts, COW, the
+prefix cache's hash table, the host pool's tables), the prefix-hash memo of each sequence
+(chained hashes of its full blocks, and how many of them are published) and the persistent
+batch's membership: every sequence holding a device block table holds a batch slot, whose
+table row, `num_computed`, `cow_check` and `fork_pending` columns it alone writes. A
+sequence's `status` says where its K/V is, so it is written here too.
+
+Callers decide, this executes: the Scheduler admits, reserves (PoolExhausted: it picks a
+victim and evicts or swaps it out) and swaps in; the OutputProcessor advances a step's rows,
+forks and finishes sequences. `num_computed(seq)` is the one place to read a sequence's
+progress: its batch column while it holds a slot, the count kept here while it is swapped
+out, else 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from batchgen.engine.batch import PersistentBatch
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
+
+
+def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
+                        block_size: int) -> int:
+    """The most blocks one request can hold at once, running alone: the prompt's full blocks
+    are shared; each of its `width` sequences (samples or beams) owns the rest of its blocks,
+    the partial prompt block included (copied on first write), up to the K/V of its last
+    computed token (token max_tokens - 1: the last token is sampled, never computed). With one
+    token to generate nothing is written after the prompt."""
+    if max_tokens == 1:
+        return blocks_for(num_prompt_tokens, block_size)
+    shared = num_prompt_tokens // block_size
+    own = blocks_for(num_prompt_tokens + max_tokens - 1, block_size) - shared
+    return shared + width * own
+
+
+class KVManager:
+    """Block tables, their batch rows and prefix-cache memos of the running sequences."""
+
+    def __init__(self, block_manager: BlockManager, batch: PersistentBatch) -> None:
+        self.block_manager = block_manager
+        self.batch = batch
+        self.block_size = block_manager.block_size
+        self._swapped: dict[Sequence, int] = {}  # swapped out: tokens computed
+        self._hashes: dict[Sequence, list[bytes]] = {}  # the prefix-hash memo (runs ahead)
+        self._published: dict[Sequence, int] = {}  # full blocks published to the cache
+
+    # ---- reading ------------------------------------------------------------------------------
+    def num_computed(self, seq: Sequence) -> int:
+        """Tokens of `seq` whose K/V is in a pool (0 without a table)."""
+        if seq.slot >= 0:
+            return self.batch.ints.item(seq.slot, 0)
+        return self._swapped.get(seq, 0)
+
+    def table(self, seq: Sequence) -> list[int]:
+        """The device blocks of a running sequence (a copy; empty without a table)."""
+        bm = self.block_manager
+        return list(bm.table(seq)) if bm.has_table(seq) else []
+
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks()
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    # ---- admission ----------------------------------------------------------------------------
+    def prefix_hit(self, leader: Sequence, limit: int) -> tuple[list[bytes], list[int]]:
+        """Hashes of the leader's full blocks within its first `limit` tokens, and the cached
+        blocks of their longest prefix. At least two tokens are left to compute (one would run
+        as a decode row, whose bits differ from a prefill tile's), or the one a one-token
+        prompt has; with prompt logprobs, every position from `prompt_logprobs_start - 1` on
+        is computed (and only the blocks before it are hashed: admission waits for no block
+        the hit cannot use)."""
+        bm, bs = self.block_manager, self.block_size
+        if not bm.enable_prefix_caching:
+            return [], []
+        hashes = self._hashes_of(leader, limit)[:limit // bs]
+        usable = max(limit - 2, 0)
+        group = leader.group
+        if group.prompt_logprobs is not None:  # the logprob of token s needs token s-1
+            usable = min(usable, max(group.params.prompt_logprobs_start - 1, 0))
+            hashes = hashes[:usable // bs]
+        return hashes, bm.lookup(hashes[:usable // bs])
+
+    def inflight_hashes(self) -> set[bytes]:
+        """Hashes of full blocks that admitted sequences have yet to compute."""
+        if not self.block_manager.enable_prefix_caching:
+            return set()
+        pending: set[bytes] = set()
+        c, n = self.batch.cols, self.batch.num_seqs
+        for i in np.flatnonzero(c["num_tokens"][:n] - c["num_computed"][:n] > 1).tolist():
+            seq = self.batch.seqs[i]
+            done = int(c["num_computed"][i]) // self.block_size
+            pending.update(self._hashes_of(seq, len(seq.token_ids))[done:])
+        return pending
+
+    def can_admit(self, num_tokens: int, hit: list[int], headroom: int) -> bool:
+        return self.block_manager.can_allocate(num_tokens, hit, headroom)
+
+    def admit(self, group: SequenceGroup, num_tokens: int, hit: list[int]) -> None:
+        """The group's leader starts: a table for `num_tokens` tokens from its prefix-cache
+        `hit`, a batch slot with those tokens computed. Its other unfinished sequences wait
+        for its prompt's K/V (`fork_pending`)."""
+        leader = group.leader
+        self.block_manager.allocate(leader, num_tokens, hit)
+        group.fork_pending = len(group.unfinished()) > 1
+        leader.status = SequenceStatus.RUNNING
+        self._published[leader] = len(hit)
+        self.batch.enter(leader, self.block_manager.table(leader), len(hit) * self.block_size)
+
+    # ---- reservation --------------------------------------------------------------------------
+    def reserve(self, seqs: list[Sequence], counts: list[int]) -> list[tuple[int, int]]:
+        """Make each sequence's next `counts[i]` positions writable (all or none: PoolExhausted
+        changes nothing); returns the COW copies to make first."""
+        bm, b, bs = self.block_manager, self.batch, self.block_size
+        starts = [self.num_computed(s) for s in seqs]
+        copies = bm.reserve(list(zip(seqs, starts, counts)))
+        cow = b.cols["cow_check"]
+        for seq, start in zip(seqs, starts):
+            b.write_table(seq, bm.table(seq), start // bs)
+            cow[seq.slot] = False
+        return copies
+
+    def blocks_needed(self, seqs: list[Sequence], counts: list[int]) -> int:
+        """New blocks `reserve(seqs, counts)` would take."""
+        return self.block_manager.blocks_needed(
+            [(s, self.num_computed(s), n) for s, n in zip(seqs, counts)])
+
+    def grow_decodes(self, slots: np.ndarray, copies: list[tuple[int, int]]) -> None:
+        """A block for each of these decoding slots' next token: a copy where a fork left it
+        sharing one (appended to `copies`), a new one where it opens a block (the chapter's
+        append_token for all of them at once; their table rows written at once).
+        PoolExhausted leaves what was reserved, and the copies made, in place."""
+        bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
+        cow = c["cow_check"][slots]
+        for slot in slots[cow].tolist():
+            seq, pos = b.seqs[slot], int(c["num_computed"][slot])
+            copies += bm.reserve([(seq, pos, 1)])
+            b.write_table(seq, bm.table(seq), pos // bs)
+            c["cow_check"][slot] = False
+        opening = slots[~cow]  # each opens exactly one block: its table's next
+        if len(opening):
+            blocks = bm.append_tokens([b.seqs[i] for i in opening.tolist()],
+                                      c["num_computed"][opening].tolist())
+            at = c["num_blocks"][opening]
+            b.block_table[opening, at] = blocks
+            c["num_blocks"][opening] = at + 1
+
+    # ---- after the forward --------------------------------------------------------------------
+    def computed(self, seqs: tuple[Sequence, ...], slots: np.ndarray, starts: np.ndarray,
+                 num_new: np.ndarray) -> None:
+        """A step's forward wrote these rows' K/V: advance their computed tokens (one vector
+        op) and publish the full blocks they completed to the prefix cache."""
+        self.batch.cols["num_computed"][self.batch.rows(slots)] += num_new
+        if self.block_manager.enable_prefix_caching:  # only rows that completed a block
+            ends, bs = starts + num_new, self.block_size
+            for j in np.flatnonzero(ends // bs > starts // bs).tolist():
+                self._publish(seqs[j])
+
+    def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
+        """`child` shares the blocks holding the parent's first `num_tokens` tokens (and their
+        hashes) and takes a slot; both may now write into a shared block (cow_check)."""
+        self.block_manager.fork(parent, child, num_tokens)
+        shared = num_tokens // self.block_size
+        self._hashes[child] = self._hashes.get(parent, [])[:shared]
+        self._published[child] = min(self._published.get(parent, 0), shared)
+        child.status = SequenceStatus.RUNNING
+        self.batch.enter(child, self.block_manager.table(child), num_tokens)
+        cow = self.batch.cols["cow_check"]
+        cow[parent.slot] = cow[child.slot] = True
+
+    def fork_siblings(self, group: SequenceGroup) -> None:
+        """The leader has the prompt's K/V: every waiting sibling shares its prompt blocks and
+        computes only its own tokens from here."""
+        leader = group.leader
+        group.fork_pending = False
+        self.batch.cols["fork_pending"][leader.slot] = False
+        for seq in group.seqs:
+            if seq is not leader and not seq.finished:
+                self.fork(leader, seq, group.num_prompt_tokens)
+
+    # ---- leaving ------------------------------------------------------------------------------
+    def finish(self, seq: Sequence) -> None:
+        """The sequence ends: its slot and blocks go back now (the next step can reuse them)
+        and its memo is dropped."""
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+        self._hashes.pop(seq, None)
+        self._published.pop(seq, None)
+
+    def evict(self, group: SequenceGroup) -> set[int]:
+        """Preemption by recompute: every sequence of the group gives its slot and blocks
+        back and will recompute its tokens (the hash memo stays: the tokens are unchanged).
+        Returns the blocks freed."""
+        freed: set[int] = set()
+        for seq in group.seqs:
+            freed.update(self._release(seq))
+            self._published[seq] = 0
+            if not seq.finished:
+                seq.status = SequenceStatus.WAITING
+        return freed
+
+    def _release(self, seq: Sequence) -> list[int]:
+        """Free the sequence's slot and block table if it has them; returns its blocks."""
+        if seq.slot >= 0:
+            self.batch.remove(seq)
+        bm = self.block_manager
+        if not bm.has_table(seq):
+            return []
+        table = bm.table(seq)
+        bm.free_seq(seq)
+        return table
+
+    def abort_all(self) -> None:
+        """Every table dropped and the batch emptied (an aborted call): the pool comes back
+        whole, the prefix cache consistent."""
+        self.batch.clear()
+        self.block_manager.free_all()
+        self._swapped.clear()
+        self._hashes.clear()
+        self._published.clear()
+
+    # ---- swapping -----------------------------------------------------------------------------
+    def can_swap_out(self, seqs: list[Sequence]) -> bool:
+        return self.block_manager.can_swap_out(seqs)
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """The sequences leave the batch keeping their computed tokens; their tables move to
+        the host pool (shared blocks once). Returns the (device, host) copies."""
+        for seq in seqs:
+            self._swapped[seq] = self.num_computed(seq)
+            self.batch.remove(seq)
+            seq.status = SequenceStatus.SWAPPED
+        return self.block_manager.swap_out(seqs)
+
+    def swapped_seqs(self, group: SequenceGroup) -> list[Sequence]:
+        """The group's sequences whose tables are in the host pool."""
+        return [s for s in group.seqs if self.block_manager.is_swapped(s)]
+
+    def can_swap_in(self, seqs: list[Sequence], headroom: int) -> bool:
+        return self.block_manager.can_swap_in(seqs, headroom)
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Swapped tables come back to device blocks and the sequences to the batch, each
+        with cow_check set (its blocks may be shared). Returns the (host, device) copies."""
+        pairs = self.block_manager.swap_in(seqs)
+        cow = self.batch.cols["cow_check"]
+        for seq in seqs:
+            seq.status = SequenceStatus.RUNNING
+            self.batch.enter(seq, self.block_manager.table(seq), self._swapped.pop(seq))
+            cow[seq.slot] = True
+        return pairs
+
+    # ---- prefix caching -----------------------------------------------------------------------
+    def _hashes_of(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """The sequence's block-hash memo, extended to the full blocks of `num_tokens` tokens
+        (each block is hashed once in the sequence's life)."""
+        memo = self._hashes.get(seq, [])
+        if num_tokens // self.block_size > len(memo):
+            memo = chain_hashes(seq.token_ids, self.block_size, memo, num_tokens)
+            self._hashes[seq] = memo
+        return memo
+
+    def _publish(self, seq: Sequence) -> None:
+        """After a step: publish the hashes of the sequence's newly completed full blocks."""
+        done = self.num_computed(seq) // self.block_size
+        if done > self._published.get(seq, 0):
+            self.block_manager.register(seq, self._hashes_of(seq, done * self.block_size)[:done])
+            self._published[seq] = done
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (False, doing nothing, while a sequence holds blocks)."""
+        return self.block_manager.reset_prefix_cache()
+
+    def reset_stats(self) -> None:
+        """A new measurement window for peak usage, COW copies, prefix hits and swaps."""
+        self.block_manager.reset_stats()

@@ -1,0 +1,95 @@
+"""From a step plan to what the runner computes and who reads which logits row.
+
+`step_layout` is the engine side's one function for it: the runner's rows (`StepRows`: slots,
+starts, query lengths and tokens, how many logits each row keeps) and the `LogitsLayout`: which
+sequences sample which row (an n > 1 leader's last prompt row serves every sample that waits
+for it), which rows each beam group scores, and which rows score prompt tokens for prompt
+logprobs. The leading decode rows are described by vector ops over the batch's columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from batchgen.attention.metadata import StepRows
+from batchgen.engine.batch import PersistentBatch
+from batchgen.engine.scheduler import StepPlan
+from batchgen.engine.sequence import Sequence, SequenceGroup
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """A prompt-logprobs request's rows in one step: positions `first`.. of its prompt are
+    scored by logits rows `row`.. (`count` of them)."""
+
+    group: SequenceGroup
+    first: int
+    row: int
+    count: int
+
+
+@dataclass(frozen=True)
+class LogitsLayout:
+    """Who reads each logits row of a step."""
+
+    samplers: tuple[Sequence, ...] = ()  # sequences that draw a token...
+    sample_rows: np.ndarray | None = None  # ...from these logits rows (None: row i <-> i)
+    beam_rows: dict[SequenceGroup, dict[Sequence, int]] = field(default_factory=dict)
+    prompt_rows: tuple[PromptRows, ...] = ()
+    num_prompt_tokens: int = 0  # prompt positions computed (recomputes too)
+
+
+def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, LogitsLayout]:
+    """The runner's rows and the logits layout of a step: the leading decode rows by vector
+    ops (each samples its own row); for the others, samplers draw from a row's last logits,
+    beams hand theirs to their group's policy, and a request with prompt logprobs keeps the
+    rows of its prompt chunks that score the prompt tokens it asked for."""
+    k, c = plan.decode_rows, batch.cols
+    head = plan.slots[:k]
+    num_logits, tokens = [np.ones(k, np.int64)], [c["last_token"][head]]
+    num_prompt = int(np.count_nonzero(plan.starts[:k] < c["num_prompt"][head]))
+    samplers, sample_rows, prompt_rows = list(plan.seqs[:k]), [], []
+    beam_rows: dict[SequenceGroup, dict[Sequence, int]] = {}
+    row = k
+    for seq, start, n in zip(plan.seqs[k:], plan.starts[k:].tolist(),
+                             plan.num_new[k:].tolist()):
+        group, end = seq.group, start + n
+        want = end == len(seq.token_ids)
+        rows = int(want)
+        if group.prompt_logprobs is not None:
+            rows = _prompt_rows(prompt_rows, group, start, end, row) or rows
+        num_logits.append([rows])
+        tokens.append(seq.token_ids[start:end])
+        num_prompt += max(min(end, group.num_prompt_tokens) - start, 0)
+        row += rows
+        if want:
+            drawing = group.policy.samples_from(group, seq)
+            if drawing:
+                samplers += drawing
+                sample_rows += [row - 1] * len(drawing)
+            else:
+                beam_rows.setdefault(group, {})[seq] = row - 1
+    runner_rows = StepRows(plan.slots, plan.starts, plan.num_new,
+                           np.concatenate(num_logits).astype(np.int64, copy=False),
+                           np.concatenate(tokens).astype(np.int64, copy=False),
+                           batch.block_table)
+    identity = row == k and not sample_rows
+    layout = LogitsLayout(tuple(samplers), None if identity else np.concatenate(
+        (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
+        num_prompt)
+    return runner_rows, layout
+
+
+def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: int, row: int
+                 ) -> int:
+    """The logits rows a chunk [start, end) of a prompt-logprobs leader keeps: its tail from
+    the first position that scores a wanted prompt token (position i scores token i + 1;
+    tokens before `prompt_logprobs_start` are not wanted) to its end; 0 if none is."""
+    first = max(start, group.params.prompt_logprobs_start - 1)
+    last = min(end, group.num_prompt_tokens - 1)  # positions [first, last) score tokens
+    if first >= last:
+        return 0
+    out.append(PromptRows(group, first + 1, row, last - first))
+    return end - first

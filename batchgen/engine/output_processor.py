@@ -1,0 +1,179 @@
+"""The OutputProcessor applies a step's results to the requests, after the forward.
+
+Two calls per step. `advance`: the forward wrote the step's K/V (the KVManager advances the
+rows and publishes completed blocks), waiting siblings of a leader that finished its prompt
+are forked, and the samplers' slots are found. `apply`: prompt logprobs are stored, the
+sampled tokens go into the batch's columns (vector ops) and the sequences' lists (one loop),
+stops are checked on the columns (stop-string rows through their checkers, constrained rows'
+matchers accept their token), finished sequences give their blocks back, and each beam
+group's policy turns its log-probabilities into operations (Fork / Append / Free / SetSeqs)
+carried out here. It returns the step's StepStats.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.layout import LogitsLayout
+from batchgen.engine.policy import Append, BeamPolicy, Fork, Free, Op, SetSeqs
+from batchgen.engine.scheduler import StepPlan
+from batchgen.engine.sequence import Sequence, SequenceGroup
+from batchgen.log import logger
+from batchgen.sampling.sampler import RankedLogprobs, SamplerOutput
+from batchgen.sampling.stop import EOS_STOP, GOES_ON, ID_STOP, finish_of
+
+Reasons = dict[int, tuple[str, int | str | None]]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Tokens computed in one step, for the progress bar, and the groups it finished."""
+
+    prompt_tokens: int
+    output_tokens: int
+    finished: list[SequenceGroup]
+
+
+@dataclass(frozen=True)
+class SampleSlots:
+    """The samplers' batch slots once the step's forks are made, and their index into the
+    batch's columns (a slice when they are slots 0..k-1 in order)."""
+
+    slots: np.ndarray
+    index: np.ndarray | slice
+
+
+class OutputProcessor:
+    """Applies results; the KVManager carries out what changes blocks."""
+
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.batch = kv.batch
+
+    def advance(self, plan: StepPlan, layout: LogitsLayout) -> SampleSlots:
+        """The step's forward ran: its rows' K/V is computed, leaders that finished their
+        prompt fork their waiting siblings (who then take slots), and the samplers' slots
+        are known."""
+        kv, k = self.kv, plan.decode_rows
+        kv.computed(plan.seqs, plan.slots, plan.starts, plan.num_new)
+        forking = {s.group: None for s in plan.seqs[k:] if s.group.fork_pending
+                   and kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
+        for group in forking:
+            kv.fork_siblings(group)
+        rest = np.fromiter((s.slot for s in layout.samplers[k:]), np.int64,
+                           len(layout.samplers) - k)
+        slots = plan.slots[:k] if not len(rest) else np.concatenate((plan.slots[:k], rest))
+        return SampleSlots(slots, self.batch.rows(slots))
+
+    def apply(self, layout: LogitsLayout, at: SampleSlots, sampled: SamplerOutput | None,
+              beam_logprobs: dict[SequenceGroup, torch.Tensor],
+              prompt_logprobs: list[RankedLogprobs | None]) -> StepStats:
+        """Apply one step's results: prompt logprobs (the entries of the layout's prompt
+        rows, in order), the samplers' tokens, then each beam group's operations."""
+        _store_prompt_logprobs(layout, prompt_logprobs)
+        done: dict[SequenceGroup, None] = {}
+        new_tokens = 0
+        if sampled is not None and layout.samplers:
+            new_tokens = self._apply_samples(list(layout.samplers), at, sampled, done)
+        for group, lps in beam_logprobs.items():
+            policy = group.policy
+            assert isinstance(policy, BeamPolicy), "only beam groups score logits rows"
+            new_tokens += self._apply(policy.update(group, lps, self.kv.table))
+            done[group] = None
+        return StepStats(layout.num_prompt_tokens, new_tokens, [g for g in done if g.finished])
+
+    def _apply_samples(self, seqs: list[Sequence], at: SampleSlots, res: SamplerOutput,
+                       done: dict[SequenceGroup, None]) -> int:
+        """Every sampler's new token at once: the batch's columns by vector ops, the token
+        lists in one loop, stop checks on columns (stop-string rows through their checkers);
+        per-row Python for rows that finish or asked for logprobs. Returns the tokens added."""
+        tokens, index = res.token_ids, at.index
+        self.batch.append(at.slots, tokens, res.logprobs, index)
+        token_list = tokens.tolist()
+        for seq, t in zip(seqs, token_list):
+            seq.token_ids.append(t)
+        codes = self.batch.stop_codes(at.slots, tokens, index)
+        reasons: Reasons = {}
+        strings = self.batch.cols["stop_strings"][index]
+        for j in np.flatnonzero(strings).tolist():  # the checker decides these rows alone
+            reason = seqs[j].stop.append(token_list[j], seqs[j].num_generated)
+            codes[j] = 0
+            if reason[0] is not None:
+                reasons[j] = reason
+        if res.top is not None:
+            for j, row in enumerate(res.top.rows.tolist()):
+                seqs[row].logprobs.append((res.top, j))
+        constrained = self.batch.cols["constrained"][index]
+        if constrained.any():
+            _advance_grammars(seqs, token_list, np.flatnonzero(constrained), codes, reasons)
+        for j in sorted([*np.flatnonzero(codes).tolist(), *reasons]):
+            seq = seqs[j]
+            if j in reasons:
+                self._finish(seq, *reasons[j])
+            else:
+                seq.stop_token = int(codes[j]) in (EOS_STOP, ID_STOP)
+                self._finish(seq, *finish_of(int(codes[j]), token_list[j]))
+            done[seq.group] = None
+        return len(token_list)
+
+    def _apply(self, ops: list[Op]) -> int:
+        """Carry out a beam group's operations; returns the number of tokens appended."""
+        slots, tokens = [], []
+        for op in ops:
+            match op:
+                case Append(seq, token):
+                    seq.token_ids.append(token)
+                    if seq.constraint is not None:  # a rejected token: an impossible beam
+                        seq.constraint.accept(token)
+                    if seq.stop is not None:  # keeps its text for would_stop
+                        seq.stop.append(token, seq.num_generated)
+                    slots.append(seq.slot)
+                    tokens.append(token)
+                case Fork(parent, child, num_tokens):
+                    self.kv.fork(parent, child, num_tokens)
+                case Free(seq):
+                    self._finish(seq, None, None)
+                case SetSeqs(group, seqs):
+                    group.seqs = seqs
+                    for j, s in enumerate(seqs):
+                        s.index = j
+        if slots:
+            self.batch.append(np.array(slots, np.int64), np.array(tokens, np.int64), None)
+        return len(tokens)
+
+    def _finish(self, seq: Sequence, reason: str | None, stop_reason: int | str | None) -> None:
+        """The sequence ends with this reason; its slot and blocks go back now."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.kv.finish(seq)
+
+
+def _store_prompt_logprobs(layout: LogitsLayout, entries: list[RankedLogprobs | None]) -> None:
+    """Each scored prompt position's entry, kept the first time (a recompute scores again)."""
+    it = iter(entries)
+    for p in layout.prompt_rows:
+        stored = p.group.prompt_logprobs
+        for pos in range(p.first, p.first + p.count):
+            entry = next(it)
+            if stored[pos] is None:
+                stored[pos] = entry
+
+
+def _advance_grammars(seqs: list[Sequence], tokens: list[int], rows: np.ndarray,
+                      codes: np.ndarray, reasons: Reasons) -> None:
+    """Each constrained sampler's matcher accepts its new token. A matcher that ended on its
+    stop token ends the sequence ("stop", also under min_tokens or ignore_eos, and before a
+    stop string or max_tokens); a rejected token (a logits processor revived a masked one)
+    ends it too, with a warning."""
+    for j in rows.tolist():
+        c = seqs[j].constraint
+        if not c.accept(tokens[j]):
+            logger.warning("request %d: its grammar rejected token %d; the sample ends there",
+                           seqs[j].group.index, tokens[j])
+            codes[j], reasons[j] = GOES_ON, ("stop", None)
+        elif c.terminated:
+            codes[j] = EOS_STOP
+            reasons.pop(j, None)

@@ -1,0 +1,399 @@
+"""Building an engine, in one place: what is settled before the weights load (`plan_engine`),
+the model's parts (`load_parts`), the model runner over the KV pool (`build_runner`, used by
+LLM and by every tensor-parallel worker), and the engine and request front end around a
+runner (`build_engine`, `build_frontend`, used by LLM and by the tests' weightless engine).
+`assemble` runs them in order for LLM, through an Executor (this process, or a
+tensor-parallel group) for whatever every rank must do alike."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import PretrainedConfig
+
+from batchgen import cpu_allocator
+from batchgen.attention.backend import AttentionBackend
+from batchgen.attention.registry import (
+    BackendQuery,
+    Candidate,
+    backend_candidates,
+    build_backend,
+    reserved_bytes,
+)
+from batchgen.attention.spec import AttentionSpec, probe_specs
+from batchgen.config import CacheConfig, EngineConfig, KVLayout, PoolSize, kv_layout, size_pool
+from batchgen.engine.batch import PersistentBatch
+from batchgen.engine.engine import Engine, Runner
+from batchgen.engine.kv_manager import KVManager
+from batchgen.engine.output_processor import OutputProcessor
+from batchgen.engine.scheduler import Scheduler
+from batchgen.kv.block_manager import BlockManager, blocks_for
+from batchgen.kv.cache import KVCache
+from batchgen.kv.swap import HostPool
+from batchgen.log import logger
+from batchgen.model import loader
+from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
+from batchgen.model.inputs import StepInputs
+from batchgen.model.loader import KVGeometry
+from batchgen.model.profile import device_kv_budget
+from batchgen.model.runner import ModelRunner
+from batchgen.requests import Limits, RequestBuilder
+from batchgen.results import ResultBuilder
+from batchgen.sampling.sampler import Sampler
+from batchgen.sampling.stop import StopFactory
+
+# CPU steps are padded to a multiple of this many tokens (and at least this many logits rows):
+# small-M GEMMs and the scalar tails of elementwise kernels round differently, and padding keeps
+# each row's result independent of its batch.
+CPU_MIN_BATCH_ROWS = 16
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What is settled before the weights load: folders, config, device, dtypes, this rank's
+    KV geometry, the attention backends to try, and (unless a GPU pool is sized from the
+    memory the weights leave) the pool."""
+
+    path: Path
+    tokenizer_path: Path
+    config: PretrainedConfig
+    device: torch.device
+    dtype: torch.dtype
+    geo: KVGeometry  # this rank's share of the KV heads
+    layout: KVLayout
+    backends: list[Candidate]  # best first
+    pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
+
+    def min_rows(self) -> int:
+        """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
+        return CPU_MIN_BATCH_ROWS if self.device.type == "cpu" else 0
+
+    def max_step_tokens(self, cfg: EngineConfig) -> int:
+        """The most query tokens one step can have, padding included (backends size their
+        buffers by it)."""
+        m = self.min_rows()
+        return -(-max(cfg.max_num_batched_tokens, m) // m) * m if m else cfg.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """The pool, backend and step-buffer sizes of a runner: rank 0 settles them and every
+    tensor-parallel rank builds the same over its local heads."""
+
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    head_dim: int
+    num_blocks: int
+    block_size: int
+    kv_dtype: torch.dtype
+    backend: str  # the backend rank 0 chose (registry name)
+    max_step_tokens: int
+    inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
+    num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
+
+
+class Executor(Protocol):
+    """Where the model's forward runs: this process alone, or a tensor-parallel group whose
+    workers must build and size what rank 0 does (distributed/executor.py)."""
+
+    tp_size: int
+
+    def setup(self, setup: RunnerSetup) -> None:
+        """The other ranks build the same runner."""
+        ...
+
+    def kv_budget(self, profile: tuple[int, int, float, int], local: Callable[[], int]) -> int:
+        """The GPU pool's bytes: this rank's `local()` budget, the tightest over ranks."""
+        ...
+
+    def runner(self, local: ModelRunner) -> Runner:
+        """The engine's runner around this rank's ModelRunner."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """One process, one rank: nothing to share."""
+
+    tp_size = 1
+
+    def setup(self, setup: RunnerSetup) -> None:
+        pass
+
+    def kv_budget(self, profile: tuple[int, int, float, int], local: Callable[[], int]) -> int:
+        return local()
+
+    def runner(self, local: ModelRunner) -> Runner:
+        return local
+
+    def shutdown(self) -> None:
+        pass
+
+
+def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
+                dtype: str | torch.dtype, device: str | torch.device | None,
+                cfg: EngineConfig) -> EnginePlan:
+    """Everything the weights are not needed for: the folders, the config, the weights'
+    headers, device, dtypes, attention backend, max_model_len and (unless it is sized from
+    the GPU memory left once the weights are in) the pool. ValueError naming what is wrong."""
+    path = loader.resolve_model_dir(model)
+    tok_path = (path if tokenizer is None else
+                loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
+    config = loader.load_config(path, cfg.trust_remote_code)
+    loader.check_weights(path)
+    k = cfg.tensor_parallel_size
+    dev = resolve_device(device)
+    dev = dev if k == 1 or dev.type != "cuda" else torch.device("cuda", 0)  # rank 0's GPU
+    check_tp(config, k, dev)
+    model_dtype = loader.resolve_dtype(dtype, config)
+    geo = loader.kv_geometry(config)
+    geo = replace(geo, num_kv_heads=geo.num_kv_heads // k)  # this rank's share
+    layout = kv_layout(cfg, geo, model_dtype)
+    backends = backend_candidates(cfg.attention_backend, BackendQuery(
+        dev, model_dtype, layout.kv_dtype, geo.head_dim))
+    pool = (None if pool_from_gpu_memory(dev, cfg)
+            else size_pool(cfg, layout, dev, None, cfg.swap_space))
+    return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool)
+
+
+def pool_from_gpu_memory(device: torch.device, cfg: EngineConfig) -> bool:
+    """Whether the pool is sized from the GPU memory the weights leave (once they are in),
+    not from num_kv_blocks, kv_cache_memory or the CPU default."""
+    return device.type == "cuda" and cfg.num_kv_blocks is None and cfg.kv_cache_memory is None
+
+
+def check_tp(config: PretrainedConfig, tp_size: int, device: torch.device) -> None:
+    """ValueError unless the model's heads split over `tp_size` ranks, transformers has a
+    tensor-parallel plan for its family, and (on CUDA) that many GPUs are visible."""
+    if tp_size == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if heads % tp_size or kv_heads % tp_size:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} must divide the model's attention heads ({heads}) "
+            f"and KV heads ({kv_heads}): each rank holds whole heads (transformers does not "
+            "replicate KV heads); pick a tensor_parallel_size that divides both")
+    if not getattr(text, "base_model_tp_plan", None):
+        raise ValueError(f"tensor_parallel_size={tp_size}: transformers has no tensor-parallel "
+                         f"plan for {text.model_type!r} models; use tensor_parallel_size=1")
+    if device.type == "cuda" and tp_size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, but "
+                         f"{torch.cuda.device_count()} are visible (CUDA_VISIBLE_DEVICES)")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for (the GPU when one is there and none is named); ValueError for one
+    that is not 'cpu', 'cuda' or 'cuda:N', or a GPU that is not there."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device is 'cuda' but no CUDA device is available")
+    return dev
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """The loaded model and what comes with it."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    generation_config: Any
+    eos_token_ids: list[int]
+    pad_token_id: int | None
+    vocab_size: int  # the lm_head's rows
+    specs: list[AttentionSpec]  # probed from the loaded model's attention layers
+
+
+def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
+    """Tokenizer, weights (this rank's shard), generation config, EOS and pad ids, and the
+    attention specs probed from the loaded model."""
+    if plan.device.type == "cpu":
+        cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
+    tokenizer = loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
+    model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
+                              cfg.trust_remote_code, cfg.tensor_parallel_size)
+    gen = loader.load_generation_config(plan.path)
+    return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
+                      loader.pad_id(plan.config, gen),
+                      model.get_output_embeddings().weight.shape[0],
+                      probe_specs(model, plan.geo.num_layers, plan.device))
+
+
+def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
+                 make_backend: Callable[[KVCache], AttentionBackend]) -> ModelRunner:
+    """A rank's runner: its pool (its KV heads), the backend over it, its step buffers and
+    its host swap pool."""
+    cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
+                    setup.head_dim, setup.kv_dtype, device)
+    backend = make_backend(cache)
+    tokens, rows, pages, min_rows = setup.inputs
+    inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
+                        device)
+    host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
+    return ModelRunner(model, cache, backend, inputs, host)
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What the engine's bookkeeping is sized by."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    enable_prefix_caching: bool = True
+    num_host_blocks: int = 0
+    preemption_mode: str = "recompute"
+    device: torch.device = torch.device("cpu")
+
+
+def build_engine(shape: EngineShape, runner: Runner) -> Engine:
+    """Block manager, persistent batch, KV manager, scheduler, sampler and output processor
+    around a runner."""
+    bm = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching,
+                      shape.num_host_blocks)
+    batch = PersistentBatch(shape.max_num_seqs, shape.vocab_size,
+                            blocks_for(shape.max_model_len, shape.block_size),
+                            shape.eos_token_ids, shape.device)
+    kv = KVManager(bm, batch)
+    scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
+                          shape.preemption_mode)
+    return Engine(scheduler, runner, Sampler(), OutputProcessor(kv))
+
+
+def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
+                   pad_token_id: int | None = None) -> tuple[RequestBuilder, ResultBuilder]:
+    """The request builder (prompts and params to groups, every limit checked) and the
+    result builder (finished groups to outputs)."""
+    stops = StopFactory(tokenizer, shape.eos_token_ids)
+    limits = Limits(shape.max_model_len, shape.vocab_size, shape.block_size, shape.num_blocks,
+                    shape.max_num_seqs, shape.max_num_batched_tokens)
+    return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id),
+            ResultBuilder(tokenizer, stops))
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """An engine over a loaded model, ready to run."""
+
+    parts: ModelParts
+    cache_config: CacheConfig
+    max_model_len: int
+    cache: KVCache
+    attention_backend: str
+    engine: Engine
+    requests: RequestBuilder
+    results: ResultBuilder
+    gpu_reserve: tuple[int, int] | None  # (backend, graph pool) bytes kept beyond a GPU pool
+
+
+def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembled:
+    """Load the model, size a GPU pool from what it left, build the runner on every rank and
+    the engine around rank 0's."""
+    parts = load_parts(plan, cfg)
+    pool, reserve = plan.pool, None
+    if pool is None:
+        reserve = _gpu_reserve(plan, cfg, parts.specs)
+        budget = executor.kv_budget(
+            (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
+             sum(reserve)),
+            lambda: device_kv_budget(parts.model, plan.max_step_tokens(cfg), cfg.max_num_seqs,
+                                     plan.device, cfg.gpu_memory_utilization, sum(reserve)))
+        pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
+    if pool.max_model_len < plan.layout.target_len:
+        logger.info("max_model_len = %d, what the KV pool holds (the model allows %d)",
+                    pool.max_model_len, plan.layout.target_len)
+    chosen: list[str] = []
+
+    def make_backend(cache: KVCache) -> AttentionBackend:
+        name, backend = build_backend(plan.backends, parts.specs, cache,
+                                      plan.max_step_tokens(cfg),
+                                      insisted=cfg.attention_backend is not None)
+        chosen.append(name)
+        return backend
+
+    setup = _runner_setup(plan, cfg, pool, "")
+    local = build_runner(parts.model, setup, plan.device, make_backend)
+    executor.setup(replace(setup, backend=chosen[0]))
+    shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
+                        cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
+                        cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
+                        plan.device)
+    requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
+    if not cfg.enforce_eager:
+        _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
+    return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
+                                        plan.layout.bytes_per_token, pool.num_host_blocks),
+                     pool.max_model_len, local.cache, chosen[0],
+                     build_engine(shape, executor.runner(local)), requests, results, reserve)
+
+
+def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
+                    max_model_len: int, tp_size: int) -> None:
+    """Decode steps as CUDA graphs, where the device and the backend allow them."""
+    if tp_size > 1:
+        logger.info("enforce_eager=False: CUDA graphs are not captured with "
+                    "tensor_parallel_size > 1 (every rank would need them); running eagerly")
+        return
+    if plan.device.type != "cuda" or not runner.backend.supports_graphs:
+        logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "
+                    "them (here %s, %s); running eagerly", plan.device.type, runner.backend.name)
+        return
+    pages = cfg.max_num_seqs * blocks_for(max_model_len, cfg.block_size)
+    runner.use_graphs(capture_sizes(cfg.max_num_seqs), pages, CudaGraphCapturer())
+
+
+def log_capacity(built: Assembled, tp_size: int) -> None:
+    """The capacity line, the pool per rank under tensor parallelism, the GPU memory kept
+    beyond the pool when it was sized from free memory, and the backend."""
+    logger.info(built.cache_config.capacity_line(built.max_model_len))
+    if tp_size > 1:
+        pool, heads = built.cache.pool.nbytes / 2**20, built.cache.num_kv_heads
+        logger.info("tensor parallel: %d ranks, each with that pool over %d of the model's "
+                    "%d KV heads (%.1f MiB per rank, %.1f MiB in all)", tp_size, heads,
+                    heads * tp_size, pool, pool * tp_size)
+    if built.gpu_reserve is not None:
+        backend, graphs = built.gpu_reserve
+        logger.info("GPU memory kept beyond the pool when sizing it: %.1f MiB for the "
+                    "attention backend, %.1f MiB for the CUDA graph pool",
+                    backend / 2**20, graphs / 2**20)
+    logger.info("attention backend: %s", built.attention_backend)
+
+
+def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: str
+                  ) -> RunnerSetup:
+    """The runner's sizes: the pool, the largest step, one page per block of max_num_seqs
+    sequences of max_model_len."""
+    geo = plan.geo
+    max_pages = cfg.max_num_seqs * blocks_for(pool.max_model_len, cfg.block_size)
+    return RunnerSetup(geo.num_layers, geo.num_kv_heads, geo.head_dim, pool.num_blocks,
+                       cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
+                       (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
+                        plan.min_rows()), pool.num_host_blocks)
+
+
+def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]
+                 ) -> tuple[int, int]:
+    """GPU bytes to keep beyond the pool: the attention backend's (workspace, wrappers,
+    output; per captured size with graphs) and, with graphs, the graph pool's allowance."""
+    sizes = None if cfg.enforce_eager else capture_sizes(cfg.max_num_seqs)
+    backend = reserved_bytes(plan.backends, specs, plan.max_step_tokens(cfg), sizes)
+    graphs = sizes is not None and any(entry.graphs for entry, _ in plan.backends)
+    return backend, GRAPH_POOL_BYTES if graphs else 0
