@@ -115,6 +115,10 @@ class Executor(Protocol):
         """The engine's runner around this rank's ModelRunner."""
         ...
 
+    def start_failed(self, error: BaseException) -> BaseException:
+        """The error a failed start raises (the executor is stopped)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -131,6 +135,9 @@ class LocalExecutor:
 
     def runner(self, local: ModelRunner) -> Runner:
         return local
+
+    def start_failed(self, error: BaseException) -> BaseException:
+        return error
 
     def shutdown(self) -> None:
         pass

@@ -66,9 +66,11 @@ class LLM:
         self._executor = start_executor(self, plan, cfg)
         try:
             built = assemble(plan, cfg, self._executor)
-        except BaseException:
-            self._executor.shutdown()
-            raise
+        except BaseException as e:
+            failure = self._executor.start_failed(e)  # stops the executor
+            if failure is e:
+                raise
+            raise failure from e
         parts = built.parts
         self.model, self.tokenizer = parts.model, parts.tokenizer
         self.generation_config, self.eos_token_ids = parts.generation_config, parts.eos_token_ids

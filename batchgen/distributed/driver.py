@@ -1,4 +1,5 @@
-"""Rank 0 starts its tensor-parallel group for an LLM, and ties the workers' lives to it."""
+"""Rank 0 starts its tensor-parallel group for an LLM (its own worker processes, see group.py
+and launch.py, or torchrun's ranks), and ties the workers' lives to it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from batchgen.config import EngineConfig
-from batchgen.distributed.group import TPGroup, WorkerSpec, free_port
+from batchgen.distributed.group import TPGroup
+from batchgen.distributed.rendezvous import WorkerSpec
 from batchgen.distributed.worker import serve
 from batchgen.log import logger
 
@@ -35,9 +37,8 @@ def start_group(owner: object, path: Path, config: PretrainedConfig, dtype: torc
     if device.type == "cuda":
         torch.cuda.set_device(device)
         os.environ.setdefault("LOCAL_RANK", "0")  # transformers binds rank 0's GPU by it
-    spec = WorkerSpec(str(path), config, dtype, device, k,
-                      "env://" if rank is not None else f"tcp://127.0.0.1:{free_port()}",
-                      cfg.trust_remote_code, max(1, torch.get_num_threads() // k))
+    spec = WorkerSpec(str(path), config, dtype, device, k, cfg.trust_remote_code,
+                      max(1, torch.get_num_threads() // k))
     if rank:  # a torchrun rank other than 0: a worker until rank 0 is done
         serve(rank, spec)
         sys.exit(0)

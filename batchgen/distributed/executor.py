@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.driver import start_group
-from batchgen.distributed.group import TPGroup
+from batchgen.distributed.group import TPGroup, WorkerDied
 from batchgen.distributed.runner import TPRunner
 from batchgen.engine.engine import Runner
 from batchgen.factory import EnginePlan, Executor, LocalExecutor, RunnerSetup
@@ -32,6 +32,16 @@ class TPExecutor:
 
     def runner(self, local: ModelRunner) -> Runner:
         return TPRunner(local, self.group)
+
+    def start_failed(self, error: BaseException) -> BaseException:
+        """What a failed start raises: when a worker died (its shard failed to load, say) and
+        rank 0's collective failed with it, WorkerDied naming the worker. The group stops."""
+        if isinstance(error, RuntimeError) and not isinstance(error, WorkerDied):
+            dead = self.group.died()
+            if dead is not None:
+                return dead
+        self.group.shutdown()
+        return error
 
     def shutdown(self) -> None:
         self.group.shutdown()

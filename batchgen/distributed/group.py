@@ -2,68 +2,55 @@
 group every rank's forward communicates through, and the control channel that carries each
 step to the workers.
 
-Rank 0 owns the workers: it starts them (spawn), and stops them when the LLM is deleted, when
-the interpreter exits, or when one of them dies (the others are stopped too, and the call that
-noticed raises). Workers ignore Ctrl-C (the terminal sends it to every process) and exit on
-their own when rank 0 goes away (a pipe they watch closes).
+Start-up never blocks blindly on a worker. Rank 0 serves the rendezvous store itself, starts
+the workers (launch.py), and polls, every POLL_S, both the store's count of workers ready to
+join and each worker's liveness; it joins only once all have counted themselves in, and it
+joins on a helper thread while it keeps polling, so a worker that dies between counting itself
+in and joining is caught too. A worker that dies at start-up makes `start` raise WorkerDied
+within a poll, naming it with its exit code and last stderr lines; the others are stopped.
+(A join abandoned that way stays blocked on its daemon thread until the rendezvous timeout;
+it holds nothing the next group in this process needs, see `_reset_group_names`.)
+(A worker that fails while loading its shard, after joining, exits: under gloo rank 0's next
+collective, its own probe forward, fails at once, and the LLM stops the group, which logs the
+worker's death; under NCCL that collective waits for its timeout.)
+
+Rank 0 owns the workers: it stops them when the LLM is deleted, when the interpreter exits, or
+when one of them dies (the others are stopped too, and the call that noticed raises). Workers
+ignore Ctrl-C (the terminal sends it to every process) and exit on their own when rank 0 goes
+away (their stdin, which rank 0 holds, reaches EOF).
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import socket
-from dataclasses import dataclass, field
-from datetime import timedelta
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
+
+from batchgen.distributed import launch
+from batchgen.distributed.launch import Worker
+from batchgen.distributed.rendezvous import (
+    ANNOUNCED,
+    FORWARD_TIMEOUT,
+    HOST,
+    WorkerSpec,
+    join,
+)
 
 logger = logging.getLogger("batchgen")
 
-# Workers wait on the control channel between generate calls for as long as the user likes.
-CONTROL_TIMEOUT = timedelta(days=30)
-# One forward's collectives; a rank that dies mid-forward fails gloo at once, NCCL by then.
-FORWARD_TIMEOUT = timedelta(minutes=30)
 STOP_GRACE_S = 5.0
+POLL_S = 0.1  # how often rank 0 looks at its starting workers
+START_TIMEOUT_S = FORWARD_TIMEOUT.total_seconds()  # for live workers that never join
 
 
 class WorkerDied(RuntimeError):
     """A tensor-parallel worker exited: the group cannot run another forward."""
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What a worker needs to load its shard, the same for every rank but its own."""
-
-    path: str
-    config: PretrainedConfig
-    dtype: torch.dtype
-    device: torch.device
-    tp_size: int
-    init_method: str
-    trust_remote_code: bool
-    threads: int
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def dist_backend(device: torch.device) -> str:
-    return "nccl" if device.type == "cuda" else "gloo"
-
-
-def init_rank(rank: int, spec: WorkerSpec) -> Any:
-    """Join the process group as `rank`; returns the control group (gloo on every device)."""
-    dist.init_process_group(dist_backend(spec.device), init_method=spec.init_method, rank=rank,
-                            world_size=spec.tp_size, timeout=FORWARD_TIMEOUT)
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
 
 
 @dataclass
@@ -71,36 +58,76 @@ class TPGroup:
     """Rank 0's handle on the workers (ranks 1..k-1) and the control channel."""
 
     spec: WorkerSpec
-    procs: list[Any] = field(default_factory=list)
-    pipes: list[Any] = field(default_factory=list)  # rank 0's ends of the workers' life pipes
+    procs: list[Worker] = field(default_factory=list)
     control: Any = None
     failed: str | None = None
+    store: Any = None  # the rendezvous store rank 0 serves to the workers it started
+    joiner: threading.Thread | None = None  # rank 0's join, watched from the caller's thread
 
     @classmethod
     def start(cls, spec: WorkerSpec, spawn: bool = True) -> TPGroup:
-        """Start ranks 1..k-1 (unless a launcher did) and join the group as rank 0 (blocks
-        until all have joined)."""
-        from batchgen.distributed.worker import worker_main
-
+        """Start ranks 1..k-1 (unless a launcher did) and join the group as rank 0; returns
+        once all have joined, raises WorkerDied as soon as one has exited."""
         group = cls(spec)
-        ctx = mp.get_context("spawn")
-        for rank in range(1, spec.tp_size if spawn else 1):
-            theirs, ours = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(rank, spec, theirs),
-                               name=f"batchgen-tp{rank}", daemon=True)
-            proc.start()
-            theirs.close()
-            group.procs.append(proc)
-            group.pipes.append(ours)
         try:
-            group.control = init_rank(0, spec)
+            group.control = group._start_workers() if spawn else join(0, spec)
         except BaseException:
-            group.failed = "rank 0 could not join the group"
+            group.failed = group.failed or "rank 0 could not join the group"
             group.shutdown()
-            if dist.is_initialized():
+            if dist.is_initialized() and not group._joining():
                 dist.destroy_process_group()
             raise
         return group
+
+    def _start_workers(self) -> Any:
+        """Serve the store, start the workers, wait until all count themselves in, and join
+        with them; returns the control group."""
+        self.store = dist.TCPStore(HOST, 0, self.spec.tp_size, is_master=True,
+                                   wait_for_workers=False, timeout=FORWARD_TIMEOUT)
+        self.spec = replace(self.spec, store_port=self.store.port)
+        self.procs = [launch.start_worker(r, self.spec) for r in range(1, self.spec.tp_size)]
+        self._watch(lambda: self.store.add(ANNOUNCED, 0) >= len(self.procs))
+        _reset_group_names()
+        joined: dict[str, Any] = {}
+        self.joiner = threading.Thread(target=self._join, args=(joined,), daemon=True,
+                                       name="batchgen-tp-join")
+        self.joiner.start()
+        self._watch(lambda: not self._joining())
+        if "error" in joined:
+            raise joined["error"]
+        return joined["control"]
+
+    def _join(self, joined: dict[str, Any]) -> None:
+        """Rank 0's join (on the joiner thread): its control group, or the error."""
+        try:
+            joined["control"] = join(0, self.spec, self.store)
+        except BaseException as e:
+            joined["error"] = e
+
+    def _joining(self) -> bool:
+        return self.joiner is not None and self.joiner.is_alive()
+
+    def _watch(self, done: Callable[[], bool]) -> None:
+        """Poll until `done()`; WorkerDied once a worker has exited, TimeoutError after
+        START_TIMEOUT_S."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            dead = [w for w in self.procs if w.exitcode is not None]
+            if dead:
+                tails = self._record(dead)
+                raise WorkerDied(f"tensor-parallel worker {self.failed} during start-up"
+                                 f"{tails}")
+            if done():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel workers did not join within "
+                                   f"{START_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+
+    def _record(self, dead: list[Worker]) -> str:
+        """Record the dead workers as the group's failure; returns their last stderr lines."""
+        self.failed = ", ".join(f"{w.name} exited with code {w.exitcode}" for w in dead)
+        return "".join(w.last_lines() for w in dead)
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Broadcast one message to every worker (a pickled object over the control group)."""
@@ -121,23 +148,31 @@ class TPGroup:
 
     def check(self) -> None:
         """WorkerDied if the group has failed or a worker has exited."""
+        tails = ""
         if self.failed is None:
-            dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
+            dead = [w for w in self.procs if w.exitcode is not None]
             if dead:
-                self.failed = ", ".join(f"{n} exited with code {c}" for n, c in dead)
+                tails = self._record(dead)
         if self.failed is not None:
             self.shutdown()
             raise WorkerDied(f"tensor-parallel worker failed ({self.failed}); this LLM cannot "
-                             "run again: make a new one")
+                             f"run again: make a new one{tails}")
 
-    def failure(self, error: BaseException) -> WorkerDied:
-        """The error to raise for a collective that failed: names the dead worker if one is."""
-        for p in self.procs:
-            if p.is_alive():
-                p.join(timeout=2.0)  # a worker on its way out: let it finish dying
+    def died(self) -> WorkerDied | None:
+        """WorkerDied naming a worker that has exited (one on its way out is given two
+        seconds to finish dying), else None."""
+        for w in self.procs:
+            w.wait(2.0)
         try:
             self.check()
         except WorkerDied as dead:
+            return dead
+        return None
+
+    def failure(self, error: BaseException) -> WorkerDied:
+        """The error to raise for a collective that failed: names the dead worker if one is."""
+        dead = self.died()
+        if dead is not None:
             return dead
         self.failed = f"a collective failed: {error}"
         self.shutdown()
@@ -145,22 +180,31 @@ class TPGroup:
 
     def shutdown(self) -> None:
         """Stop every worker (asked, then terminated, then killed) and leave the group."""
+        if self.failed is None:
+            dead = [w for w in self.procs if w.exitcode not in (None, 0)]
+            if dead:  # no call has raised for it (it failed while rank 0 loaded its shard)
+                self._record(dead)
+                logger.error("tensor parallel: %s (its stderr is above)", self.failed)
         if self.failed is None and self.control is not None:
             try:
                 dist.broadcast_object_list([("stop",)], src=0, group=self.control)
             except RuntimeError:
                 pass
-        for pipe in self.pipes:
-            pipe.close()  # a worker still waiting sees its life pipe close and exits
-        for p in self.procs:
-            p.join(timeout=STOP_GRACE_S)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=STOP_GRACE_S)
-            if p.is_alive():
-                p.kill()
-                p.join()
-        self.procs, self.pipes = [], []
+        for w in self.procs:
+            w.close_stdin()  # a worker still waiting sees EOF and exits
+        for w in self.procs:
+            w.stop(STOP_GRACE_S)
+        self.procs, self.store = [], None
         if self.control is not None:  # this group joined the default one: leave it
             dist.destroy_process_group()
         self.control = None
+
+
+def _reset_group_names() -> None:
+    """Name this process's next default group as a fresh worker names its own. torch counts
+    the default groups it names and resets the count only in destroy_process_group, so after
+    a join that failed or was abandoned (a worker died mid-rendezvous) rank 0 would wait on
+    keys no fresh worker writes; with no default group there is nothing the count names."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if not dist.is_initialized() and hasattr(world, "group_count"):
+        world.group_count = 0

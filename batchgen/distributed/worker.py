@@ -3,15 +3,12 @@ and then runs whatever rank 0 sends on the control channel: the pool and backend
 ("setup"), a profiling forward on a GPU ("profile"), a step's block swaps, copies and
 forward ("step"), "stop". Its logits are dropped: rank 0 samples. It owns its shard, its KV pool of
 local heads (same block ids as every rank) and its step buffers; rank 0 owns everything else.
+Run by worker_process.py in the workers rank 0 starts, or inside `LLM(...)` under torchrun.
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import sys
-import threading
-import traceback
 from typing import Any
 
 import torch
@@ -19,46 +16,23 @@ import torch.distributed as dist
 
 from batchgen.attention.registry import BACKENDS
 from batchgen.attention.spec import probe_specs
-from batchgen.distributed.group import WorkerSpec, init_rank
 from batchgen.distributed.plan import rank_device
+from batchgen.distributed.rendezvous import WorkerSpec, announce, join
 from batchgen.factory import RunnerSetup, build_runner
 from batchgen.model import loader
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
 
 
-def worker_main(rank: int, spec: WorkerSpec, life: Any) -> None:
-    """A worker's whole life; exits the process when done or when rank 0 is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle
-    threading.Thread(target=_exit_with_parent, args=(life,), daemon=True).start()
-    torch.set_num_threads(spec.threads)
-    try:
-        serve(rank, spec)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    os._exit(0)
-
-
-def _exit_with_parent(life: Any) -> None:
-    """Block until rank 0's end of the life pipe closes (it exited or stopped the group)."""
-    try:
-        life.recv()
-    except (EOFError, OSError):
-        pass
-    os._exit(0)
-
-
 def serve(rank: int, spec: WorkerSpec) -> None:
     """Join the group, load the shard, and run rank 0's messages until "stop"."""
-    launched = spec.init_method == "env://"  # by torchrun: its LOCAL_RANK is the GPU index
+    launched = spec.store_port is None  # by torchrun: its LOCAL_RANK is the GPU index
     local = int(os.environ.get("LOCAL_RANK", rank)) if launched else rank
     device = rank_device(spec.device, local)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         os.environ["LOCAL_RANK"] = str(local)  # transformers binds the rank's GPU by it
-    control = init_rank(rank, spec)
+    control = join(rank, spec, None if launched else announce(spec))
     model = loader.load_model(spec.path, spec.config, spec.dtype, device,
                               spec.trust_remote_code, tp_size=spec.tp_size)
     specs = probe_specs(model, loader.kv_geometry(spec.config).num_layers, device)
