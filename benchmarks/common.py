@@ -1,15 +1,19 @@
-"""Shared helpers for batchgen's benchmarks (throughput, sampling, prefix cache, ...).
+"""The benchmarks' shared harness: everything a script needs besides its workload and its table.
 
-Everything a benchmark script needs besides the systems it measures:
-
-* command-line flags for the random-weight model and the workload (:func:`add_model_args`,
-  :func:`add_workload_args`, :func:`add_run_args`),
-* writing that model folder (:func:`prepare_model_dir`) and loading it with plain
-  transformers (:func:`load_hf_model`),
-* seeded random token-id prompts (:func:`make_prompts`),
-* timing (:func:`timed`, :func:`sync`), result rows (:class:`Result`), a markdown table
-  (:func:`markdown_table`), a machine-info line (:func:`machine_info`) and JSON output
-  (:func:`write_json`).
+* flags (:func:`parser`; the random-weight Llama :func:`add_model_args`, the synthetic workload
+  :func:`add_workload_args`, the run :func:`add_run_args`, batchgen's engine
+  :func:`add_engine_args`, the HF baselines :func:`add_hf_args`), checked by :func:`check_args`;
+* the run's start and end (:func:`start`: logging, threads, seed, machine info; :func:`finish`:
+  machine line, JSON);
+* the model folder (:func:`prepare_model_dir`), plain transformers (:func:`load_hf_model`),
+  prompts (:func:`make_prompts`, :func:`chat_prompts`);
+* systems as :class:`Contender` s (batchgen :func:`batchgen_contender`, HF generate
+  :func:`hf_contenders`, HF generate_batch :func:`generate_batch_contender`) timed in
+  interleaved rounds (:func:`interleaved_repeats`, :func:`run_contenders`);
+* checks (:func:`check_lengths`, :func:`agreement`), results (:class:`Result`,
+  :func:`versus`), tables (:func:`markdown_table`), child processes (:class:`Child`);
+* the engine internals a few scripts read, one function each (end of this file), so that a
+  refactor of batchgen's engine is adapted here alone.
 
 Run benchmarks from the repository root with ``PYTHONPATH=.``, e.g.
 ``PYTHONPATH=. python benchmarks/throughput.py``.
@@ -21,10 +25,14 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import random
+import signal
+import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,16 +41,26 @@ from typing import Any
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
 # Token ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models; prompts avoid them.
 FIRST_REGULAR_ID = 3
 PAD_ID = 0
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Every system gets one untimed warm-up run on this many prompts and tokens.
+WARMUP_PROMPTS = 2
+WARMUP_TOKENS = 8
+NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
 
 
 # ---- command line ---------------------------------------------------------------------------
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags describing the random-weight Llama model (and where to keep its folder)."""
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first line of the script's docstring, defaults in --help."""
+    return argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """Flags of the random-weight Llama model (and where to keep its folder)."""
     g = p.add_argument_group("model (random weights, Llama family)")
     g.add_argument("--hidden-size", type=int, default=256)
     g.add_argument("--num-layers", type=int, default=4)
@@ -54,6 +72,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="existing model folder to use, or where to write the random one "
                         "(default: a temporary folder, deleted at exit)")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.set_defaults(**defaults)
 
 
 def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
@@ -67,71 +86,248 @@ def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_pro
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every benchmark run: device, JSON output."""
+def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
+                 device: str | None = "cpu", verbose: bool = False) -> None:
+    """Flags of every run: device (unless None: CPU only), repeats (unless None: nothing
+    timed), threads, --verbose (if ``verbose``), JSON output."""
     g = p.add_argument_group("run")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per system after the warm-up; the fastest is reported "
-                        "(use 3+ on a busy machine)")
+    if device is not None:
+        g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
+    if repeats is not None:
+        g.add_argument("--repeats", type=int, default=repeats,
+                       help="timed runs per system after the warm-up, in interleaved rounds; "
+                            "the fastest is reported (use 3+ on a busy machine)")
     g.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: leave torch's default)")
+    if verbose:
+        g.add_argument("--verbose", action="store_true",
+                       help="keep transformers/batchgen logging")
     g.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the results as JSON to PATH")
 
 
-def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """parser.error() on inconsistent workload flags."""
-    if args.num_prompts < 1:
-        p.error("--num-prompts must be >= 1")
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192,
+                    num_kv_blocks_help: str = "KV pool size in blocks (default: batchgen's own "
+                                              "sizing)") -> None:
+    """batchgen's engine flags (the HF continuous-batching baseline gets the same limits)."""
+    g = p.add_argument_group("batchgen engine")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="max running sequences (generate_batch's max_requests_per_batch too)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help="per-step token budget (generate_batch's max_batch_tokens too)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help)
+
+
+def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
+                generate_batch: bool = True) -> None:
+    """The HF baselines: generate at several batch sizes (the best is reported), generate_batch."""
+    g = p.add_argument_group("HF baselines")
+    g.add_argument("--hf-batch-sizes", default=batch_sizes,
+                   help="comma-separated batch sizes (prompts) for HF generate; the best is "
+                        "reported")
+    g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    if generate_batch:
+        g.add_argument("--gb-page-size", type=int, default=256,
+                       help="generate_batch page size in tokens (256 is transformers' default)")
+        g.add_argument("--skip-generate-batch", action="store_true",
+                       help="skip HF generate_batch")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """parser.error() on inconsistent flags (those the script has); comma lists parsed."""
+    at_least_1 = ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
+                  "max_num_batched_tokens", "num_kv_blocks", "gb_page_size")
+    for flag in at_least_1:
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if args.output_len < 1:
-        p.error("--output-len must be >= 1")
-    if getattr(args, "repeats", 1) < 1:
-        p.error("--repeats must be >= 1")
-    if getattr(args, "threads", None) is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
-    if args.vocab_size <= FIRST_REGULAR_ID:
-        p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
+    if hasattr(args, "vocab_size"):
+        if args.vocab_size <= FIRST_REGULAR_ID:
+            p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
+        if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
+            p.error("--hidden-size must be a multiple of --num-heads, and --num-heads of "
+                    "--num-kv-heads")
+    if isinstance(getattr(args, "hf_batch_sizes", None), str):
+        args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
+    return args
 
 
-# ---- model ----------------------------------------------------------------------------------
+def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The older name of :func:`check_args` (scripts not yet moved to the harness)."""
+    check_args(p, args)
+
+
+def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: int = 1
+                   ) -> list[int]:
+    """Comma-separated integers (each >= ``minimum``), or parser.error() naming ``flag``."""
+    try:
+        out = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
+    if not out or min(out) < minimum:
+        p.error(f"{flag} needs at least one value, each >= {minimum}")
+    return out
+
+
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from the engine, model and run flags the script has."""
+    keys = ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype",
+            "device", "seed")
+    return {**{k: getattr(args, k) for k in keys if hasattr(args, k)}, **overrides}
+
+
+# ---- the run's start and end ----------------------------------------------------------------
+def start(args: argparse.Namespace) -> dict[str, Any]:
+    """Logging quieted unless --verbose, torch threads (--threads), the seed; the machine info
+    (read after the threads are set)."""
+    if not getattr(args, "verbose", False):
+        quiet_logging()
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(getattr(args, "seed", 0))
+    return machine_info(getattr(args, "device", "cpu"))
+
+
+def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
+           note: str | None = NOISE_NOTE) -> dict[str, Any]:
+    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` to
+    --json if given; return it."""
+    print(machine_line(info))
+    if note:
+        print(note)
+    payload = {"machine": info, "args": args_dict(args), **payload}
+    if getattr(args, "json", None):
+        write_json(args.json, payload)
+        print(f"wrote {args.json}")
+    return payload
+
+
+def quiet_logging() -> None:
+    """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
+    info lines."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("batchgen").setLevel(logging.WARNING)
+
+
+def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What the numbers depend on: CPUs, threads, library versions, device, date."""
+    import transformers
+
+    import batchgen
+
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(), "device": str(device),
+        "batchgen": batchgen.__version__}
+    if torch.device(device).type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def machine_line(info: dict[str, Any]) -> str:
+    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
+    return (f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
+            f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
+            f"device {info['device']}{gpu}, {info['date']}")
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """Write ``payload`` (Paths and other odd values stringified) as indented JSON."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def args_dict(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+# ---- model and prompts ----------------------------------------------------------------------
 def model_overrides(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
     """Config overrides for make_tiny_model from the model flags; positions cover ``max_len``."""
-    if args.hidden_size % args.num_heads:
-        raise ValueError("--hidden-size must be a multiple of --num-heads")
-    if args.num_heads % args.num_kv_heads:
-        raise ValueError("--num-heads must be a multiple of --num-kv-heads")
-    return {
-        "hidden_size": args.hidden_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "intermediate_size": args.intermediate_size,
-        "head_dim": args.hidden_size // args.num_heads,
-        "max_position_embeddings": max(1024, max_len),
-    }
+    return {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
+            "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
+            "intermediate_size": args.intermediate_size,
+            "head_dim": args.hidden_size // args.num_heads,
+            "max_position_embeddings": max(1024, max_len)}
 
 
 @contextlib.contextmanager
-def prepare_model_dir(args: argparse.Namespace, max_len: int) -> Iterator[Path]:
-    """Yield a model folder: ``--model-dir`` if it already holds a config.json, else a freshly
-    written random Llama (fp32 safetensors, no tokenizer) in ``--model-dir`` or a temp dir."""
-    from batchgen.tools.make_tiny_model import make_tiny_model
+def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = False,
+                      eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
+    """Yield a model folder: ``--model-dir`` if it already holds a config.json, else a random
+    Llama of the model flags in ``--dtype`` (safetensors; the tiny BPE tokenizer if
+    ``tokenizer``) written to ``--model-dir`` or a temporary folder deleted afterwards.
+    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)
+    instead of batchgen.tools.make_tiny_model's."""
+    from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
-    given = getattr(args, "model_dir", None)
+    given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
     if given is not None and (Path(given) / "config.json").is_file():
         yield Path(given)
         return
-    with contextlib.ExitStack() as stack:
-        if given is None:
-            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchgen-bench-")))
+    with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
+        out, shape = Path(given or tmp), model_overrides(args, max_len)
+        if init_device is None:
+            make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
+                            dtype=dtype, eos_boost=eos_boost, with_tokenizer=tokenizer, **shape)
         else:
-            out = Path(given)
-        make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
-                        with_tokenizer=False, **model_overrides(args, max_len))
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(args.seed)
+            config = make_config("llama", vocab_size=args.vocab_size, **shape)
+            with torch.device(init_device):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.save_pretrained(out, safe_serialization=True)
+            del model
         yield out
+
+
+def count_params(model_dir: str | os.PathLike) -> int:
+    """Parameters stored in a folder's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())  # noqa: SIM118
+    return total
+
+
+def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
+    """``model: random Llama, ...`` from the model flags."""
+    size = f"{n_params / 1e6:.2f}M params, " if n_params is not None else ""
+    return (f"model: random Llama, {size}hidden {args.hidden_size}, {args.num_layers} layers, "
+            f"{args.num_heads}/{args.num_kv_heads} q/kv heads, ffn {args.intermediate_size}, "
+            f"vocab {args.vocab_size}, {args.dtype}")
+
+
+def resolve_model(spec: str) -> Path:
+    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools (the real-model
+    benchmarks' --model)."""
+    if spec == "smollm2":
+        from batchgen.tools import smollm2
+
+        return smollm2.smollm2_folder(smollm2.default_folder())
+    if spec == "tiny":
+        from batchgen.tools.demo_model import tiny_model
+
+        return tiny_model()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"error: --model {spec}: no config.json there")
+    return path
 
 
 def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device,
@@ -146,11 +342,6 @@ def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str 
     return model
 
 
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-# ---- workload -------------------------------------------------------------------------------
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
                  seed: int = 0) -> list[list[int]]:
     """``num_prompts`` token-id prompts, lengths uniform in [min_len, max_len], ids uniform in
@@ -158,6 +349,109 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
     return [[rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """:func:`make_prompts` from the workload flags."""
+    return make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                        args.vocab_size, args.seed)
+
+
+def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as one user message through the tokenizer's chat template (plain text where it
+    has none), as token ids."""
+    if not tokenizer.chat_template:
+        return [list(tokenizer(t)["input_ids"]) for t in texts]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for t in texts]
+
+
+def token_prompts(prompts: Sequence[Sequence[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": list(p)} for p in prompts]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+# ---- systems --------------------------------------------------------------------------------
+@dataclass
+class Contender:
+    """One system, loaded and warmed up, ready to run the whole workload: ``run()`` returns its
+    output (or a :class:`Measured` carrying the system's own wall time); ``describe()``
+    (config string, extra fields) is read after the timed runs."""
+
+    system: str
+    run: Callable[[], Any]
+    describe: Callable[[], tuple[str, dict[str, Any]]] = lambda: ("", {})
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Measured:
+    """An output with the wall time the system measured itself (e.g. in a child process)."""
+
+    value: Any
+    wall_s: float
+
+
+def warm_up(go: Callable[[list[list[int]], int], Any], prompts: list[list[int]],
+            n_tokens: int) -> None:
+    """One untimed run of ``go(prompts, tokens)`` on the first prompts, a few tokens each."""
+    with torch.inference_mode():
+        go(prompts[:WARMUP_PROMPTS], min(n_tokens, WARMUP_TOKENS))
+
+
+def bg_tokens(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[list[int]]:
+    """``llm.generate`` on token-id prompts: every sample's tokens, n per prompt, in order."""
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int], Any],
+                       n_tokens: int, describe: Callable[[], tuple[str, dict[str, Any]]]
+                       | None = None, system: str = "batchgen") -> Contender:
+    """batchgen's ``generate`` on the workload, ``params(max_tokens)`` its SamplingParams;
+    warmed up. Its output: token rows, n per prompt."""
+    def go(ps: list[list[int]], k: int) -> list[list[int]]:
+        return bg_tokens(llm, ps, params(k))
+
+    warm_up(go, prompts, n_tokens)
+    return Contender(system, lambda: go(prompts, n_tokens),
+                     describe or (lambda: kv_describe(llm)))
+
+
+def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
+    """batchgen's config string and extra fields: its KV figures of the last call."""
+    st = llm.kv_stats()
+    extra = {"kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
+             "kv_peak_blocks": st.peak_blocks_in_use, "kv_peak_tokens":
+             st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
+             "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
+             "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
+    return (f"block {st.block_size}, peak {st.peak_blocks_in_use}/{st.num_blocks} blocks, "
+            f"{st.preemptions} preempt"), extra
+
+
+def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
+                    n_tokens: int, device: str, rows_per_prompt: int = 1, **gen_kwargs: Any
+                    ) -> list[list[int]]:
+    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
+    the new tokens of every returned row (``rows_per_prompt`` per prompt), exactly
+    ``n_tokens`` each (``min_new_tokens``)."""
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        ids, mask = left_pad(chunk, PAD_ID, device)
+        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
+                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
+        new = seqs[:, ids.shape[1]:]
+        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
+            f"HF generate returned {tuple(new.shape)} new tokens, expected "
+            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
+        out.extend(new.tolist())
+    return out
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
@@ -173,65 +467,88 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
     return ids.to(device), mask.to(device)
 
 
-def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
-                    n_tokens: int, device: str, rows_per_prompt: int, **gen_kwargs: Any
-                    ) -> list[list[int]]:
-    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
-    returns the new tokens of every returned row (``rows_per_prompt`` per prompt)."""
-    out: list[list[int]] = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, PAD_ID, device)
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
-        new = seqs[:, ids.shape[1]:]
-        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
-            f"HF generate returned {tuple(new.shape)} new tokens, expected "
-            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
-        out.extend(new.tolist())
-    return out
+def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
+                  n_tokens: int, label: str = "", rows_per_prompt: int = 1, width: int = 1,
+                  **gen_kwargs: Any) -> list[Contender]:
+    """HF generate (left-padded batches in input order) at every ``--hf-batch-sizes``, warmed
+    up; ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back.
+    Every run is seeded with ``--seed``."""
+    def go(ps: list[list[int]], k: int, bs: int) -> list[list[int]]:
+        torch.manual_seed(args.seed)
+        return hf_generate_all(model, ps, bs, k, args.device, rows_per_prompt, **gen_kwargs)
+
+    def describe(bs: int) -> tuple[str, dict[str, Any]]:
+        rows = f" ({bs * width} rows)" if width > 1 else ""
+        return f"{label + ', ' if label else ''}sdpa, batch {bs}{rows}, left-padded", {
+            "batch_size": bs}
+
+    warm_up(lambda ps, k: go(ps, k, WARMUP_PROMPTS), prompts, n_tokens)
+    return [Contender("HF generate", lambda bs=bs: go(prompts, n_tokens, bs),
+                      lambda bs=bs: describe(bs)) for bs in args.hf_batch_sizes]
 
 
-# ---- timing and results ---------------------------------------------------------------------
+def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
+                             n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
+    """transformers' continuous batching (``generate_batch``, sdpa) on the workload, warmed up.
+    EOS disabled (``eos_token_id=None`` becomes -1: its CB logits processors have no
+    ``min_new_tokens``); a cache with room for every row at once with no sharing (plus a page
+    each; its default would claim 60% of RAM on CPU), batchgen's token budget and request cap;
+    the manager persists from the warm-up on (cache allocation untimed). ``n`` > 1:
+    ``num_return_sequences=n``, native in transformers 5 (prefill once, fork)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
+    page = args.gb_page_size
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, max_batch_tokens=args.max_num_batched_tokens,
+        num_blocks=sum(n * (math.ceil((len(p) + n_tokens) / page) + 1) for p in prompts),
+        max_requests_per_batch=args.max_num_seqs, seed=args.seed)
+    gen_config = GenerationConfig(max_new_tokens=n_tokens, eos_token_id=None,
+                                  pad_token_id=PAD_ID, num_return_sequences=n, **gen_kwargs)
+
+    def go(ps: list[list[int]], k: int) -> list[list[int]]:
+        results = model.generate_batch(inputs=ps, generation_config=gen_config,
+                                       continuous_batching_config=cb_config,
+                                       max_new_tokens=k, persistent_manager=True)
+        assert len(results) == len(ps) * n, f"generate_batch: {len(results)} of {len(ps)} x {n}"
+        bad = [rid for rid, r in results.items() if r.error is not None]
+        assert not bad, f"generate_batch failed requests {bad}"
+        return [list(r.generated_tokens) for r in results.values()]
+
+    def describe() -> tuple[str, dict[str, Any]]:
+        manager = getattr(model, "_cached_continuous_batching_manager", None)
+        cb = getattr(manager, "continuous_batching_config", cb_config)
+        fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
+        return (f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok"
+                f"{fork}"), {
+            "page_size": page, "num_blocks": cb.num_blocks,
+            "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
+            "max_requests_per_batch": cb.max_requests_per_batch,
+            "allow_block_sharing": cb.allow_block_sharing, "n_emulated_by_repeating": False,
+            "attn_implementation": model.config._attn_implementation}
+
+    warm_up(go, prompts, n_tokens)
+    return Contender("HF generate_batch", lambda: go(prompts, n_tokens), describe,
+                     close=model.destroy_cached_continuous_batching_manager)
+
+
+# ---- timing ---------------------------------------------------------------------------------
 def sync(device: str | torch.device) -> None:
     """Wait for queued GPU work so wall-clock timings are honest (no-op on CPU)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(torch.device(device))
 
 
 def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, float]:
-    """Run ``fn`` under inference mode; return its result and the wall time in seconds."""
+    """Run ``fn`` under inference mode; its result and the wall time in seconds (the device
+    synchronised before and after)."""
     with torch.inference_mode():
         sync(device)
         t0 = time.perf_counter()
         out = fn()
         sync(device)
         return out, time.perf_counter() - t0
-
-
-def timed_repeats(fn: Callable[[], Any], repeats: int = 1, device: str | torch.device = "cpu"
-                  ) -> tuple[Any, list[float]]:
-    """Time ``fn`` ``repeats`` times (see :func:`timed`); return the first result and all wall
-    times. Report ``min`` of them: on a shared CPU, other load only ever adds time."""
-    out, walls = None, []
-    for i in range(max(1, repeats)):
-        res, wall = timed(fn, device)
-        if i == 0:
-            out = res
-        walls.append(wall)
-    return out, walls
-
-
-@dataclass
-class Contender:
-    """One system, loaded and warmed up, ready to run the whole workload: `run()` returns its
-    tokens; `describe()` (config string, extra fields) is read after the timed runs."""
-
-    system: str
-    run: Callable[[], Any]
-    describe: Callable[[], tuple[str, dict[str, Any]]]
-    close: Callable[[], None] = lambda: None
 
 
 def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
@@ -246,6 +563,8 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
     for r in range(max(1, repeats)):
         for i, c in enumerate(contenders):
             res, wall = timed(c.run, device)
+            if isinstance(res, Measured):
+                res, wall = res.value, res.wall_s
             first, walls = out[i]
             out[i] = (res if r == 0 else first, walls + [wall])
         if on_round is not None:
@@ -253,9 +572,63 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
     return out
 
 
+def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
+                   prompt_tokens: int, count: Callable[[Any], int] | None = None
+                   ) -> list[tuple[Result, Any]]:
+    """Time the contenders in ``--repeats`` interleaved rounds, then close them; per contender
+    its :class:`Result` (the fastest run; all wall times in ``extra["wall_s_all"]``) and its
+    first run's output (token rows: ``count`` defaults to their total length)."""
+    try:
+        timings = interleaved_repeats(
+            contenders, args.repeats, getattr(args, "device", "cpu"),
+            on_round=lambda r: print(f"  round {r + 1}/{args.repeats} done", flush=True))
+    finally:
+        for c in contenders:
+            c.close()
+    out = []
+    for c, (value, walls) in zip(contenders, timings):
+        config, extra = c.describe()
+        tokens = count(value) if count else sum(map(len, value))
+        out.append((Result(c.system, config, min(walls), tokens, prompt_tokens,
+                           {**extra, "wall_s_all": walls}), value))
+        print(f"  {c.system} ({config}): " + ", ".join(f"{w:.2f}" for w in walls) + " s",
+              flush=True)
+    return out
+
+
+# ---- checks and results ---------------------------------------------------------------------
+def check_lengths(name: str, rows: Sequence[Sequence[int]], count: int,
+                  n_tokens: int | Sequence[int]) -> None:
+    """Assert ``count`` token rows of ``n_tokens`` tokens each (or row by row)."""
+    want = [n_tokens] * count if isinstance(n_tokens, int) else list(n_tokens)
+    got = [len(r) for r in rows]
+    assert got == want, (f"{name}: {len(got)} rows of {sorted(set(got))} tokens, expected "
+                         f"{count} of {sorted(set(want))}")
+
+
+def common_prefix_frac(a: Sequence[int], b: Sequence[int]) -> float:
+    """Length of the common prefix of two token lists over the longer one's length."""
+    k = 0
+    while k < min(len(a), len(b)) and a[k] == b[k]:
+        k += 1
+    return k / max(len(a), len(b), 1)
+
+
+def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Identical rows and the mean common-prefix fraction between two runs' outputs."""
+    prefix = [common_prefix_frac(x, y) for x, y in zip(a, b)]
+    return {"identical": sum(list(x) == list(y) for x, y in zip(a, b)), "of": len(a),
+            "mean_prefix_frac": sum(prefix) / max(len(prefix), 1)}
+
+
+def agreement_line(a: str, b: str, agree: dict[str, Any]) -> str:
+    return (f"greedy agreement {a} vs {b}: {agree['identical']}/{agree['of']} identical, mean "
+            f"common prefix {100 * agree['mean_prefix_frac']:.1f}%")
+
+
 @dataclass
 class Result:
-    """One timed run of one system over the whole workload."""
+    """One system's fastest run over the whole workload."""
 
     system: str
     config: str
@@ -274,10 +647,45 @@ class Result:
         return total / self.wall_s if self.wall_s > 0 else float("inf")
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["output_tok_s"] = self.output_tok_s
-        d["total_tok_s"] = self.total_tok_s
-        return d
+        return {**asdict(self), "output_tok_s": self.output_tok_s,
+                "total_tok_s": self.total_tok_s}
+
+
+def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
+    """batchgen (the first result) against the HF baselines of one workload: each result's
+    label (the fastest of several HF generate batch sizes marked "(best)") and the summary:
+    batchgen's output tok/s over the best HF generate's and over generate_batch's."""
+    bg = results[0]
+    hf = [r for r in results if r.system == "HF generate"]
+    best = max(hf, key=lambda r: r.output_tok_s) if hf else None
+    gb = next((r for r in results if r.system == "HF generate_batch"), None)
+    summary: dict[str, Any] = {"batchgen_output_tok_s": bg.output_tok_s}
+    if best is not None:
+        summary.update(batchgen_over_hf_generate=bg.output_tok_s / best.output_tok_s,
+                       hf_generate_best_batch_size=best.extra["batch_size"],
+                       hf_generate_output_tok_s=best.output_tok_s)
+    if gb is not None:
+        summary.update(batchgen_over_generate_batch=bg.output_tok_s / gb.output_tok_s,
+                       generate_batch_output_tok_s=gb.output_tok_s)
+    labels = [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results]
+    return labels, summary
+
+
+def versus_line(summary: dict[str, Any]) -> str:
+    """``batchgen / HF generate (best, batch B): Rx, batchgen / HF generate_batch: Rx``."""
+    parts = []
+    if "batchgen_over_hf_generate" in summary:
+        parts.append(f"batchgen / HF generate (best, batch "
+                     f"{summary['hf_generate_best_batch_size']}): "
+                     f"{summary['batchgen_over_hf_generate']:.2f}x")
+    if "batchgen_over_generate_batch" in summary:
+        parts.append(f"batchgen / HF generate_batch: "
+                     f"{summary['batchgen_over_generate_batch']:.2f}x")
+    return ", ".join(parts)
+
+
+def wall_head(repeats: int) -> str:
+    return "wall s" if repeats == 1 else f"wall s (best of {repeats})"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -297,7 +705,7 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def _is_number(s: str) -> bool:
     try:
-        float(s.rstrip("x"))
+        float(s.rstrip("x%").replace(",", ""))
     except ValueError:
         return False
     return True
@@ -307,95 +715,139 @@ def fmt_ratio(num: float, den: float) -> str:
     return f"{num / den:.2f}x" if den > 0 else "n/a"
 
 
-def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the numbers depend on: CPUs, threads, library versions, device, date."""
-    import transformers
-
-    info: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "device": str(device),
-    }
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(dev)
-    try:
-        import batchgen
-
-        info["batchgen"] = batchgen.__version__
-    except ImportError:  # pragma: no cover - benchmarks run with PYTHONPATH=.
-        pass
-    return info
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
 
 
-def machine_line(info: dict[str, Any]) -> str:
-    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
-    return (f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
-            f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
-            f"device {info['device']}{gpu}, {info['date']}")
+# ---- child processes ------------------------------------------------------------------------
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: offline, the repository importable, ``extra`` on top."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
+            **extra}
 
 
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (Paths and other odd values stringified) as indented JSON."""
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+class Child:
+    """A child process in its own process group (its own children go with it on kill), its
+    output in ``log`` (or pipes), timed from launch to exit and reaped with ``os.wait4``: its
+    own peak RSS and CPU time."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
+                 stdin: Any = subprocess.DEVNULL, stdout: Any = None) -> None:
+        self.argv, self.log = argv, log
+        self._log = open(log, "wb") if log is not None else None  # noqa: SIM115
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=stdin,
+                                     stdout=stdout or self._log, stderr=self._log,
+                                     start_new_session=True)
+        self.wall_s: float | None = None
+        self.maxrss_kib: int | None = None
+        self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode
+
+    def poll(self) -> bool:
+        """Non-blocking: reap the child if it has exited; whether it has."""
+        if self.wall_s is None:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self._reaped(status, usage)
+        return self.wall_s is not None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Block until exit, killing the process group after ``timeout`` seconds."""
+        if self.wall_s is None:
+            timer = threading.Timer(timeout, self.kill) if timeout is not None else None
+            if timer is not None:
+                timer.start()
+            try:
+                _, status, usage = os.wait4(self.proc.pid, 0)
+                self._reaped(status, usage)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the process group unless already reaped."""
+        if self.wall_s is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _reaped(self, status: int, usage: Any) -> None:
+        self.wall_s = time.perf_counter() - self.t0
+        self.maxrss_kib = usage.ru_maxrss  # KiB on Linux
+        self.cpu_s = usage.ru_utime + usage.ru_stime
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        if self._log is not None:
+            self._log.close()
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The log's first error line and last lines, for error messages."""
+        text = self.output.splitlines()
+        cause = next((ln for ln in text if " ".join(ln.split()[:1]).endswith(
+            ("Error:", "Exception:"))), None)
+        first = f"; first error: {cause.strip()}" if cause else ""
+        return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
+
+    def check(self) -> None:
+        """RuntimeError (with the log's tail) unless the child exited with status 0."""
+        if self.wait() != 0:
+            raise RuntimeError(f"{' '.join(self.argv)} exited with {self.returncode}"
+                               f"{self.log_tail(40)}")
 
 
-def args_dict(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+# ---- engine internals: the only reads past batchgen's public API, one function each ---------
+def engine_facts(llm: Any) -> dict[str, Any]:
+    """Attention backend, per-step token budget, EOS ids, whether decode runs CUDA graphs."""
+    return {"attention_backend": llm.attention_backend,
+            "max_num_batched_tokens": llm.max_num_batched_tokens,
+            "eos_token_ids": list(llm.eos_token_ids),
+            "cuda_graphs": getattr(engine_runner(llm), "graphs", None) is not None}
 
 
-# ---- small helpers for benchmark scripts ----------------------------------------------------
-def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: int = 1
-                   ) -> list[int]:
-    """Comma-separated integers (each >= ``minimum``), or parser.error() naming ``flag``."""
-    try:
-        out = [int(v) for v in str(value).split(",") if v.strip()]
-    except ValueError:
-        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
-    if not out or min(out) < minimum:
-        p.error(f"{flag} needs at least one value, each >= {minimum}")
-    return out
+def engine_runner(llm: Any) -> Any:
+    """The model runner; ``execute(rows)`` runs one step's forward (tensor_parallel wraps it)."""
+    return llm.engine.runner
 
 
-def resolve_model(spec: str) -> Path:
-    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools (the real-model
-    benchmarks' --model)."""
-    if spec == "smollm2":
-        from batchgen.tools import smollm2
-
-        return smollm2.smollm2_folder(smollm2.default_folder())
-    if spec == "tiny":
-        from batchgen.tools.demo_model import tiny_model
-
-        return tiny_model()
-    return Path(spec).expanduser()
+def step_is_decode(rows: Any) -> bool:
+    """Whether the step's rows (``execute``'s argument) are all one new token each."""
+    return len(rows.token_ids) == rows.num_rows
 
 
-def quiet_logging() -> None:
-    """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
-    info lines, as the benchmarks do unless ``--verbose``."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    logging.getLogger("batchgen").setLevel(logging.WARNING)
+def engine_model(llm: Any) -> torch.nn.Module:
+    """The transformers module batchgen runs (host_overhead hooks its forward)."""
+    return llm.model
 
 
-def common_prefix_frac(a: Sequence[int], b: Sequence[int]) -> float:
-    """Length of the common prefix of two token lists over the longer one's length."""
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k / max(len(a), len(b), 1)
+def kv_bytes_per_token(llm: Any) -> int:
+    """KV-cache bytes per token (all layers, K and V)."""
+    return llm.cache_config.bytes_per_token
+
+
+def request_peak_blocks(prompt_len: int, width: int, max_tokens: int, block_size: int) -> int:
+    """The scheduler's admission bound: blocks one request of ``width`` rows may peak at."""
+    from batchgen.engine.scheduler import request_peak_blocks as bound
+
+    return bound(prompt_len, width, max_tokens, block_size)
+
+
+def grammar_timers(llm: Any) -> tuple[float, int]:
+    """Structured outputs: seconds spent filling and applying token bitmasks, and steps."""
+    grammars = llm.requests.grammars
+    return grammars.mask_seconds, grammars.mask_steps
+
+
+def tp_group_class() -> Any:
+    """The tensor-parallel group; its ``send`` broadcasts each step to the workers."""
+    from batchgen.distributed.group import TPGroup
+
+    return TPGroup
