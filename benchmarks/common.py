@@ -729,18 +729,19 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Child:
-    """A child process in its own process group (its own children go with it on kill), its
-    output in ``log`` (or pipes), timed from launch to exit and reaped with ``os.wait4``: its
-    own peak RSS and CPU time."""
+    """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
+    with ``os.wait4``: its own peak RSS and CPU time. ``own_group``: in its own process group,
+    which a kill takes down with it (its own children too)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
-                 stdin: Any = subprocess.DEVNULL, stdout: Any = None) -> None:
-        self.argv, self.log = argv, log
+                 stdin: Any = subprocess.DEVNULL, stdout: Any = None,
+                 own_group: bool = False) -> None:
+        self.argv, self.log, self.own_group = argv, log, own_group
         self._log = open(log, "wb") if log is not None else None  # noqa: SIM115
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=stdin,
                                      stdout=stdout or self._log, stderr=self._log,
-                                     start_new_session=True)
+                                     start_new_session=own_group)
         self.wall_s: float | None = None
         self.maxrss_kib: int | None = None
         self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
@@ -772,10 +773,11 @@ class Child:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL to the process group unless already reaped."""
+        """SIGKILL (to its group with ``own_group``) unless already reaped (not Popen.kill:
+        its poll() would reap the child behind os.wait4's back)."""
         if self.wall_s is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+                (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
 
     def _reaped(self, status: int, usage: Any) -> None:
         self.wall_s = time.perf_counter() - self.t0
