@@ -1,18 +1,13 @@
 """What beam search's records cost: ``return_trace`` and ``logprobs=k`` against plain beams.
 
-Same random-weight Llama and prompt mix as ``sampling.py`` (exactly ``--output-len`` new tokens,
-EOS ignored). For each of ``--beam-widths`` one ``LLM`` runs four configurations of
-``BeamSearchParams(beam_width=W, max_tokens=L, ignore_eos=True)``: plain, ``return_trace=True``,
-``logprobs=--logprobs``, and both, timed in ``--repeats`` interleaved rounds after one untimed
-warm-up each; min and median wall times are reported with each configuration's min over
-plain's. Every configuration must return the same hypotheses (asserted): the records never
-change the search. The trace's size per request: live records (width per step but the last)
-and finished-buffer records (at most width per step), against steps x width.
+The random Llama and prompt mix of ``sampling.py`` (``--output-len`` new tokens, EOS ignored).
+Per ``--beam-widths`` one ``LLM`` runs ``BeamSearchParams(beam_width=W, ignore_eos=True)``
+plain, with ``return_trace=True``, ``logprobs=--logprobs`` and both, warmed up and timed in
+``--repeats`` interleaved rounds: min and median wall times and each min over plain's. Every
+configuration must return plain's hypotheses (asserted). Trace size per request: live records,
+finished-buffer records, against steps x width.
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/beam_trace.py
-    PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 7
+    PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
 """
 
 from __future__ import annotations

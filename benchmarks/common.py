@@ -1,22 +1,13 @@
 """The benchmarks' shared harness: everything a script needs besides its workload and its table.
 
-* flags (:func:`parser`; the random-weight Llama :func:`add_model_args`, the synthetic workload
-  :func:`add_workload_args`, the run :func:`add_run_args`, batchgen's engine
-  :func:`add_engine_args`, the HF baselines :func:`add_hf_args`), checked by :func:`check_args`;
-* the run's start and end (:func:`start`: logging, threads, seed, machine info; :func:`finish`:
-  machine line, JSON);
-* the model folder (:func:`prepare_model_dir`), plain transformers (:func:`load_hf_model`),
-  prompts (:func:`make_prompts`, :func:`chat_prompts`);
-* systems as :class:`Contender` s (batchgen :func:`batchgen_contender`, HF generate
-  :func:`hf_contenders`, HF generate_batch :func:`generate_batch_contender`) timed in
-  interleaved rounds (:func:`interleaved_repeats`, :func:`run_contenders`);
-* checks (:func:`check_lengths`, :func:`agreement`), results (:class:`Result`,
-  :func:`versus`), tables (:func:`markdown_table`), child processes (:class:`Child`);
-* the engine internals a few scripts read, one function each (end of this file), so that a
-  refactor of batchgen's engine is adapted here alone.
+Flags (``add_*_args``, ``check_args``), the run's start and end (``start``: logging, threads,
+seed, machine info; ``finish``: machine line, JSON), the random-weight Llama folder
+(``prepare_model_dir``), prompts, systems as ``Contender`` s (batchgen, HF ``generate``, HF
+``generate_batch``) timed in interleaved rounds (``run_contenders``), checks (``agreement``),
+results and tables, child processes (``Child``), and, last, the few engine internals some
+scripts read, one function each, so a refactor of batchgen's engine is adapted here alone.
 
-Run benchmarks from the repository root with ``PYTHONPATH=.``, e.g.
-``PYTHONPATH=. python benchmarks/throughput.py``.
+Run benchmarks from the repository root: ``PYTHONPATH=. python benchmarks/throughput.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
+import logging
 import math
 import os
 import platform
@@ -42,13 +34,10 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# Token ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models; prompts avoid them.
-FIRST_REGULAR_ID = 3
+FIRST_REGULAR_ID = 3  # ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models
 PAD_ID = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Every system gets one untimed warm-up run on this many prompts and tokens.
-WARMUP_PROMPTS = 2
-WARMUP_TOKENS = 8
+WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
 NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
 
 
@@ -60,14 +49,12 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 
 def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    """Flags of the random-weight Llama model (and where to keep its folder)."""
+    """The random-weight Llama (``defaults`` override the flags' defaults)."""
     g = p.add_argument_group("model (random weights, Llama family)")
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--num-heads", type=int, default=8)
-    g.add_argument("--num-kv-heads", type=int, default=2)
-    g.add_argument("--intermediate-size", type=int, default=688)
-    g.add_argument("--vocab-size", type=int, default=4096)
+    for flag, default in (("--hidden-size", 256), ("--num-layers", 4), ("--num-heads", 8),
+                          ("--num-kv-heads", 2), ("--intermediate-size", 688),
+                          ("--vocab-size", 4096)):
+        g.add_argument(flag, type=int, default=default)
     g.add_argument("--model-dir", type=Path, default=None,
                    help="existing model folder to use, or where to write the random one "
                         "(default: a temporary folder, deleted at exit)")
@@ -77,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
                       max_prompt_len: int = 384, output_len: int = 64) -> None:
-    """Flags of the synthetic workload: N prompts of uniform random length, fixed output length."""
+    """N token-id prompts of uniform random length, a fixed output length."""
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--min-prompt-len", type=int, default=min_prompt_len)
@@ -88,57 +75,51 @@ def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_pro
 
 def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
                  device: str | None = "cpu", verbose: bool = False) -> None:
-    """Flags of every run: device (unless None: CPU only), repeats (unless None: nothing
-    timed), threads, --verbose (if ``verbose``), JSON output."""
+    """--device (unless None), --repeats (unless None), --threads, --verbose (if asked), --json."""
     g = p.add_argument_group("run")
     if device is not None:
         g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
     if repeats is not None:
         g.add_argument("--repeats", type=int, default=repeats,
-                       help="timed runs per system after the warm-up, in interleaved rounds; "
-                            "the fastest is reported (use 3+ on a busy machine)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: leave torch's default)")
+                       help="timed runs per system, in interleaved rounds; the fastest counts")
+    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
     if verbose:
-        g.add_argument("--verbose", action="store_true",
-                       help="keep transformers/batchgen logging")
+        g.add_argument("--verbose", action="store_true", help="keep the libraries' logging")
     g.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the results as JSON to PATH")
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192,
-                    num_kv_blocks_help: str = "KV pool size in blocks (default: batchgen's own "
-                                              "sizing)") -> None:
-    """batchgen's engine flags (the HF continuous-batching baseline gets the same limits)."""
+                    num_kv_blocks_help: str = "KV pool size (default: batchgen's sizing)"
+                    ) -> None:
+    """batchgen's engine flags (generate_batch gets the same limits)."""
     g = p.add_argument_group("batchgen engine")
     g.add_argument("--block-size", type=int, default=16, help="KV block size")
     g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="max running sequences (generate_batch's max_requests_per_batch too)")
+                   help="max running sequences (generate_batch's max_requests_per_batch)")
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
-                   help="per-step token budget (generate_batch's max_batch_tokens too)")
+                   help="per-step token budget (generate_batch's max_batch_tokens)")
     g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help)
 
 
 def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
                 generate_batch: bool = True) -> None:
-    """The HF baselines: generate at several batch sizes (the best is reported), generate_batch."""
+    """HF generate at several batch sizes (the best is reported) and generate_batch."""
     g = p.add_argument_group("HF baselines")
     g.add_argument("--hf-batch-sizes", default=batch_sizes,
-                   help="comma-separated batch sizes (prompts) for HF generate; the best is "
-                        "reported")
+                   help="comma-separated HF generate batch sizes (prompts); the best counts")
     g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
     if generate_batch:
         g.add_argument("--gb-page-size", type=int, default=256,
-                       help="generate_batch page size in tokens (256 is transformers' default)")
+                       help="generate_batch page size in tokens (transformers' default)")
         g.add_argument("--skip-generate-batch", action="store_true",
                        help="skip HF generate_batch")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """parser.error() on inconsistent flags (those the script has); comma lists parsed."""
-    at_least_1 = ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
-                  "max_num_batched_tokens", "num_kv_blocks", "gb_page_size")
-    for flag in at_least_1:
+    """parser.error() on inconsistent flags (of those the script has); --hf-batch-sizes parsed."""
+    for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "num_kv_blocks", "gb_page_size"):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
@@ -154,20 +135,14 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     return args
 
 
-def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """The older name of :func:`check_args` (scripts not yet moved to the harness)."""
-    check_args(p, args)
-
-
-def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: int = 1
-                   ) -> list[int]:
-    """Comma-separated integers (each >= ``minimum``), or parser.error() naming ``flag``."""
+def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str) -> list[int]:
+    """Comma-separated integers >= 1, or parser.error() naming ``flag``."""
     try:
         out = [int(v) for v in str(value).split(",") if v.strip()]
     except ValueError:
         p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
-    if not out or min(out) < minimum:
-        p.error(f"{flag} needs at least one value, each >= {minimum}")
+    if not out or min(out) < 1:
+        p.error(f"{flag} needs at least one value, each >= 1")
     return out
 
 
@@ -180,105 +155,73 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    """Logging quieted unless --verbose, torch threads (--threads), the seed; the machine info
-    (read after the threads are set)."""
+    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on
+    (CPUs, threads, versions, device, date)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    import batchgen
+
     if not getattr(args, "verbose", False):
-        quiet_logging()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+        logging.getLogger("batchgen").setLevel(logging.WARNING)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(getattr(args, "seed", 0))
-    return machine_info(getattr(args, "device", "cpu"))
+    device = torch.device(getattr(args, "device", "cpu"))
+    info = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "device": str(device),
+            "batchgen": batchgen.__version__}
+    if device.type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
 
 
 def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
            note: str | None = NOISE_NOTE) -> dict[str, Any]:
-    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` to
-    --json if given; return it."""
-    print(machine_line(info))
+    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` as
+    JSON to --json if given; return it."""
+    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
+    print(f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
+          f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
+          f"device {info['device']}{gpu}, {info['date']}")
     if note:
         print(note)
-    payload = {"machine": info, "args": args_dict(args), **payload}
+    payload = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                         for k, v in vars(args).items()}, **payload}
     if getattr(args, "json", None):
-        write_json(args.json, payload)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
         print(f"wrote {args.json}")
     return payload
 
 
-def quiet_logging() -> None:
-    """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
-    info lines."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    logging.getLogger("batchgen").setLevel(logging.WARNING)
-
-
-def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the numbers depend on: CPUs, threads, library versions, device, date."""
-    import transformers
-
-    import batchgen
-
-    info: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "python": platform.python_version(), "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(), "device": str(device),
-        "batchgen": batchgen.__version__}
-    if torch.device(device).type == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
-def machine_line(info: dict[str, Any]) -> str:
-    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
-    return (f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
-            f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
-            f"device {info['device']}{gpu}, {info['date']}")
-
-
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (Paths and other odd values stringified) as indented JSON."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-
-
-def args_dict(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-
-
 # ---- model and prompts ----------------------------------------------------------------------
-def model_overrides(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
-    """Config overrides for make_tiny_model from the model flags; positions cover ``max_len``."""
-    return {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
-            "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
-            "intermediate_size": args.intermediate_size,
-            "head_dim": args.hidden_size // args.num_heads,
-            "max_position_embeddings": max(1024, max_len)}
-
-
 @contextlib.contextmanager
 def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = False,
                       eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
-    """Yield a model folder: ``--model-dir`` if it already holds a config.json, else a random
-    Llama of the model flags in ``--dtype`` (safetensors; the tiny BPE tokenizer if
-    ``tokenizer``) written to ``--model-dir`` or a temporary folder deleted afterwards.
+    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags in
+    --dtype (the tiny BPE tokenizer if ``tokenizer``) written there or to a temporary folder.
     ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)
-    instead of batchgen.tools.make_tiny_model's."""
+    instead of make_tiny_model's."""
     from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
     given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
     if given is not None and (Path(given) / "config.json").is_file():
         yield Path(given)
         return
+    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
+             "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
+             "intermediate_size": args.intermediate_size,
+             "head_dim": args.hidden_size // args.num_heads,
+             "max_position_embeddings": max(1024, max_len)}
     with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
-        out, shape = Path(given or tmp), model_overrides(args, max_len)
+        out = Path(given or tmp)
         if init_device is None:
             make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
                             dtype=dtype, eos_boost=eos_boost, with_tokenizer=tokenizer, **shape)
@@ -286,9 +229,9 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
             from transformers import AutoModelForCausalLM
 
             torch.manual_seed(args.seed)
-            config = make_config("llama", vocab_size=args.vocab_size, **shape)
             with torch.device(init_device):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                model = AutoModelForCausalLM.from_config(
+                    make_config("llama", vocab_size=args.vocab_size, **shape), dtype=dtype)
             model.save_pretrained(out, safe_serialization=True)
             del model
         yield out
@@ -299,14 +242,13 @@ def count_params(model_dir: str | os.PathLike) -> int:
     from safetensors import safe_open
 
     total = 0
-    for f in sorted(Path(model_dir).glob("*.safetensors")):
+    for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(f, "pt") as st:
             total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())  # noqa: SIM118
     return total
 
 
 def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
-    """``model: random Llama, ...`` from the model flags."""
     size = f"{n_params / 1e6:.2f}M params, " if n_params is not None else ""
     return (f"model: random Llama, {size}hidden {args.hidden_size}, {args.num_layers} layers, "
             f"{args.num_heads}/{args.num_kv_heads} q/kv heads, ffn {args.intermediate_size}, "
@@ -314,8 +256,7 @@ def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
 
 
 def resolve_model(spec: str) -> Path:
-    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools (the real-model
-    benchmarks' --model)."""
+    """--model of the real-model benchmarks: a folder, or 'smollm2' / 'tiny' (made once)."""
     if spec == "smollm2":
         from batchgen.tools import smollm2
 
@@ -324,19 +265,18 @@ def resolve_model(spec: str) -> Path:
         from batchgen.tools.demo_model import tiny_model
 
         return tiny_model()
-    path = Path(spec).expanduser()
-    if not (path / "config.json").is_file():
+    if not (Path(spec).expanduser() / "config.json").is_file():
         raise SystemExit(f"error: --model {spec}: no config.json there")
-    return path
+    return Path(spec).expanduser()
 
 
-def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device,
-                  attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """The folder's model through plain transformers, in eval mode, pad id set."""
+def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device
+                  ) -> torch.nn.Module:
+    """The folder's model through plain transformers (sdpa), in eval mode, pad id set."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+                                                 attn_implementation="sdpa")
     model = model.to(device).eval()
     model.generation_config.pad_token_id = PAD_ID
     return model
@@ -344,22 +284,19 @@ def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str 
 
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
                  seed: int = 0) -> list[list[int]]:
-    """``num_prompts`` token-id prompts, lengths uniform in [min_len, max_len], ids uniform in
-    [3, vocab_size) (no pad/BOS/EOS); deterministic for a given seed."""
+    """Seeded token-id prompts, lengths uniform in [min_len, max_len], ids in [3, vocab)."""
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
     return [[rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)] for n in lengths]
 
 
 def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
-    """:func:`make_prompts` from the workload flags."""
     return make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                         args.vocab_size, args.seed)
 
 
 def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Each text as one user message through the tokenizer's chat template (plain text where it
-    has none), as token ids."""
+    """Each text as a user message through the chat template (if any), as token ids."""
     if not tokenizer.chat_template:
         return [list(tokenizer(t)["input_ids"]) for t in texts]
     return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
@@ -378,9 +315,8 @@ def blocks_for(tokens: int, block_size: int) -> int:
 # ---- systems --------------------------------------------------------------------------------
 @dataclass
 class Contender:
-    """One system, loaded and warmed up, ready to run the whole workload: ``run()`` returns its
-    output (or a :class:`Measured` carrying the system's own wall time); ``describe()``
-    (config string, extra fields) is read after the timed runs."""
+    """One system, loaded and warmed up: ``run()`` runs the whole workload and returns its
+    output (or a :class:`Measured`); ``describe()`` (config, extra fields) is read after."""
 
     system: str
     run: Callable[[], Any]
@@ -398,7 +334,7 @@ class Measured:
 
 def warm_up(go: Callable[[list[list[int]], int], Any], prompts: list[list[int]],
             n_tokens: int) -> None:
-    """One untimed run of ``go(prompts, tokens)`` on the first prompts, a few tokens each."""
+    """One untimed ``go(prompts, tokens)`` on the first prompts, a few tokens each."""
     with torch.inference_mode():
         go(prompts[:WARMUP_PROMPTS], min(n_tokens, WARMUP_TOKENS))
 
@@ -412,8 +348,8 @@ def bg_tokens(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[l
 def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int], Any],
                        n_tokens: int, describe: Callable[[], tuple[str, dict[str, Any]]]
                        | None = None, system: str = "batchgen") -> Contender:
-    """batchgen's ``generate`` on the workload, ``params(max_tokens)`` its SamplingParams;
-    warmed up. Its output: token rows, n per prompt."""
+    """``llm.generate`` on the workload with ``params(max_tokens)``, warmed up; its output:
+    token rows, n per prompt; described by default by :func:`kv_describe`."""
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         return bg_tokens(llm, ps, params(k))
 
@@ -425,25 +361,24 @@ def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int
 def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
     """batchgen's config string and extra fields: its KV figures of the last call."""
     st = llm.kv_stats()
-    extra = {"kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
-             "kv_peak_blocks": st.peak_blocks_in_use, "kv_peak_tokens":
-             st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
-             "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
-             "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
     return (f"block {st.block_size}, peak {st.peak_blocks_in_use}/{st.num_blocks} blocks, "
-            f"{st.preemptions} preempt"), extra
+            f"{st.preemptions} preempt"), {
+        "kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
+        "kv_peak_blocks": st.peak_blocks_in_use,
+        "kv_peak_tokens": st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
+        "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
+        "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
 
 
 def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
                     n_tokens: int, device: str, rows_per_prompt: int = 1, **gen_kwargs: Any
                     ) -> list[list[int]]:
-    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
-    the new tokens of every returned row (``rows_per_prompt`` per prompt), exactly
-    ``n_tokens`` each (``min_new_tokens``)."""
+    """HF generate over the prompts in input order, ``batch_size`` per left-padded call; the
+    new tokens of every row (``rows_per_prompt`` per prompt), ``n_tokens`` each (asserted)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, PAD_ID, device)
+        ids, mask = left_pad(chunk, device)
         seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
                               min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
         new = seqs[:, ids.shape[1]:]
@@ -454,11 +389,11 @@ def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size
     return out
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
-             device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: Sequence[Sequence[int]], device: str | torch.device = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``input_ids`` and the matching ``attention_mask`` (0 on padding)."""
     width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         if p:
@@ -470,9 +405,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
 def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
                   n_tokens: int, label: str = "", rows_per_prompt: int = 1, width: int = 1,
                   **gen_kwargs: Any) -> list[Contender]:
-    """HF generate (left-padded batches in input order) at every ``--hf-batch-sizes``, warmed
-    up; ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back.
-    Every run is seeded with ``--seed``."""
+    """HF generate at each of --hf-batch-sizes, warmed up, every run seeded with --seed:
+    ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back."""
     def go(ps: list[list[int]], k: int, bs: int) -> list[list[int]]:
         torch.manual_seed(args.seed)
         return hf_generate_all(model, ps, bs, k, args.device, rows_per_prompt, **gen_kwargs)
@@ -489,16 +423,16 @@ def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argpar
 
 def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
                              n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
-    """transformers' continuous batching (``generate_batch``, sdpa) on the workload, warmed up.
-    EOS disabled (``eos_token_id=None`` becomes -1: its CB logits processors have no
-    ``min_new_tokens``); a cache with room for every row at once with no sharing (plus a page
-    each; its default would claim 60% of RAM on CPU), batchgen's token budget and request cap;
-    the manager persists from the warm-up on (cache allocation untimed). ``n`` > 1:
-    ``num_return_sequences=n``, native in transformers 5 (prefill once, fork)."""
+    """transformers' continuous batching (``generate_batch``, sdpa), warmed up. EOS disabled
+    (``eos_token_id=None`` becomes -1; its CB logits processors have no ``min_new_tokens``); a
+    cache for every row at once without sharing, plus a page each (its default would claim
+    60% of RAM on CPU); batchgen's token budget and request cap; the manager kept from the
+    warm-up on (allocation untimed). ``n`` > 1: ``num_return_sequences``, native in
+    transformers 5 (prefill once, fork)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device, "sdpa")
+    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
     page = args.gb_page_size
     cb_config = ContinuousBatchingConfig(
         page_size=page, max_batch_tokens=args.max_num_batched_tokens,
@@ -520,13 +454,12 @@ def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: ar
         manager = getattr(model, "_cached_continuous_batching_manager", None)
         cb = getattr(manager, "continuous_batching_config", cb_config)
         fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
-        return (f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok"
-                f"{fork}"), {
-            "page_size": page, "num_blocks": cb.num_blocks,
-            "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
-            "max_requests_per_batch": cb.max_requests_per_batch,
-            "allow_block_sharing": cb.allow_block_sharing, "n_emulated_by_repeating": False,
-            "attn_implementation": model.config._attn_implementation}
+        return f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok" \
+               f"{fork}", {"page_size": page, "num_blocks": cb.num_blocks,
+                           "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
+                           "max_requests_per_batch": cb.max_requests_per_batch,
+                           "allow_block_sharing": cb.allow_block_sharing,
+                           "attn_implementation": model.config._attn_implementation}
 
     warm_up(go, prompts, n_tokens)
     return Contender("HF generate_batch", lambda: go(prompts, n_tokens), describe,
@@ -541,8 +474,7 @@ def sync(device: str | torch.device) -> None:
 
 
 def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, float]:
-    """Run ``fn`` under inference mode; its result and the wall time in seconds (the device
-    synchronised before and after)."""
+    """``fn()`` under inference mode, the device synchronised around it; result, seconds."""
     with torch.inference_mode():
         sync(device)
         t0 = time.perf_counter()
@@ -555,18 +487,17 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
                         device: str | torch.device = "cpu",
                         on_round: Callable[[int], None] | None = None
                         ) -> list[tuple[Any, list[float]]]:
-    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...) rather than all of
-    A's runs first: on a shared machine whose load drifts over seconds, each system then
-    samples the same quiet and busy periods, and ``min`` compares like with like. Returns, per
-    contender, its first result and all its wall times."""
+    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...), not all of A's runs
+    first: on a shared machine whose load drifts, every system then samples the same quiet and
+    busy spells, and ``min`` compares like with like. Per contender: its first result and all
+    its wall times."""
     out: list[tuple[Any, list[float]]] = [(None, []) for _ in contenders]
     for r in range(max(1, repeats)):
         for i, c in enumerate(contenders):
             res, wall = timed(c.run, device)
             if isinstance(res, Measured):
                 res, wall = res.value, res.wall_s
-            first, walls = out[i]
-            out[i] = (res if r == 0 else first, walls + [wall])
+            out[i] = (res if r == 0 else out[i][0], out[i][1] + [wall])
         if on_round is not None:
             on_round(r)
     return out
@@ -575,9 +506,9 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
                    prompt_tokens: int, count: Callable[[Any], int] | None = None
                    ) -> list[tuple[Result, Any]]:
-    """Time the contenders in ``--repeats`` interleaved rounds, then close them; per contender
-    its :class:`Result` (the fastest run; all wall times in ``extra["wall_s_all"]``) and its
-    first run's output (token rows: ``count`` defaults to their total length)."""
+    """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
+    contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
+    output (token rows, whose total length ``count`` defaults to)."""
     try:
         timings = interleaved_repeats(
             contenders, args.repeats, getattr(args, "device", "cpu"),
@@ -596,7 +527,7 @@ def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
     return out
 
 
-# ---- checks and results ---------------------------------------------------------------------
+# ---- checks, results, tables ----------------------------------------------------------------
 def check_lengths(name: str, rows: Sequence[Sequence[int]], count: int,
                   n_tokens: int | Sequence[int]) -> None:
     """Assert ``count`` token rows of ``n_tokens`` tokens each (or row by row)."""
@@ -606,19 +537,15 @@ def check_lengths(name: str, rows: Sequence[Sequence[int]], count: int,
                          f"{count} of {sorted(set(want))}")
 
 
-def common_prefix_frac(a: Sequence[int], b: Sequence[int]) -> float:
-    """Length of the common prefix of two token lists over the longer one's length."""
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k / max(len(a), len(b), 1)
-
-
 def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
-    """Identical rows and the mean common-prefix fraction between two runs' outputs."""
-    prefix = [common_prefix_frac(x, y) for x, y in zip(a, b)]
+    """Identical rows and the mean common-prefix fraction (of the longer row) of two runs."""
+    def prefix(x: Sequence[int], y: Sequence[int]) -> float:
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        return k / max(len(x), len(y), 1)
+
+    fracs = [prefix(x, y) for x, y in zip(a, b)]
     return {"identical": sum(list(x) == list(y) for x, y in zip(a, b)), "of": len(a),
-            "mean_prefix_frac": sum(prefix) / max(len(prefix), 1)}
+            "mean_prefix_frac": sum(fracs) / max(len(fracs), 1)}
 
 
 def agreement_line(a: str, b: str, agree: dict[str, Any]) -> str:
@@ -641,20 +568,16 @@ class Result:
     def output_tok_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else float("inf")
 
-    @property
-    def total_tok_s(self) -> float:
-        total = self.output_tokens + self.prompt_tokens
-        return total / self.wall_s if self.wall_s > 0 else float("inf")
-
     def to_dict(self) -> dict[str, Any]:
+        total = self.output_tokens + self.prompt_tokens
         return {**asdict(self), "output_tok_s": self.output_tok_s,
-                "total_tok_s": self.total_tok_s}
+                "total_tok_s": total / self.wall_s if self.wall_s > 0 else float("inf")}
 
 
 def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
-    """batchgen (the first result) against the HF baselines of one workload: each result's
-    label (the fastest of several HF generate batch sizes marked "(best)") and the summary:
-    batchgen's output tok/s over the best HF generate's and over generate_batch's."""
+    """batchgen (the first result) against the HF baselines of one workload: the results'
+    labels (the fastest of several HF generate batch sizes marked "(best)") and the summary
+    (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
     bg = results[0]
     hf = [r for r in results if r.system == "HF generate"]
     best = max(hf, key=lambda r: r.output_tok_s) if hf else None
@@ -667,12 +590,10 @@ def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
     if gb is not None:
         summary.update(batchgen_over_generate_batch=bg.output_tok_s / gb.output_tok_s,
                        generate_batch_output_tok_s=gb.output_tok_s)
-    labels = [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results]
-    return labels, summary
+    return [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results], summary
 
 
 def versus_line(summary: dict[str, Any]) -> str:
-    """``batchgen / HF generate (best, batch B): Rx, batchgen / HF generate_batch: Rx``."""
     parts = []
     if "batchgen_over_hf_generate" in summary:
         parts.append(f"batchgen / HF generate (best, batch "
@@ -689,10 +610,17 @@ def wall_head(repeats: int) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; numbers right-aligned, text left-aligned."""
+    """A GitHub-flavoured markdown table; numeric columns right-aligned."""
+    def number(s: str) -> bool:
+        try:
+            float(s.rstrip("x%").replace(",", ""))
+        except ValueError:
+            return False
+        return True
+
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [bool(cells) and all(number(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(vals: Sequence[str]) -> str:
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
@@ -701,14 +629,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     sep = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2))
                          for w, num in zip(widths, numeric)) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
-
-
-def _is_number(s: str) -> bool:
-    try:
-        float(s.rstrip("x%").replace(",", ""))
-    except ValueError:
-        return False
-    return True
 
 
 def fmt_ratio(num: float, den: float) -> str:
@@ -722,16 +642,16 @@ def pct(x: float) -> str:
 # ---- child processes ------------------------------------------------------------------------
 def child_env(**extra: str) -> dict[str, str]:
     """A child's environment: offline, the repository importable, ``extra`` on top."""
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
             **extra}
 
 
 class Child:
     """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
-    with ``os.wait4``: its own peak RSS and CPU time. ``own_group``: in its own process group,
-    which a kill takes down with it (its own children too)."""
+    with ``os.wait4`` (its own peak RSS and CPU time). ``own_group``: in a process group of its
+    own, which a kill takes down with it."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
                  stdin: Any = subprocess.DEVNULL, stdout: Any = None,
@@ -746,12 +666,8 @@ class Child:
         self.maxrss_kib: int | None = None
         self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
 
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.returncode
-
     def poll(self) -> bool:
-        """Non-blocking: reap the child if it has exited; whether it has."""
+        """Whether the child has exited (reaped if so); does not block."""
         if self.wall_s is None:
             pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
             if pid:
@@ -759,7 +675,7 @@ class Child:
         return self.wall_s is not None
 
     def wait(self, timeout: float | None = None) -> int:
-        """Block until exit, killing the process group after ``timeout`` seconds."""
+        """Its exit status, once exited; killed after ``timeout`` seconds."""
         if self.wall_s is None:
             timer = threading.Timer(timeout, self.kill) if timeout is not None else None
             if timer is not None:
@@ -773,8 +689,8 @@ class Child:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL (to its group with ``own_group``) unless already reaped (not Popen.kill:
-        its poll() would reap the child behind os.wait4's back)."""
+        """SIGKILL (its group with ``own_group``) unless reaped (not Popen.kill, whose poll()
+        would reap the child behind os.wait4's back)."""
         if self.wall_s is None:
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
@@ -794,15 +710,15 @@ class Child:
     def log_tail(self, lines: int = 15) -> str:
         """The log's first error line and last lines, for error messages."""
         text = self.output.splitlines()
-        cause = next((ln for ln in text if " ".join(ln.split()[:1]).endswith(
+        cause = next((ln for ln in text if ln.split(" ", 1)[0].endswith(
             ("Error:", "Exception:"))), None)
         first = f"; first error: {cause.strip()}" if cause else ""
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
     def check(self) -> None:
-        """RuntimeError (with the log's tail) unless the child exited with status 0."""
+        """RuntimeError (with the log's tail) unless it exited with status 0."""
         if self.wait() != 0:
-            raise RuntimeError(f"{' '.join(self.argv)} exited with {self.returncode}"
+            raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
                                f"{self.log_tail(40)}")
 
 
@@ -821,7 +737,7 @@ def engine_runner(llm: Any) -> Any:
 
 
 def step_is_decode(rows: Any) -> bool:
-    """Whether the step's rows (``execute``'s argument) are all one new token each."""
+    """Whether a step's rows (``execute``'s argument) are one new token each."""
     return len(rows.token_ids) == rows.num_rows
 
 

@@ -1,35 +1,25 @@
 """Dataset jobs: `batchgen generate` (the CLI, Parquet shards) vs `LLM.generate` on the same rows.
 
-Issue 11's bars, on a random-weight Llama (the other benchmarks' model, plus the tiny BPE
-tokenizer and ``--eos-boost``) and a JSONL file of short English-like sentences (``prompt``) with
-one extra column (``topic``):
+Issue 11's bars, on the benchmarks' random Llama with the tiny BPE tokenizer and
+``--eos-boost``, over a JSONL of English-like sentences (``prompt``) and a ``topic`` column:
 
-1. **Throughput.** ``python -m batchgen generate --n N --max-tokens T`` over ``--rows`` rows
-   against a minimal script that loads ``LLM``, reads the JSONL and calls ``llm.generate`` once
-   with the same per-row seeded params (``batchgen.data.rows.row_params``), model and engine
-   flags (both processes' KV-pool and attention-backend log lines are checked equal). Every
-   process is fresh, the systems interleaved (CLI, script, timed CLI; again ...), best of
-   ``--repeats``: (a) the generation phase, model load excluded: the CLI's ``generate_dataset``
-   call (reading, streaming through the engine, writing and fsyncing the shards) timed by a
-   wrapper that runs ``batchgen.cli.main`` in a fresh process ("timed CLI"; the CLI's own
-   summary line, 0.1 s resolution, alongside) vs the script's ``llm.generate`` call; (b) the
-   whole process, launch to exit (each CLI run with a fresh ``datasets`` cache). The tokens must
-   be identical row by row and sample by sample (same seeds): every CLI run's shards are read
-   back and compared; a difference is reported loudly and makes the exit status 1.
-2. **Time to first shard**: launch of ``python -m batchgen generate`` until ``part-00000.parquet``
-   appears (polled every 50 ms), the CLI's rows per shard (256) unless ``--rows-per-shard``.
+1. **Throughput**: ``python -m batchgen generate --n N --max-tokens T`` over ``--rows`` rows vs a
+   minimal script (load ``LLM``, read the JSONL, one ``llm.generate`` with the same per-row
+   seeded params, model and engine flags; both processes' KV-pool and backend log lines checked
+   equal). Fresh processes, interleaved (CLI, script, timed CLI; again), best of ``--repeats``:
+   (a) generation phase: the CLI's ``generate_dataset`` call timed in a wrapper around
+   ``batchgen.cli.main`` ("timed CLI"; the CLI's own 0.1 s summary alongside) vs the script's
+   ``llm.generate``; (b) whole process, launch to exit (a fresh ``datasets`` cache each). Every
+   CLI run's shards must hold the script's tokens row by row and sample by sample, else exit 1.
+2. **Time to first shard**: launch until ``part-00000.parquet`` appears (polled every 50 ms).
    Bar: < 10 s.
-3. **Peak RSS** of the CLI over each of ``--rss-rows`` rows (n=1, ``--rss-max-tokens`` tokens),
-   a fresh process each: the child's ``ru_maxrss`` (``os.wait4``), and the peak up to the end of
-   ``generate_dataset`` (``getrusage`` in the child). Bar: the largest row count's peak < 2x
-   the smallest's.
-
-Usage (from the repository root)::
+3. **Peak RSS** over each of ``--rss-rows`` rows (n=1, ``--rss-max-tokens``), a fresh process
+   each: ``ru_maxrss`` from ``os.wait4``, and up to the end of ``generate_dataset``. Bar: the
+   largest row count's peak < 2x the smallest's.
 
     PYTHONPATH=. python benchmarks/dataset.py --json /tmp/dataset_bench.json
     PYTHONPATH=. python benchmarks/dataset.py --rows 200 --rss-rows 100,1000 --repeats 1
-    PYTHONPATH=. python benchmarks/dataset.py --skip-rss --profile /tmp/cli.prof  # where the
-                                                         # CLI's generation phase spends time
+    PYTHONPATH=. python benchmarks/dataset.py --skip-rss --profile /tmp/cli.prof
 """
 
 from __future__ import annotations

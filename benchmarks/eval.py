@@ -1,20 +1,15 @@
 """lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
 
-The local tasks in ``tests/eval_tasks`` (``bg_mc`` multiple choice: acc, acc_norm; ``bg_gen``
-generation with ``until``: exact_match; ``bg_ppl`` rolling perplexity: word / byte perplexity,
-bits per byte) run task by task through ``lm_eval.simple_evaluate`` with the ``hf`` backend
-(``HFLM``, float32, ``--hf-batch-size``) and with ``batchgen.eval.BatchgenLM`` (float32, prefix
-cache on, each run on a cold cache; with ``--no-cache-too`` also with it off). The models are
-loaded and warmed up (one untimed document) before the clock starts; all get the same
-``max_length``; ``--repeats`` runs the systems in interleaved rounds, each one's fastest run kept.
-Printed: every metric side by side with its relative difference (they must agree to ``--rtol``,
-else exit code 1), each task's time inside each backend's request methods (the model's own work)
-and their ratio, the wall time of each whole ``simple_evaluate`` call (lm-eval's task building
-and metrics included), and batchgen's prefix-cache hits and prompt tokens computed per task.
+The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen`` with ``until``:
+exact_match; ``bg_ppl`` rolling: word / byte perplexity, bits per byte) through
+``lm_eval.simple_evaluate`` with ``HFLM`` (float32, ``--hf-batch-size``) and
+``batchgen.eval.BatchgenLM`` (float32, prefix cache on, cold for every run; ``--no-cache-too``:
+also off), loaded and warmed up first, one ``max_length``, ``--repeats`` interleaved rounds
+(fastest kept). Printed: the metrics side by side (they must agree to ``--rtol``, else exit 1),
+each task's seconds inside the backends' request methods (the model's work) and their ratio,
+the whole ``simple_evaluate`` call's, and batchgen's prefix-hit and computed prompt tokens.
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/eval.py --model smollm2
+    PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
     PYTHONPATH=. python benchmarks/eval.py --model tiny --limit 4 --json out.json
 """
 

@@ -1,27 +1,17 @@
 """GPU throughput and decode bandwidth: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-The workload of issue 9's bar: a random-weight Llama-3.2-1B-shaped model (hidden 2048, 16
-layers, 32/8 q/kv heads of 64, ffn 8192, vocab 128256) in bf16; ``--num-prompts`` prompts with
-input lengths uniform in [``--min-prompt-len``, ``--max-prompt-len``] and output lengths uniform
-in [``--min-output-len``, ``--max-output-len``], greedy, EOS ignored (every request produces
-exactly its length). Output tokens per second are compared:
+Issue 9's bar: a random Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads, ffn
+8192, vocab 128256) in bf16; ``--num-prompts`` prompts of ``--min/max-prompt-len`` tokens,
+output lengths uniform in [``--min-output-len``, ``--max-output-len``], greedy, EOS ignored.
+Output tok/s of batchgen (one ``generate`` call, each request its own ``max_tokens``; eager and
+with CUDA-graph decode, ``--graphs``), HF generate (sdpa, static left-padded batches of
+``--hf-batch-size`` each generating its longest output, only the requested tokens counted, over
+the first ``--hf-prompts``) and HF generate_batch (each request its own ``max_new_tokens``,
+first ``--gb-prompts``). Then a decode probe at batch ``--probe-batch`` (prompts of
+``--probe-len``): bytes a step must read (weights once, every row's K/V) over the step time,
+against the device's copy bandwidth (one large device-to-device copy).
 
-* batchgen: one ``LLM.generate`` call, each request its own ``max_tokens``; eager, and with
-  CUDA graphs for decode steps (``--graphs``).
-* HF generate: sdpa, left-padded batches of ``--hf-batch-size`` prompts in input order, each
-  batch generating its longest output (static batching); only the requested tokens count. To
-  keep the run short it takes the first ``--hf-prompts`` prompts: tokens/s is the comparison.
-* HF generate_batch (continuous batching): its manager with each request's own
-  ``max_new_tokens``, over the first ``--gb-prompts`` prompts.
-
-Then a decode probe: batchgen decode steps at batch ``--probe-batch`` (prompts of
-``--probe-len`` tokens): bytes each step must read (the weights once, every row's K/V) over the
-step time, against the device's measured copy bandwidth (bytes read and written by one large
-device-to-device copy, over its time).
-
-Usage (from the repository root, on a GPU; scripts/gpu_check.sh runs it)::
-
-    PYTHONPATH=. python benchmarks/gpu_bench.py --json $OUT/gpu_bench.json
+    PYTHONPATH=. python benchmarks/gpu_bench.py --json $OUT/gpu_bench.json   # gpu_check.sh
     PYTHONPATH=. python benchmarks/gpu_bench.py --device cpu --quick   # the code path, tiny
 """
 

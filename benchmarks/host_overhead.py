@@ -1,32 +1,21 @@
 """Host overhead per decode step: what batchgen's Python costs around the model forward.
 
-On a GPU the forward of a decode step takes a few milliseconds; everything the host does
-between two forwards (sampling, stop checks, results, scheduling, step inputs, the attention
-plan) must cost far less, whatever the batch and however long sequences have grown. This
-measures it on a model whose forward is nearly free (Llama, 2 layers, hidden 64, vocab 300):
-forward pre/post hooks time every forward, and a step's host time is the gap between the end
-of one decode forward and the start of the next (every row one query token). On CUDA every
-forward is synchronised, so a gap is the host's work plus the sampler's kernels.
+On a model whose forward is nearly free (Llama, 2 layers, hidden 64, vocab 300), forward hooks
+time every forward; a step's host time (sampling, stop checks, results, scheduling, inputs, the
+attention plan) is the gap between two decode forwards (on CUDA each forward is synchronised,
+so the sampler's kernels count too). Scenarios (``ignore_eos``): ``greedy``; ``n8 top-p`` (n=8,
+temperature 0.8, top-p 0.95); ``n8 top-p + penalties`` (repetition 1.1, presence and frequency
+0.2); ``penalties + stop`` (n=1, and two stop strings that never match: every row detokenized
+every step), each at ``--rows`` rows: the median host ms over the decode steps of tokens
+``--window``, lowest of ``--repeats`` rounds. The growth run decodes ``--long-tokens`` tokens
+(``penalties + stop``, 64 rows) and compares the window's median with the last tokens'; an
+untimed rerun counts the host's function calls per step (independent of load and caches). HF
+``generate`` (greedy, same model and rows) is measured the same way. ``--evict-mb`` writes
+that much memory after every forward, so every host gap starts with cold CPU caches (a late
+CPU forward streams far more K/V through them than an early one; a GPU's does not).
 
-Scenarios (all ``ignore_eos``): ``greedy``; ``n8 top-p`` (n = 8, temperature 0.8, top-p 0.95,
-rows / 8 prompts); ``n8 top-p + penalties`` (repetition 1.1, presence 0.2, frequency 0.2);
-``penalties + stop`` (n = 1, top-p, the penalties and two stop strings that never match, so
-every row is detokenized every step). Each runs at ``--rows`` rows; the figure is the median
-host ms over the decode steps of tokens ``--window``, the lowest of ``--repeats`` runs done in
-rounds. The growth run decodes ``--long-tokens`` tokens (``penalties + stop``, 64 rows) and
-compares the window ending at token 64 with the one ending at the last token; an untimed rerun
-counts the host's function calls per step (a profile hook), a figure that does not depend on
-load or caches. HF ``generate`` (greedy, same model, rows and prompts) is measured the same way.
-
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/host_overhead.py
-    PYTHONPATH=. python benchmarks/host_overhead.py --rows 64 --long-tokens 0 --json out.json
+    PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
     PYTHONPATH=. python benchmarks/host_overhead.py --scenarios greedy --rows 64 --evict-mb 64
-
-The last reads the growth with cold caches at every step: late in a long run the CPU forward
-streams far more K/V through the caches than early, which slows the host's next step on a CPU
-(not on a GPU, whose forward reads HBM); evicting after every forward takes that out.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """What an fp8 KV cache costs in quality: greedy tokens and logprobs with an fp8 (e4m3, scales
 1.0) pool against a bfloat16 pool, both against a float32 pool, on the same random Llama.
 
-Per KV dtype: the fraction of requests whose greedy tokens equal the float32 pool's, the mean
-common prefix, and the mean |Δ logprob| of the chosen tokens over the positions where the token
-sequences still agree. Runs on the CPU (the torch and C-kernel backends store and read fp8);
-on a GPU FlashInfer reads the same pool.
+Per pair: requests with identical greedy tokens, the mean common prefix, and the mean and max
+|Δ logprob| of the chosen tokens where the sequences still agree. ``--model-dir`` takes a
+trained model (with a tokenizer: natural chat prompts instead of random ids).
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/kv_quality.py                       # random tiny Llama
+    PYTHONPATH=. python benchmarks/kv_quality.py
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """
 

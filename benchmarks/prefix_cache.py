@@ -1,12 +1,12 @@
 """Prefix caching on a shared-system-prompt workload: batchgen with caching on and off, and HF
 `generate`, on the same random-weight Llama model, in one process.
 
-Workload (defaults): 200 requests = one 512-token system prompt + a 32-64 token question each,
-32 output tokens (greedy, EOS ignored). Every batchgen run builds a fresh ``LLM`` (timed: an
-empty prefix cache each time). Reports requests/s, the prompt tokens each system ran through
-the model, and the ratios; asserts that caching on and off give identical tokens.
+Defaults: 200 requests = one 512-token system prompt + a 32-64 token question, 32 greedy tokens
+(EOS ignored); a fresh ``LLM`` per batchgen run (timed; an empty cache each time). Reports
+requests/s, the prompt tokens each system ran and the ratios; caching on and off must give the
+same tokens (asserted).
 
-    PYTHONPATH=. python benchmarks/prefix_cache.py            # full run
+    PYTHONPATH=. python benchmarks/prefix_cache.py
     PYTHONPATH=. python benchmarks/prefix_cache.py --num-prompts 20 --skip-hf   # quick look
 """
 

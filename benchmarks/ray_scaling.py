@@ -1,14 +1,12 @@
 """Ray Data scale-out: the same dataset job locally (`generate_dataset`, one process) and on a
 local Ray with 1 and 2 actors (`batchgen.ray`), on the same rows, in one run.
 
-Every Ray run starts from a fresh Ray (`ray.init` ... `ray.shutdown`) and is timed from handing
-the dataset to the processor until every output row is back on the driver: actor start-up
-(each actor loads its own `LLM`) is part of the Ray figures, as a Ray job pays it; model load is
-excluded from the local figure (both are reported). The Ray overhead is (1 actor) - (local)
-wall time; the bar of issue 12 is that 2 actors are not slower than 1 by more than that
-overhead. Outputs must be identical across the runs (same row seeds). Each actor gets
-`--cpus-per-actor` logical CPUs (Ray sets its torch threads to that) and the local run as many
-torch threads: "local" vs "1 actor" is the same compute with and without Ray.
+Every Ray run starts a fresh Ray and is timed from handing the dataset to the processor until
+every row is back: actor start-up (each loads its `LLM`) counts, as a Ray job pays it; the local
+figure excludes model load (both reported). Ray overhead = (1 actor) - (local); issue 12's bar:
+2 actors not slower than 1 by more than that. Outputs must be identical (same row seeds). Each
+actor gets `--cpus-per-actor` CPUs (Ray sets its torch threads to that), the local run as many
+torch threads: the same compute with and without Ray.
 
     PYTHONPATH=. python benchmarks/ray_scaling.py --json /tmp/ray_scaling.json
 """

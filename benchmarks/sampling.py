@@ -1,40 +1,27 @@
 """Parallel sampling (n > 1) and beam search: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-Same random-weight Llama and prompt mix as ``throughput.py``, all systems in one process,
-exactly ``--output-len`` (L) new tokens per sample / beam (EOS ignored). Each system is warmed
-up (two prompts, untimed), then each workload is timed in ``--repeats`` interleaved rounds, the
-fastest run of each system kept.
+The random Llama and prompt mix of ``throughput.py``, one process, exactly ``--output-len`` (L)
+new tokens per sample / beam (EOS ignored); every system warmed up, each workload timed in
+``--repeats`` interleaved rounds (fastest run kept).
 
-1. **n-way sampling** (``--n``; temperature 1, no top-k / top-p): batchgen
-   ``SamplingParams(n=n, temperature=1.0, top_k=0, ignore_eos=True)`` (the samples fork after
-   one prefill and share the prompt's blocks); HF generate ``do_sample=True, top_k=0,
-   num_return_sequences=n``, ``max_new_tokens = min_new_tokens = L`` at each of
-   ``--hf-batch-sizes`` prompts (n rows each); HF generate_batch with ``num_return_sequences=n``
-   (native in transformers 5: prefill once, fork). Output tokens count every sample.
-2. **beam search** for each of ``--beam-widths`` (length_penalty 1, no early stopping): batchgen
-   ``LLM.beam_search`` with ``BeamSearchParams(beam_width=W, ignore_eos=True)``; HF generate
-   ``num_beams=W, num_return_sequences=1``; generate_batch has no beam search. With
-   ``--controls-widths`` (default 4) the width runs again with HF's ``no_repeat_ngram_size``
-   (``--ngram``) and ``repetition_penalty`` (``--rep-penalty``) in both systems, batchgen banning
-   EOS with ``min_tokens=L`` as HF's ``min_new_tokens`` does (then the searches are the same);
-   the report gives the controls' cost. Output tokens count the best beam only. Best beams are
-   compared with HF's; with ``ignore_eos`` batchgen treats EOS as an ordinary token while HF's
-   ``min_new_tokens`` bans it, so mismatched prompts are counted and rerun (untimed, HF batch
-   1) with EOS an ordinary token in HF too (stop id outside the vocabulary) to check that this
-   explains them.
-3. **KV memory** of every batchgen run: peak KV tokens (``peak_blocks_in_use * block_size``)
-   against (a) a contiguous HF-style allocator, ``sum_prompts width * (len + L)``, and (b) a
-   paged allocator without sharing, ``sum_prompts width * ceil((len + L) / block) * block``, the
-   vLLM paper's baseline for its sharing savings (Kwon et al., SOSP 2023, sec. 6.3). Both hold
-   the whole workload at once; when ``num_prompts * width > --max-num-seqs`` batchgen never
-   does, and the saving is marked overstated. batchgen's pool is sized (unless
-   ``--num-kv-blocks``) for the no-sharing worst case of the largest run: no run preempts
-   (asserted).
+1. **n-way sampling** (``--n``; temperature 1, no top-k / top-p): batchgen's n samples fork
+   after one prefill; HF generate ``num_return_sequences=n`` at each of ``--hf-batch-sizes``;
+   HF generate_batch with ``num_return_sequences=n`` (native). Every sample's tokens count.
+2. **beam search** per ``--beam-widths`` (length_penalty 1, no early stopping): batchgen
+   ``beam_search`` vs HF ``num_beams=W``; the best beam's tokens count and are compared with
+   HF's. batchgen's ``ignore_eos`` keeps EOS an ordinary token where HF's ``min_new_tokens`` bans
+   it: mismatched prompts are rerun (untimed, HF batch 1) with EOS ordinary in HF too, to check
+   that this explains them. ``--controls-widths`` (default 4) reruns a width with HF's
+   ``no_repeat_ngram_size`` / ``repetition_penalty`` in both (batchgen banning EOS with
+   ``min_tokens=L`` as HF does: the same search) and reports the controls' cost.
+3. **KV memory** of every batchgen run: peak KV tokens against a contiguous HF-style allocator
+   (``sum width * (len + L)``) and a paged one without sharing (``sum width * ceil((len + L) /
+   block) * block``, the vLLM paper's baseline, SOSP 2023 sec. 6.3), both holding the whole
+   workload at once (overstated, marked *, when ``num_prompts * width > --max-num-seqs``). The
+   pool is sized for the largest run without sharing (unless ``--num-kv-blocks``): no run
+   preempts (asserted).
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/sampling.py
-    PYTHONPATH=. python benchmarks/sampling.py --num-prompts 2 --output-len 8 --beam-widths 4
+    PYTHONPATH=. python benchmarks/sampling.py --repeats 3
     PYTHONPATH=. python benchmarks/sampling.py --beam-widths 64 --skip-hf --skip-generate-batch
     PYTHONPATH=. python benchmarks/sampling.py --n 0 --beam-widths 4 --skip-generate-batch
 """

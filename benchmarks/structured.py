@@ -1,18 +1,13 @@
 """Structured outputs: what constraints cost, and whether they hold on a real model.
 
-1. **Throughput**: the same job (``--num-prompts`` chat prompts asking for a JSON object,
-   ``n=--n`` samples at temperature 0.7, ``--bench-tokens`` tokens, short enough that nearly
-   every sample of both runs reaches it, so both run the same steps over the same rows) run
-   unconstrained and under a JSON schema in ``--repeats`` interleaved rounds, the fastest of
-   each kept. Output tokens/s of each, their ratio, and the grammar's time per step (filling the
-   bitmask of the step's constrained rows and applying it) against the step's whole time.
+1. **Throughput**: the same job (``--num-prompts`` chat prompts asking for JSON, ``n=--n`` at
+   temperature 0.7, ``--bench-tokens`` tokens, so both runs take the same steps) unconstrained
+   and under a JSON schema, ``--repeats`` interleaved rounds (fastest kept): tok/s, their
+   ratio, and the grammar's time per step (filling and applying the bitmask) against the step's.
 2. **Check** (``--check``): a JSON schema, a regex and a choice, each over ``--num-prompts``
-   prompts, ``n=4`` samples at temperature 0.7 and a width-4 beam search: every finished output
-   must satisfy its constraint (parsed and validated against the schema, matched in full by the
-   regex, one of the choices). The finish rate (``"stop"`` vs ``max_tokens``) is reported; a
-   violation is a failure (exit code 1).
-
-Usage (from the repository root)::
+   prompts, ``n=4`` samples and width-4 beams: every finished output must satisfy its
+   constraint (schema-validated, regex matched in full, a choice); finish rates reported; a
+   violation makes the exit status 1.
 
     PYTHONPATH=. python benchmarks/structured.py --model smollm2 --check
     PYTHONPATH=. python benchmarks/structured.py --model tiny --num-prompts 4 --json out.json

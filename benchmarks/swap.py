@@ -1,20 +1,16 @@
 """Preemption by swap vs by recompute (`swap_space`): n samples and wide beams over long prompts
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
-Workload (defaults): 8 prompts of 256-384 tokens; n=8 samples (temperature 1, seeded) and beam
-search of width 8, 64 new tokens each (EOS ignored). The pool is ``--pool-factor`` times the
-largest request's exact admission bound: one group always fits, all of them never do, so groups
-preempt each other. Three engines per workload, a fresh ``LLM`` per timed run (empty prefix
-cache): a roomy pool (no preemption: the reference tokens), the tight pool with
-``preemption_mode="recompute"``, and the tight pool with a host pool of ``--swap-factor`` times
-the device pool (``swap_space`` in GiB). Reports wall time (best of ``--repeats``, interleaved),
-preemptions, swaps, blocks moved and the prompt tokens the model ran (a recompute runs a group's
-prompt, and its generated tokens, again); asserts that swap gives the reference's tokens (a
-recompute reruns generated tokens through prefill tiles, whose last bits differ, so a near tie
-among sampled tokens can flip: its sequences identical to the reference are counted instead).
+Defaults: 8 prompts of 256-384 tokens; n=8 samples (temperature 1, seeded) and beams of width 8,
+64 new tokens (EOS ignored). The tight pool is ``--pool-factor`` x the largest request's
+admission bound (one group fits, not all). Three engines per workload, a fresh ``LLM`` per timed
+run (empty prefix cache), interleaved: a roomy pool (no preemption: the reference tokens), the
+tight pool with ``preemption_mode="recompute"``, and with a host pool of ``--swap-factor`` x
+its blocks. Reports wall time, preemptions, swaps, blocks moved and prompt tokens run (a
+recompute runs the prompt and generated tokens again); asserts swap gives the reference's
+tokens (recompute may flip near ties: its identical sequences are counted).
 
-    PYTHONPATH=. python benchmarks/swap.py
-    PYTHONPATH=. python benchmarks/swap.py --num-prompts 4 --output-len 16 --repeats 1
+    PYTHONPATH=. python benchmarks/swap.py --repeats 2
 """
 
 from __future__ import annotations

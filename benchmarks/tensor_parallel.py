@@ -1,30 +1,19 @@
 """Tensor parallelism: the same greedy workload through ``LLM(tensor_parallel_size=k)`` for each
 ``--tp`` size, with the communication of a step measured on rank 0.
 
-Every size runs the same random-weight Llama and token-id prompts (greedy, EOS ignored,
-``--output-len`` tokens each, asserted). All sizes are loaded and warmed up, then timed in
-``--repeats`` interleaved rounds, the fastest run of each counting; then each size k > 1 runs
-once more with rank 0's communication calls wrapped and timed:
+Every size runs the same random Llama and token-id prompts (greedy, EOS ignored, counts
+asserted), loaded and warmed up, then timed in ``--repeats`` interleaved rounds (fastest run
+kept). Each size k > 1 then runs once more with rank 0's communication wrapped and timed, per
+step over all steps and over decode steps (calls, KiB, ms), against the step's forward (the
+runner's ``execute``, communication included): the control broadcast ``TPGroup.send`` (pickled
+rows and block copies over gloo; bytes: the pickle's), ``torch.distributed.all_reduce`` (the
+rowwise ``o_proj`` / ``down_proj``: two per layer) and DTensor's functional collectives (the
+vocab-sharded embedding's all-reduce, ``lm_head``'s all-gather; ``wait_tensor`` time). On CPU a
+collective's time on rank 0 includes waiting for the other ranks (an upper bound); on CUDA each
+wrapped call is synchronised (so that run is slower than the timed ones). Calls and bytes per
+step do not depend on the device: with a link's latency and bandwidth they give a GPU estimate.
 
-* control: ``TPGroup.send``, the broadcast of each step's block copies and rows to the workers
-  (pickled, over the gloo control group); bytes are the pickle's size;
-* all-reduce: ``torch.distributed.all_reduce``, what transformers' rowwise layers (``o_proj``,
-  ``down_proj``: two per decoder layer) call on their partial outputs under inference mode;
-* DTensor: the functional collectives of the vocab-sharded embedding (an all-reduce) and the
-  ``lm_head`` (an all-gather to the full vocabulary): time in ``all_reduce`` /
-  ``all_gather_single`` and ``wait_tensor``; bytes of the reduced or gathered tensors.
-
-Per step, over all steps and over decode steps alone: calls, KiB and milliseconds of each,
-against the step's forward (the runner's ``execute``, communication included) timed in the same
-run. On CPU (gloo) a collective's time on rank 0 includes waiting for the other ranks, an upper
-bound on the transfer; on CUDA each wrapped call is bracketed by synchronisation so the time is
-the collective's kernel (that run is slower than the timed ones). Calls and bytes per step do
-not depend on the device: with a link's latency and bandwidth they give a GPU estimate.
-
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/tensor_parallel.py
-    PYTHONPATH=. python benchmarks/tensor_parallel.py --tp 1,2 --num-prompts 8 --json tp.json
+    PYTHONPATH=. python benchmarks/tensor_parallel.py --repeats 3
     PYTHONPATH=. python benchmarks/tensor_parallel.py --device cuda --tp 1,2 --dtype bfloat16
 """
 

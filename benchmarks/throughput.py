@@ -1,31 +1,20 @@
 """Offline throughput: batchgen vs HF ``generate`` vs HF ``generate_batch`` (continuous batching).
 
-All systems run in one process on the same random-weight Llama and the same workload:
-``--num-prompts`` token-id prompts, lengths uniform in [``--min-prompt-len``,
-``--max-prompt-len``], exactly ``--output-len`` greedy tokens each (EOS ignored; the counts are
-asserted). Each system is loaded and warmed up (two prompts, untimed), then the whole workload
-is timed in ``--repeats`` interleaved rounds, each system's fastest run kept. Greedy outputs are
-compared with batchgen's (identical sequences, mean common prefix).
+One process, one random-weight Llama, ``--num-prompts`` token-id prompts of uniform random
+length, exactly ``--output-len`` greedy tokens each (EOS ignored; counts asserted). Every
+system is warmed up, then timed in ``--repeats`` interleaved rounds (fastest run kept); greedy
+outputs are compared with batchgen's. batchgen: ``LLM.generate``, ``temperature=0``, prefix
+caching off (the repeats reuse the prompts). HF generate: sdpa, left-padded batches of each of
+``--hf-batch-sizes`` prompts in input order, ``min_new_tokens = max_new_tokens``; the best
+batch size counts. HF generate_batch: see ``common.generate_batch_contender``.
 
-* batchgen: ``LLM.generate`` with ``SamplingParams(temperature=0, max_tokens=L,
-  ignore_eos=True)``, prefix caching off (the repeats reuse the prompts).
-* HF generate: sdpa, left-padded batches of each of ``--hf-batch-sizes`` prompts in input order,
-  ``max_new_tokens = min_new_tokens = L``; the best batch size is used for the ratio.
-* HF generate_batch: transformers' continuous batching with sdpa (see
-  ``common.generate_batch_contender``: EOS disabled, cache sized for the whole workload,
-  batchgen's token budget and request cap, the manager kept from the warm-up on).
-
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/throughput.py
+    PYTHONPATH=. python benchmarks/throughput.py --repeats 3
     PYTHONPATH=. python benchmarks/throughput.py --num-prompts 4 --output-len 8 --json out.json
-    PYTHONPATH=. python benchmarks/throughput.py --repeats 3   # on a busy machine
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +24,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from benchmarks import common as h  # noqa: E402
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Any:
+def parse_args(argv: list[str] | None = None) -> Any:
     p = h.parser(__doc__)
     h.add_model_args(p)
     h.add_workload_args(p)
@@ -45,7 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     return h.check_args(p, p.parse_args(argv))
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     from batchgen import LLM, SamplingParams
 
     args = parse_args(argv)

