@@ -116,10 +116,12 @@ def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
                        help="skip HF generate_batch")
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """parser.error() on inconsistent flags (of those the script has); --hf-batch-sizes parsed."""
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
+               ) -> argparse.Namespace:
+    """parser.error() on inconsistent flags (of those the script has; ``positive``: more that
+    must be >= 1 when given); --hf-batch-sizes parsed."""
     for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
-                 "max_num_batched_tokens", "num_kv_blocks", "gb_page_size"):
+                 "max_num_batched_tokens", "num_kv_blocks", "gb_page_size", *positive):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:

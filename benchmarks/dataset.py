@@ -158,11 +158,8 @@ def parse_args(argv: list[str] | None = None) -> Any:
                         "generate_dataset; stats to PATH, top functions printed")
     o.add_argument("--timeout", type=float, default=3600.0,
                    help="seconds any one child process may run")
-    args = h.check_args(p, p.parse_args(argv))
-    for flag in ("rows", "n", "max_tokens", "min_words", "rss_n", "rss_max_tokens",
-                 "rows_per_shard"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "min_words", "rss_n",
+                        "rss_max_tokens", "rows_per_shard")
     if args.min_words > args.max_words:
         p.error("need --min-words <= --max-words")
     if args.device != "cpu":

@@ -165,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also run batchgen with its prefix cache off (what the cache saves)")
     p.add_argument("--rtol", type=float, default=1e-3)
     h.add_run_args(p, device=None)
-    args = h.check_args(p, p.parse_args(argv))
-    if args.limit is not None and args.limit < 1:
-        p.error("--limit must be >= 1")
+    args = h.check_args(p, p.parse_args(argv), "limit")
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.fewshot_tasks = [t for t in args.fewshot_tasks.split(",") if t]
     args.tasks_dir = args.tasks_dir.resolve()

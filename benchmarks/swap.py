@@ -41,9 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     g.add_argument("--swap-factor", type=float, default=4.0,
                    help="host pool = this x the device pool's blocks")
     g.add_argument("--no-prefix-caching", action="store_true")
-    args = h.check_args(p, p.parse_args(argv))
-    if args.pool_factor < 1 or args.swap_factor <= 0 or args.n < 1 or args.beam_width < 1:
-        p.error("need --pool-factor >= 1, --swap-factor > 0, --n >= 1, --beam-width >= 1")
+    args = h.check_args(p, p.parse_args(argv), "n", "beam_width", "pool_factor")
+    if args.swap_factor <= 0:
+        p.error("--swap-factor must be > 0")
     return args
 
 

@@ -129,10 +129,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     h.add_run_args(p, repeats=2, device=None, verbose=True)
     p.add_argument("--hf-batch-size", type=int, default=32, help="rows per HF generate call")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
-    args = h.check_args(p, p.parse_args(argv))
-    for flag in ("sampling_prompts", "n", "max_tokens", "hf_batch_size", "kv_cache_gib"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
+                        "hf_batch_size", "kv_cache_gib")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
         range(os.cpu_count() or 1))
     args.threads = args.threads or len(cpus)
@@ -266,24 +264,20 @@ def vllm_contenders(child: VllmChild, workloads: list[Workload], args: Any, tmp:
 
     def run(w: Workload) -> h.Measured | None:
         """One call in the child: its tokens and its own wall time; None once vLLM failed."""
-        if info["status"] != "ran":
-            info["incomplete"].append(w.name)
-            return None
-        out = tmp / f"vllm-{next(calls)}.json"
-        try:
-            child.send({"cmd": "run", "workload": w.name, "out": str(out)})
-            reply = child.recv()
-            if reply.get("event") != "done":
-                raise VllmError(f"vLLM failed on {w.name}: {reply.get('error', reply)}")
-        except VllmError as e:
-            info.update(status="failed", reason=str(e))
-            print(f"vLLM: failed ({e})", flush=True)
-            return None
-        finally:
-            if info["status"] != "ran":
-                info.setdefault("incomplete", []).append(w.name)
-        data = json.loads(out.read_text())
-        return h.Measured(data["tokens"], data["wall_s"])
+        if info["status"] == "ran":
+            out = tmp / f"vllm-{next(calls)}.json"
+            try:
+                child.send({"cmd": "run", "workload": w.name, "out": str(out)})
+                reply = child.recv()
+                if reply.get("event") != "done":
+                    raise VllmError(f"vLLM failed on {w.name}: {reply.get('error', reply)}")
+                data = json.loads(out.read_text())
+                return h.Measured(data["tokens"], data["wall_s"])
+            except VllmError as e:
+                info.update(status="failed", reason=str(e))
+                print(f"vLLM: failed ({e})", flush=True)
+        info.setdefault("incomplete", []).append(w.name)  # left out of the results
+        return None
 
     bind = (f"bind {msg['omp_threads_bind']}, threads vLLM's choice" if msg["omp_threads"] is None
             else f"{threads(msg['omp_threads'])} (CPUs {msg['omp_threads_bind']})")

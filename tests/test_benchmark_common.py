@@ -164,3 +164,35 @@ def test_the_model_folder_is_written_once_and_its_parameters_counted(tmp_path):
     with h.prepare_model_dir(args, 64) as again:  # an existing folder is used as it is
         assert again == folder and (folder / "model.safetensors").stat().st_mtime_ns == stamp
     assert "0." in h.model_line(args, h.count_params(folder))
+
+
+def test_check_args_also_checks_the_scripts_own_counts(capsys):
+    p = h.parser("x")
+    p.add_argument("--rows", type=int, default=5)
+    p.add_argument("--limit", type=int, default=None)
+    assert h.check_args(p, p.parse_args([]), "rows", "limit").rows == 5  # None: not given
+    with pytest.raises(SystemExit):
+        h.check_args(p, p.parse_args(["--limit", "0"]), "rows", "limit")
+    assert "--limit must be >= 1" in capsys.readouterr().err
+
+
+def test_a_child_is_timed_reaped_and_its_log_kept(tmp_path):
+    import sys
+
+    child = h.Child([sys.executable, "-c", "import sys; print('hello'); "
+                     "sys.stderr.write('ValueError: bad\\n'); sys.exit(3)"],
+                    h.child_env(), tmp_path / "c.log")
+    assert child.wait(timeout=60) == 3 and child.poll()
+    assert child.wall_s > 0 and child.maxrss_kib > 0 and child.cpu_s >= 0
+    assert "hello" in child.output
+    with pytest.raises(RuntimeError, match="exited with 3; first error: ValueError: bad"):
+        child.check()
+
+
+def test_a_child_past_its_timeout_is_killed(tmp_path):
+    import sys
+
+    child = h.Child([sys.executable, "-c", "import time; time.sleep(60)"], h.child_env(),
+                    tmp_path / "c.log", own_group=True)
+    assert not child.poll()
+    assert child.wait(timeout=0.5) == -9 and child.wall_s < 30
