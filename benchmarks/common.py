@@ -63,13 +63,14 @@ def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 
 def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
-                      max_prompt_len: int = 384, output_len: int = 64) -> None:
-    """N token-id prompts of uniform random length, a fixed output length."""
+                      max_prompt_len: int = 384, output_len: int | None = 64) -> None:
+    """N token-id prompts of uniform random length, a fixed output length (unless None)."""
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--min-prompt-len", type=int, default=min_prompt_len)
     g.add_argument("--max-prompt-len", type=int, default=max_prompt_len)
-    g.add_argument("--output-len", type=int, default=output_len)
+    if output_len is not None:
+        g.add_argument("--output-len", type=int, default=output_len)
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
 
 

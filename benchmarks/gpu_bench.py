@@ -39,7 +39,8 @@ QUICK = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, interme
 def parse_args(argv: Sequence[str] | None = None) -> Any:
     p = h.parser(__doc__)
     h.add_model_args(p, **LLAMA_1B, dtype="bfloat16")
-    h.add_workload_args(p, num_prompts=1024, min_prompt_len=128, max_prompt_len=1024)
+    h.add_workload_args(p, num_prompts=1024, min_prompt_len=128, max_prompt_len=1024,
+                        output_len=None)
     h.add_run_args(p, repeats=None, device="cuda")
     p.add_argument("--quick", action="store_true", help="a tiny model and workload (CI)")
     p.add_argument("--min-output-len", type=int, default=128)
