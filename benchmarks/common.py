@@ -525,8 +525,8 @@ def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
         tokens = count(value) if count else sum(map(len, value))
         out.append((Result(c.system, config, min(walls), tokens, prompt_tokens,
                            {**extra, "wall_s_all": walls}), value))
-        print(f"  {c.system} ({config}): " + ", ".join(f"{w:.2f}" for w in walls) + " s",
-              flush=True)
+        print(f"  {c.system}" + (f" ({config})" if config else "") + ": "
+              + ", ".join(f"{w:.2f}" for w in walls) + " s", flush=True)
     return out
 
 

@@ -64,7 +64,8 @@ def contender(model_dir: Path, name: str, engine: dict[str, Any], kind: str, pro
 
     def describe() -> tuple[str, dict[str, Any]]:
         s = llms[0].kv_stats()
-        return name, {k: getattr(s, k) for k in (
+        return ", ".join(f"{k}={v:.4g}" for k, v in engine.items() if k != "preemption_mode"), {
+            k: getattr(s, k) for k in (
             "preemptions", "swap_outs", "swap_ins", "blocks_swapped_out", "prefix_hit_tokens",
             "prompt_tokens_computed", "num_blocks", "num_host_blocks", "peak_blocks_in_use")}
 
