@@ -1,62 +1,36 @@
 """What beam search's records cost: ``return_trace`` and ``logprobs=k`` against plain beams.
 
-Same random-weight Llama and prompt mix as ``benchmarks/sampling.py`` (token-id prompts, lengths
-uniform in [``--min-prompt-len``, ``--max-prompt-len``], exactly ``--output-len`` new tokens, EOS
-ignored). For each of ``--beam-widths`` one ``LLM`` runs four configurations of
-``BeamSearchParams(beam_width=W, max_tokens=L, ignore_eos=True)``: plain, ``return_trace=True``,
-``logprobs=--logprobs``, and both. They are timed in interleaved rounds (plain, trace, logprobs,
-both, plain, ...) ``--repeats`` times after one untimed warm-up each, so a shared machine's load
-drifts over all of them alike; min and median wall times are reported with the ratio of each
-configuration's min to plain's. Every configuration must return the same hypotheses (asserted):
-the records never change the search. The trace's size is reported per request: live records (width per step but the
-last) and finished-buffer records (at most width per step), against steps x width.
+The random Llama and prompt mix of ``sampling.py`` (``--output-len`` new tokens, EOS ignored).
+Per ``--beam-widths`` one ``LLM`` runs ``BeamSearchParams(beam_width=W, ignore_eos=True)``
+plain, with ``return_trace=True``, ``logprobs=--logprobs`` and both, warmed up and timed in
+``--repeats`` interleaved rounds: min and median wall times and each min over plain's. Every
+configuration must return plain's hypotheses (asserted). Trace size per request: live records,
+finished-buffer records, against steps x width.
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/beam_trace.py
-    PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 7
+    PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    Contender,
-    add_model_args,
-    add_run_args,
-    add_workload_args,
-    args_dict,
-    check_workload_args,
-    interleaved_repeats,
-    machine_info,
-    machine_line,
-    make_prompts,
-    markdown_table,
-    parse_int_list,
-    prepare_model_dir,
-    quiet_logging,
-    write_json,
-)
+from benchmarks import common as h  # noqa: E402
 
 CONFIGS = ("plain", "trace", "logprobs", "trace+logprobs")
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_args(p)
-    add_workload_args(p, num_prompts=16, min_prompt_len=16, max_prompt_len=128, output_len=32)
-    add_run_args(p)
+def parse_args(argv: Sequence[str] | None = None) -> Any:
+    p = h.parser(__doc__)
+    h.add_model_args(p)
+    h.add_workload_args(p, num_prompts=16, min_prompt_len=16, max_prompt_len=128, output_len=32)
+    h.add_run_args(p)
     p.add_argument("--beam-widths", default="4,16", help="comma-separated beam widths")
     p.add_argument("--logprobs", type=int, default=5, help="k of the logprobs configurations")
     p.add_argument("--block-size", type=int, default=16)
@@ -64,17 +38,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated subset of {', '.join(CONFIGS)} (plain alone also "
                         "runs on a batchgen without these parameters, e.g. the previous "
                         "commit, to compare the off path across versions)")
-    args = p.parse_args(argv)
-    check_workload_args(p, args)
-    args.beam_widths = parse_int_list(p, args.beam_widths, "--beam-widths")
+    args = h.check_args(p, p.parse_args(argv))
+    args.beam_widths = h.parse_int_list(p, args.beam_widths, "--beam-widths")
     args.configs = [c for c in args.configs.split(",") if c]
     if not args.configs or not set(args.configs) <= set(CONFIGS) or args.configs[0] != "plain":
         p.error(f"--configs must start with plain and name only {', '.join(CONFIGS)}")
     return args
 
 
-def params_of(config: str, width: int, args: argparse.Namespace) -> Any:
-    """The BeamSearchParams of one configuration."""
+def contender(llm: Any, prompts: list[list[int]], width: int, config: str, args: Any
+              ) -> h.Contender:
+    """One configuration on ``llm``, warmed up; its output: the RequestOutputs."""
     from batchgen import BeamSearchParams
 
     extra: dict[str, Any] = {}  # plain passes neither, so it runs on older versions too
@@ -82,79 +56,60 @@ def params_of(config: str, width: int, args: argparse.Namespace) -> Any:
         extra["return_trace"] = True
     if "logprobs" in config:
         extra["logprobs"] = args.logprobs
-    return BeamSearchParams(beam_width=width, max_tokens=args.output_len, ignore_eos=True,
-                            **extra)
+
+    def go(ps: list[list[int]], k: int) -> Any:
+        bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **extra)
+        return llm.beam_search(h.token_prompts(ps), bp, use_tqdm=False)
+
+    h.warm_up(go, prompts, args.output_len)
+    return h.Contender(config, lambda: go(prompts, args.output_len))
 
 
-def contenders(llm: Any, prompts: list[list[int]], width: int, args: argparse.Namespace
-               ) -> list[Contender]:
-    """One warmed-up contender per configuration, all on the same LLM."""
-    inputs = [{"prompt_token_ids": p} for p in prompts]
-    out = []
-    for config in args.configs:
-        params = params_of(config, width, args)
-
-        def run(params: Any = params) -> Any:
-            return llm.beam_search(inputs, params, use_tqdm=False)
-
-        with torch.inference_mode():
-            llm.beam_search(inputs[:2], params, use_tqdm=False)  # warm-up
-        out.append(Contender(config, run, lambda: ("", {})))
-    return out
-
-
-def summarize(width: int, results: list[tuple[Any, list[float]]], args: argparse.Namespace
+def summarize(width: int, results: list[tuple[Any, list[float]]], args: Any
               ) -> list[dict[str, Any]]:
     """Rows of the report; asserts every configuration found the same hypotheses."""
-    plain = results[0][0]
+    def beams(outs: Any) -> list[list[list[int]]]:
+        return [[list(s.token_ids) for s in o.sequences] for o in outs]
+
+    def mean(values: list[int]) -> float:
+        return statistics.mean(values) if values else 0.0
+
     rows = []
     for config, (outs, walls) in zip(args.configs, results):
-        assert [[s.token_ids for s in o.sequences] for o in outs] == [
-            [s.token_ids for s in o.sequences] for o in plain], f"{config} changed the beams"
+        assert beams(outs) == beams(results[0][0]), f"{config} changed the beams"
         traces = [o.trace for o in outs if getattr(o, "trace", None) is not None]
         rows.append({"width": width, "config": config, "min_s": min(walls),
                      "median_s": statistics.median(walls), "walls": walls,
                      "vs_plain": min(walls) / min(results[0][1]),
-                     "live_records": _mean([len(t.live) for t in traces]),
-                     "finished_records": _mean([len(t.finished) for t in traces]),
-                     "steps_x_width": _mean([t.num_steps * width for t in traces])})
+                     "live_records": mean([len(t.live) for t in traces]),
+                     "finished_records": mean([len(t.finished) for t in traces]),
+                     "steps_x_width": mean([t.num_steps * width for t in traces])})
     return rows
 
 
-def _mean(values: list[int]) -> float:
-    return statistics.mean(values) if values else 0.0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    quiet_logging()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     from batchgen import LLM
 
-    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
-                           args.vocab_size, args.seed)
+    args = parse_args(argv)
+    info = h.start(args)
+    prompts = h.workload_prompts(args)
     rows: list[dict[str, Any]] = []
-    with prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
+    with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         for width in args.beam_widths:
             llm = LLM(str(model_dir), device=args.device, block_size=args.block_size,
                       max_num_seqs=max(256, width))
-            results = interleaved_repeats(contenders(llm, prompts, width, args), args.repeats,
-                                          args.device)
-            rows += summarize(width, results, args)
-            del llm
-    info = machine_info(args.device)
-    print(machine_line(info))
-    print(markdown_table(
+            contenders = [contender(llm, prompts, width, c, args) for c in args.configs]
+            rows += summarize(width, h.interleaved_repeats(contenders, args.repeats,
+                                                           args.device), args)
+            del llm, contenders
+    print(h.markdown_table(
         ["W", "config", "min s", "median s", "min / plain", "live records / request",
          "finished records / request", "steps x W"],
         [[r["width"], r["config"], f"{r['min_s']:.3f}", f"{r['median_s']:.3f}",
           f"{r['vs_plain']:.3f}x", f"{r['live_records']:.1f}",
           f"{r['finished_records']:.1f}", f"{r['steps_x_width']:.0f}"] for r in rows]))
-    if args.json:
-        write_json(args.json, {"args": args_dict(args), "machine": info, "results": rows})
-    return 0
+    return h.finish(args, info, {"results": rows})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

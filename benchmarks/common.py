@@ -1,18 +1,13 @@
-"""Shared helpers for batchgen's benchmarks (throughput, sampling, prefix cache, ...).
+"""The benchmarks' shared harness: everything a script needs besides its workload and its table.
 
-Everything a benchmark script needs besides the systems it measures:
+Flags (``add_*_args``, ``check_args``), the run's start and end (``start``: logging, threads,
+seed, machine info; ``finish``: machine line, JSON), the random-weight Llama folder
+(``prepare_model_dir``), prompts, systems as ``Contender`` s (batchgen, HF ``generate``, HF
+``generate_batch``) timed in interleaved rounds (``run_contenders``), checks (``agreement``),
+results and tables, child processes (``Child``), and, last, the few engine internals some
+scripts read, one function each, so a refactor of batchgen's engine is adapted here alone.
 
-* command-line flags for the random-weight model and the workload (:func:`add_model_args`,
-  :func:`add_workload_args`, :func:`add_run_args`),
-* writing that model folder (:func:`prepare_model_dir`) and loading it with plain
-  transformers (:func:`load_hf_model`),
-* seeded random token-id prompts (:func:`make_prompts`),
-* timing (:func:`timed`, :func:`sync`), result rows (:class:`Result`), a markdown table
-  (:func:`markdown_table`), a machine-info line (:func:`machine_info`) and JSON output
-  (:func:`write_json`).
-
-Run benchmarks from the repository root with ``PYTHONPATH=.``, e.g.
-``PYTHONPATH=. python benchmarks/throughput.py``.
+Run benchmarks from the repository root: ``PYTHONPATH=. python benchmarks/throughput.py``.
 """
 
 from __future__ import annotations
@@ -21,10 +16,15 @@ import argparse
 import contextlib
 import datetime as _dt
 import json
+import logging
+import math
 import os
 import platform
 import random
+import signal
+import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,155 +33,355 @@ from typing import Any
 
 import torch
 
-# Token ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models; prompts avoid them.
-FIRST_REGULAR_ID = 3
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_REGULAR_ID = 3  # ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models
 PAD_ID = 0
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
+NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
 
 
 # ---- command line ---------------------------------------------------------------------------
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Flags describing the random-weight Llama model (and where to keep its folder)."""
+def parser(doc: str) -> argparse.ArgumentParser:
+    """A parser described by the first line of the script's docstring, defaults in --help."""
+    return argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+
+
+def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
+    """The random-weight Llama (``defaults`` override the flags' defaults)."""
     g = p.add_argument_group("model (random weights, Llama family)")
-    g.add_argument("--hidden-size", type=int, default=256)
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--num-heads", type=int, default=8)
-    g.add_argument("--num-kv-heads", type=int, default=2)
-    g.add_argument("--intermediate-size", type=int, default=688)
-    g.add_argument("--vocab-size", type=int, default=4096)
+    for flag, default in (("--hidden-size", 256), ("--num-layers", 4), ("--num-heads", 8),
+                          ("--num-kv-heads", 2), ("--intermediate-size", 688),
+                          ("--vocab-size", 4096)):
+        g.add_argument(flag, type=int, default=default)
     g.add_argument("--model-dir", type=Path, default=None,
                    help="existing model folder to use, or where to write the random one "
                         "(default: a temporary folder, deleted at exit)")
     g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.set_defaults(**defaults)
 
 
 def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
-                      max_prompt_len: int = 384, output_len: int = 64) -> None:
-    """Flags of the synthetic workload: N prompts of uniform random length, fixed output length."""
+                      max_prompt_len: int = 384, output_len: int | None = 64) -> None:
+    """N token-id prompts of uniform random length, a fixed output length (unless None)."""
     g = p.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--min-prompt-len", type=int, default=min_prompt_len)
     g.add_argument("--max-prompt-len", type=int, default=max_prompt_len)
-    g.add_argument("--output-len", type=int, default=output_len)
+    if output_len is not None:
+        g.add_argument("--output-len", type=int, default=output_len)
     g.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    """Flags shared by every benchmark run: device, JSON output."""
+def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
+                 device: str | None = "cpu", verbose: bool = False) -> None:
+    """--device (unless None), --repeats (unless None), --threads, --verbose (if asked), --json."""
     g = p.add_argument_group("run")
-    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--repeats", type=int, default=1,
-                   help="timed runs per system after the warm-up; the fastest is reported "
-                        "(use 3+ on a busy machine)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads (default: leave torch's default)")
+    if device is not None:
+        g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
+    if repeats is not None:
+        g.add_argument("--repeats", type=int, default=repeats,
+                       help="timed runs per system, in interleaved rounds; the fastest counts")
+    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+    if verbose:
+        g.add_argument("--verbose", action="store_true", help="keep the libraries' logging")
     g.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the results as JSON to PATH")
 
 
-def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """parser.error() on inconsistent workload flags."""
-    if args.num_prompts < 1:
-        p.error("--num-prompts must be >= 1")
-    if not 1 <= args.min_prompt_len <= args.max_prompt_len:
+def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192,
+                    num_kv_blocks_help: str = "KV pool size (default: batchgen's sizing)"
+                    ) -> None:
+    """batchgen's engine flags (generate_batch gets the same limits)."""
+    g = p.add_argument_group("batchgen engine")
+    g.add_argument("--block-size", type=int, default=16, help="KV block size")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="max running sequences (generate_batch's max_requests_per_batch)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
+                   help="per-step token budget (generate_batch's max_batch_tokens)")
+    g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help)
+
+
+def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
+                generate_batch: bool = True) -> None:
+    """HF generate at several batch sizes (the best is reported) and generate_batch."""
+    g = p.add_argument_group("HF baselines")
+    g.add_argument("--hf-batch-sizes", default=batch_sizes,
+                   help="comma-separated HF generate batch sizes (prompts); the best counts")
+    g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    if generate_batch:
+        g.add_argument("--gb-page-size", type=int, default=256,
+                       help="generate_batch page size in tokens (transformers' default)")
+        g.add_argument("--skip-generate-batch", action="store_true",
+                       help="skip HF generate_batch")
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
+               ) -> argparse.Namespace:
+    """parser.error() on inconsistent flags (of those the script has; ``positive``: more that
+    must be >= 1 when given); --hf-batch-sizes parsed."""
+    for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "num_kv_blocks", "gb_page_size", *positive):
+        if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if args.output_len < 1:
-        p.error("--output-len must be >= 1")
-    if getattr(args, "repeats", 1) < 1:
-        p.error("--repeats must be >= 1")
-    if getattr(args, "threads", None) is not None and args.threads < 1:
-        p.error("--threads must be >= 1")
-    if args.vocab_size <= FIRST_REGULAR_ID:
-        p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
+    if hasattr(args, "vocab_size"):
+        if args.vocab_size <= FIRST_REGULAR_ID:
+            p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
+        if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
+            p.error("--hidden-size must be a multiple of --num-heads, and --num-heads of "
+                    "--num-kv-heads")
+    if isinstance(getattr(args, "hf_batch_sizes", None), str):
+        args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
+    return args
 
 
-# ---- model ----------------------------------------------------------------------------------
-def model_overrides(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
-    """Config overrides for make_tiny_model from the model flags; positions cover ``max_len``."""
-    if args.hidden_size % args.num_heads:
-        raise ValueError("--hidden-size must be a multiple of --num-heads")
-    if args.num_heads % args.num_kv_heads:
-        raise ValueError("--num-heads must be a multiple of --num-kv-heads")
-    return {
-        "hidden_size": args.hidden_size,
-        "num_hidden_layers": args.num_layers,
-        "num_attention_heads": args.num_heads,
-        "num_key_value_heads": args.num_kv_heads,
-        "intermediate_size": args.intermediate_size,
-        "head_dim": args.hidden_size // args.num_heads,
-        "max_position_embeddings": max(1024, max_len),
-    }
+def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str) -> list[int]:
+    """Comma-separated integers >= 1, or parser.error() naming ``flag``."""
+    try:
+        out = [int(v) for v in str(value).split(",") if v.strip()]
+    except ValueError:
+        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
+    if not out or min(out) < 1:
+        p.error(f"{flag} needs at least one value, each >= 1")
+    return out
 
 
+def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """``LLM(...)`` keyword arguments from the engine, model and run flags the script has."""
+    keys = ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "dtype",
+            "device", "seed")
+    return {**{k: getattr(args, k) for k in keys if hasattr(args, k)}, **overrides}
+
+
+# ---- the run's start and end ----------------------------------------------------------------
+def start(args: argparse.Namespace) -> dict[str, Any]:
+    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on
+    (CPUs, threads, versions, device, date)."""
+    import transformers
+    from transformers.utils import logging as hf_logging
+
+    import batchgen
+
+    if not getattr(args, "verbose", False):
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+        logging.getLogger("batchgen").setLevel(logging.WARNING)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(getattr(args, "seed", 0))
+    device = torch.device(getattr(args, "device", "cpu"))
+    info = {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "host_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(), "device": str(device),
+            "batchgen": batchgen.__version__}
+    if device.type == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
+           note: str | None = NOISE_NOTE) -> dict[str, Any]:
+    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` as
+    JSON to --json if given; return it."""
+    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
+    print(f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
+          f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
+          f"device {info['device']}{gpu}, {info['date']}")
+    if note:
+        print(note)
+    payload = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
+                                         for k, v in vars(args).items()}, **payload}
+    if getattr(args, "json", None):
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        print(f"wrote {args.json}")
+    return payload
+
+
+# ---- model and prompts ----------------------------------------------------------------------
 @contextlib.contextmanager
-def prepare_model_dir(args: argparse.Namespace, max_len: int) -> Iterator[Path]:
-    """Yield a model folder: ``--model-dir`` if it already holds a config.json, else a freshly
-    written random Llama (fp32 safetensors, no tokenizer) in ``--model-dir`` or a temp dir."""
-    from batchgen.tools.make_tiny_model import make_tiny_model
+def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = False,
+                      eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
+    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags in
+    --dtype (the tiny BPE tokenizer if ``tokenizer``) written there or to a temporary folder.
+    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)
+    instead of make_tiny_model's."""
+    from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
-    given = getattr(args, "model_dir", None)
+    given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
     if given is not None and (Path(given) / "config.json").is_file():
         yield Path(given)
         return
-    with contextlib.ExitStack() as stack:
-        if given is None:
-            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="batchgen-bench-")))
+    shape = {"hidden_size": args.hidden_size, "num_hidden_layers": args.num_layers,
+             "num_attention_heads": args.num_heads, "num_key_value_heads": args.num_kv_heads,
+             "intermediate_size": args.intermediate_size,
+             "head_dim": args.hidden_size // args.num_heads,
+             "max_position_embeddings": max(1024, max_len)}
+    with tempfile.TemporaryDirectory(prefix="batchgen-bench-") as tmp:
+        out = Path(given or tmp)
+        if init_device is None:
+            make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
+                            dtype=dtype, eos_boost=eos_boost, with_tokenizer=tokenizer, **shape)
         else:
-            out = Path(given)
-        make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
-                        with_tokenizer=False, **model_overrides(args, max_len))
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(args.seed)
+            with torch.device(init_device):
+                model = AutoModelForCausalLM.from_config(
+                    make_config("llama", vocab_size=args.vocab_size, **shape), dtype=dtype)
+            model.save_pretrained(out, safe_serialization=True)
+            del model
         yield out
 
 
-def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device,
-                  attn_implementation: str = "sdpa") -> torch.nn.Module:
-    """The folder's model through plain transformers, in eval mode, pad id set."""
+def count_params(model_dir: str | os.PathLike) -> int:
+    """Parameters stored in a folder's safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    total = 0
+    for f in Path(model_dir).glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            total += sum(math.prod(st.get_slice(k).get_shape()) for k in st.keys())  # noqa: SIM118
+    return total
+
+
+def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
+    size = f"{n_params / 1e6:.2f}M params, " if n_params is not None else ""
+    return (f"model: random Llama, {size}hidden {args.hidden_size}, {args.num_layers} layers, "
+            f"{args.num_heads}/{args.num_kv_heads} q/kv heads, ffn {args.intermediate_size}, "
+            f"vocab {args.vocab_size}, {args.dtype}")
+
+
+def resolve_model(spec: str) -> Path:
+    """--model of the real-model benchmarks: a folder, or 'smollm2' / 'tiny' (made once)."""
+    if spec == "smollm2":
+        from batchgen.tools import smollm2
+
+        return smollm2.smollm2_folder(smollm2.default_folder())
+    if spec == "tiny":
+        from batchgen.tools.demo_model import tiny_model
+
+        return tiny_model()
+    if not (Path(spec).expanduser() / "config.json").is_file():
+        raise SystemExit(f"error: --model {spec}: no config.json there")
+    return Path(spec).expanduser()
+
+
+def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device
+                  ) -> torch.nn.Module:
+    """The folder's model through plain transformers (sdpa), in eval mode, pad id set."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation=attn_implementation)
+                                                 attn_implementation="sdpa")
     model = model.to(device).eval()
     model.generation_config.pad_token_id = PAD_ID
     return model
 
 
-def count_params(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
-
-
-# ---- workload -------------------------------------------------------------------------------
 def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
                  seed: int = 0) -> list[list[int]]:
-    """``num_prompts`` token-id prompts, lengths uniform in [min_len, max_len], ids uniform in
-    [3, vocab_size) (no pad/BOS/EOS); deterministic for a given seed."""
+    """Seeded token-id prompts, lengths uniform in [min_len, max_len], ids in [3, vocab)."""
     rng = random.Random(seed)
     lengths = [rng.randint(min_len, max_len) for _ in range(num_prompts)]
     return [[rng.randrange(FIRST_REGULAR_ID, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def left_pad(prompts: Sequence[Sequence[int]], pad_id: int = PAD_ID,
-             device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``input_ids`` and the matching ``attention_mask`` (0 on padding)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
+def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
+    return make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
+                        args.vocab_size, args.seed)
+
+
+def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Each text as a user message through the chat template (if any), as token ids."""
+    if not tokenizer.chat_template:
+        return [list(tokenizer(t)["input_ids"]) for t in texts]
+    return [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                               add_generation_prompt=True, return_dict=False))
+            for t in texts]
+
+
+def token_prompts(prompts: Sequence[Sequence[int]]) -> list[dict[str, list[int]]]:
+    return [{"prompt_token_ids": list(p)} for p in prompts]
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+# ---- systems --------------------------------------------------------------------------------
+@dataclass
+class Contender:
+    """One system, loaded and warmed up: ``run()`` runs the whole workload and returns its
+    output (or a :class:`Measured`); ``describe()`` (config, extra fields) is read after."""
+
+    system: str
+    run: Callable[[], Any]
+    describe: Callable[[], tuple[str, dict[str, Any]]] = lambda: ("", {})
+    close: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Measured:
+    """An output with the wall time the system measured itself (e.g. in a child process)."""
+
+    value: Any
+    wall_s: float
+
+
+def warm_up(go: Callable[[list[list[int]], int], Any], prompts: list[list[int]],
+            n_tokens: int) -> None:
+    """One untimed ``go(prompts, tokens)`` on the first prompts, a few tokens each."""
+    with torch.inference_mode():
+        go(prompts[:WARMUP_PROMPTS], min(n_tokens, WARMUP_TOKENS))
+
+
+def bg_tokens(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[list[int]]:
+    """``llm.generate`` on token-id prompts: every sample's tokens, n per prompt, in order."""
+    outs = llm.generate(token_prompts(prompts), params, use_tqdm=False)
+    return [list(c.token_ids) for o in outs for c in o.outputs]
+
+
+def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int], Any],
+                       n_tokens: int, describe: Callable[[], tuple[str, dict[str, Any]]]
+                       | None = None, system: str = "batchgen") -> Contender:
+    """``llm.generate`` on the workload with ``params(max_tokens)``, warmed up; its output:
+    token rows, n per prompt; described by default by :func:`kv_describe`."""
+    def go(ps: list[list[int]], k: int) -> list[list[int]]:
+        return bg_tokens(llm, ps, params(k))
+
+    warm_up(go, prompts, n_tokens)
+    return Contender(system, lambda: go(prompts, n_tokens),
+                     describe or (lambda: kv_describe(llm)))
+
+
+def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
+    """batchgen's config string and extra fields: its KV figures of the last call."""
+    st = llm.kv_stats()
+    return (f"block {st.block_size}, peak {st.peak_blocks_in_use}/{st.num_blocks} blocks, "
+            f"{st.preemptions} preempt"), {
+        "kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
+        "kv_peak_blocks": st.peak_blocks_in_use,
+        "kv_peak_tokens": st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
+        "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
+        "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
 
 
 def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
-                    n_tokens: int, device: str, rows_per_prompt: int, **gen_kwargs: Any
+                    n_tokens: int, device: str, rows_per_prompt: int = 1, **gen_kwargs: Any
                     ) -> list[list[int]]:
-    """HF generate over all prompts in input order, ``batch_size`` prompts per left-padded call;
-    returns the new tokens of every returned row (``rows_per_prompt`` per prompt)."""
+    """HF generate over the prompts in input order, ``batch_size`` per left-padded call; the
+    new tokens of every row (``rows_per_prompt`` per prompt), ``n_tokens`` each (asserted)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, PAD_ID, device)
+        ids, mask = left_pad(chunk, device)
         seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
                               min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
         new = seqs[:, ids.shape[1]:]
@@ -192,16 +392,92 @@ def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size
     return out
 
 
-# ---- timing and results ---------------------------------------------------------------------
+def left_pad(prompts: Sequence[Sequence[int]], device: str | torch.device = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``input_ids`` and the matching ``attention_mask`` (0 on padding)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if p:
+            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
+                  n_tokens: int, label: str = "", rows_per_prompt: int = 1, width: int = 1,
+                  **gen_kwargs: Any) -> list[Contender]:
+    """HF generate at each of --hf-batch-sizes, warmed up, every run seeded with --seed:
+    ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back."""
+    def go(ps: list[list[int]], k: int, bs: int) -> list[list[int]]:
+        torch.manual_seed(args.seed)
+        return hf_generate_all(model, ps, bs, k, args.device, rows_per_prompt, **gen_kwargs)
+
+    def describe(bs: int) -> tuple[str, dict[str, Any]]:
+        rows = f" ({bs * width} rows)" if width > 1 else ""
+        return f"{label + ', ' if label else ''}sdpa, batch {bs}{rows}, left-padded", {
+            "batch_size": bs}
+
+    warm_up(lambda ps, k: go(ps, k, WARMUP_PROMPTS), prompts, n_tokens)
+    return [Contender("HF generate", lambda bs=bs: go(prompts, n_tokens, bs),
+                      lambda bs=bs: describe(bs)) for bs in args.hf_batch_sizes]
+
+
+def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
+                             n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
+    """transformers' continuous batching (``generate_batch``, sdpa), warmed up. EOS disabled
+    (``eos_token_id=None`` becomes -1; its CB logits processors have no ``min_new_tokens``); a
+    cache for every row at once without sharing, plus a page each (its default would claim
+    60% of RAM on CPU); batchgen's token budget and request cap; the manager kept from the
+    warm-up on (allocation untimed). ``n`` > 1: ``num_return_sequences``, native in
+    transformers 5 (prefill once, fork)."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
+    page = args.gb_page_size
+    cb_config = ContinuousBatchingConfig(
+        page_size=page, max_batch_tokens=args.max_num_batched_tokens,
+        num_blocks=sum(n * (math.ceil((len(p) + n_tokens) / page) + 1) for p in prompts),
+        max_requests_per_batch=args.max_num_seqs, seed=args.seed)
+    gen_config = GenerationConfig(max_new_tokens=n_tokens, eos_token_id=None,
+                                  pad_token_id=PAD_ID, num_return_sequences=n, **gen_kwargs)
+
+    def go(ps: list[list[int]], k: int) -> list[list[int]]:
+        results = model.generate_batch(inputs=ps, generation_config=gen_config,
+                                       continuous_batching_config=cb_config,
+                                       max_new_tokens=k, persistent_manager=True)
+        assert len(results) == len(ps) * n, f"generate_batch: {len(results)} of {len(ps)} x {n}"
+        bad = [rid for rid, r in results.items() if r.error is not None]
+        assert not bad, f"generate_batch failed requests {bad}"
+        return [list(r.generated_tokens) for r in results.values()]
+
+    def describe() -> tuple[str, dict[str, Any]]:
+        manager = getattr(model, "_cached_continuous_batching_manager", None)
+        cb = getattr(manager, "continuous_batching_config", cb_config)
+        fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
+        return f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok" \
+               f"{fork}", {"page_size": page, "num_blocks": cb.num_blocks,
+                           "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
+                           "max_requests_per_batch": cb.max_requests_per_batch,
+                           "allow_block_sharing": cb.allow_block_sharing,
+                           "attn_implementation": model.config._attn_implementation}
+
+    warm_up(go, prompts, n_tokens)
+    return Contender("HF generate_batch", lambda: go(prompts, n_tokens), describe,
+                     close=model.destroy_cached_continuous_batching_manager)
+
+
+# ---- timing ---------------------------------------------------------------------------------
 def sync(device: str | torch.device) -> None:
     """Wait for queued GPU work so wall-clock timings are honest (no-op on CPU)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(torch.device(device))
 
 
 def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[Any, float]:
-    """Run ``fn`` under inference mode; return its result and the wall time in seconds."""
+    """``fn()`` under inference mode, the device synchronised around it; result, seconds."""
     with torch.inference_mode():
         sync(device)
         t0 = time.perf_counter()
@@ -210,52 +486,79 @@ def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[An
         return out, time.perf_counter() - t0
 
 
-def timed_repeats(fn: Callable[[], Any], repeats: int = 1, device: str | torch.device = "cpu"
-                  ) -> tuple[Any, list[float]]:
-    """Time ``fn`` ``repeats`` times (see :func:`timed`); return the first result and all wall
-    times. Report ``min`` of them: on a shared CPU, other load only ever adds time."""
-    out, walls = None, []
-    for i in range(max(1, repeats)):
-        res, wall = timed(fn, device)
-        if i == 0:
-            out = res
-        walls.append(wall)
-    return out, walls
-
-
-@dataclass
-class Contender:
-    """One system, loaded and warmed up, ready to run the whole workload: `run()` returns its
-    tokens; `describe()` (config string, extra fields) is read after the timed runs."""
-
-    system: str
-    run: Callable[[], Any]
-    describe: Callable[[], tuple[str, dict[str, Any]]]
-    close: Callable[[], None] = lambda: None
-
-
 def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
                         device: str | torch.device = "cpu",
                         on_round: Callable[[int], None] | None = None
                         ) -> list[tuple[Any, list[float]]]:
-    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...) rather than all of
-    A's runs first: on a shared machine whose load drifts over seconds, each system then
-    samples the same quiet and busy periods, and ``min`` compares like with like. Returns, per
-    contender, its first result and all its wall times."""
+    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...), not all of A's runs
+    first: on a shared machine whose load drifts, every system then samples the same quiet and
+    busy spells, and ``min`` compares like with like. Per contender: its first result and all
+    its wall times."""
     out: list[tuple[Any, list[float]]] = [(None, []) for _ in contenders]
     for r in range(max(1, repeats)):
         for i, c in enumerate(contenders):
             res, wall = timed(c.run, device)
-            first, walls = out[i]
-            out[i] = (res if r == 0 else first, walls + [wall])
+            if isinstance(res, Measured):
+                res, wall = res.value, res.wall_s
+            out[i] = (res if r == 0 else out[i][0], out[i][1] + [wall])
         if on_round is not None:
             on_round(r)
     return out
 
 
+def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
+                   prompt_tokens: int, count: Callable[[Any], int] | None = None
+                   ) -> list[tuple[Result, Any]]:
+    """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
+    contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
+    output (token rows, whose total length ``count`` defaults to)."""
+    try:
+        timings = interleaved_repeats(
+            contenders, args.repeats, getattr(args, "device", "cpu"),
+            on_round=lambda r: print(f"  round {r + 1}/{args.repeats} done", flush=True))
+    finally:
+        for c in contenders:
+            c.close()
+    out = []
+    for c, (value, walls) in zip(contenders, timings):
+        config, extra = c.describe()
+        tokens = count(value) if count else sum(map(len, value))
+        out.append((Result(c.system, config, min(walls), tokens, prompt_tokens,
+                           {**extra, "wall_s_all": walls}), value))
+        print(f"  {c.system}" + (f" ({config})" if config else "") + ": "
+              + ", ".join(f"{w:.2f}" for w in walls) + " s", flush=True)
+    return out
+
+
+# ---- checks, results, tables ----------------------------------------------------------------
+def check_lengths(name: str, rows: Sequence[Sequence[int]], count: int,
+                  n_tokens: int | Sequence[int]) -> None:
+    """Assert ``count`` token rows of ``n_tokens`` tokens each (or row by row)."""
+    want = [n_tokens] * count if isinstance(n_tokens, int) else list(n_tokens)
+    got = [len(r) for r in rows]
+    assert got == want, (f"{name}: {len(got)} rows of {sorted(set(got))} tokens, expected "
+                         f"{count} of {sorted(set(want))}")
+
+
+def agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """Identical rows and the mean common-prefix fraction (of the longer row) of two runs."""
+    def prefix(x: Sequence[int], y: Sequence[int]) -> float:
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        return k / max(len(x), len(y), 1)
+
+    fracs = [prefix(x, y) for x, y in zip(a, b)]
+    return {"identical": sum(list(x) == list(y) for x, y in zip(a, b)), "of": len(a),
+            "mean_prefix_frac": sum(fracs) / max(len(fracs), 1)}
+
+
+def agreement_line(a: str, b: str, agree: dict[str, Any]) -> str:
+    return (f"greedy agreement {a} vs {b}: {agree['identical']}/{agree['of']} identical, mean "
+            f"common prefix {100 * agree['mean_prefix_frac']:.1f}%")
+
+
 @dataclass
 class Result:
-    """One timed run of one system over the whole workload."""
+    """One system's fastest run over the whole workload."""
 
     system: str
     config: str
@@ -268,23 +571,59 @@ class Result:
     def output_tok_s(self) -> float:
         return self.output_tokens / self.wall_s if self.wall_s > 0 else float("inf")
 
-    @property
-    def total_tok_s(self) -> float:
-        total = self.output_tokens + self.prompt_tokens
-        return total / self.wall_s if self.wall_s > 0 else float("inf")
-
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["output_tok_s"] = self.output_tok_s
-        d["total_tok_s"] = self.total_tok_s
-        return d
+        total = self.output_tokens + self.prompt_tokens
+        return {**asdict(self), "output_tok_s": self.output_tok_s,
+                "total_tok_s": total / self.wall_s if self.wall_s > 0 else float("inf")}
+
+
+def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
+    """batchgen (the first result) against the HF baselines of one workload: the results'
+    labels (the fastest of several HF generate batch sizes marked "(best)") and the summary
+    (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
+    bg = results[0]
+    hf = [r for r in results if r.system == "HF generate"]
+    best = max(hf, key=lambda r: r.output_tok_s) if hf else None
+    gb = next((r for r in results if r.system == "HF generate_batch"), None)
+    summary: dict[str, Any] = {"batchgen_output_tok_s": bg.output_tok_s}
+    if best is not None:
+        summary.update(batchgen_over_hf_generate=bg.output_tok_s / best.output_tok_s,
+                       hf_generate_best_batch_size=best.extra["batch_size"],
+                       hf_generate_output_tok_s=best.output_tok_s)
+    if gb is not None:
+        summary.update(batchgen_over_generate_batch=bg.output_tok_s / gb.output_tok_s,
+                       generate_batch_output_tok_s=gb.output_tok_s)
+    return [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results], summary
+
+
+def versus_line(summary: dict[str, Any]) -> str:
+    parts = []
+    if "batchgen_over_hf_generate" in summary:
+        parts.append(f"batchgen / HF generate (best, batch "
+                     f"{summary['hf_generate_best_batch_size']}): "
+                     f"{summary['batchgen_over_hf_generate']:.2f}x")
+    if "batchgen_over_generate_batch" in summary:
+        parts.append(f"batchgen / HF generate_batch: "
+                     f"{summary['batchgen_over_generate_batch']:.2f}x")
+    return ", ".join(parts)
+
+
+def wall_head(repeats: int) -> str:
+    return "wall s" if repeats == 1 else f"wall s (best of {repeats})"
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; numbers right-aligned, text left-aligned."""
+    """A GitHub-flavoured markdown table; numeric columns right-aligned."""
+    def number(s: str) -> bool:
+        try:
+            float(s.rstrip("x%").replace(",", ""))
+        except ValueError:
+            return False
+        return True
+
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(_is_number(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [bool(cells) and all(number(r[i]) for r in cells) for i in range(len(headers))]
 
     def line(vals: Sequence[str]) -> str:
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
@@ -295,107 +634,141 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
 
 
-def _is_number(s: str) -> bool:
-    try:
-        float(s.rstrip("x"))
-    except ValueError:
-        return False
-    return True
-
-
 def fmt_ratio(num: float, den: float) -> str:
     return f"{num / den:.2f}x" if den > 0 else "n/a"
 
 
-def machine_info(device: str | torch.device = "cpu") -> dict[str, Any]:
-    """What the numbers depend on: CPUs, threads, library versions, device, date."""
-    import transformers
-
-    info: dict[str, Any] = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "device": str(device),
-    }
-    dev = torch.device(device)
-    if dev.type == "cuda" and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(dev)
-    try:
-        import batchgen
-
-        info["batchgen"] = batchgen.__version__
-    except ImportError:  # pragma: no cover - benchmarks run with PYTHONPATH=.
-        pass
-    return info
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
 
 
-def machine_line(info: dict[str, Any]) -> str:
-    gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
-    return (f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
-            f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
-            f"device {info['device']}{gpu}, {info['date']}")
+# ---- child processes ------------------------------------------------------------------------
+def child_env(**extra: str) -> dict[str, str]:
+    """A child's environment: offline, the repository importable, ``extra`` on top."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+            **extra}
 
 
-def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write ``payload`` (Paths and other odd values stringified) as indented JSON."""
-    p = Path(path)
-    if p.parent and not p.parent.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+class Child:
+    """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
+    with ``os.wait4`` (its own peak RSS and CPU time). ``own_group``: in a process group of its
+    own, which a kill takes down with it."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
+                 stdin: Any = subprocess.DEVNULL, stdout: Any = None,
+                 own_group: bool = False) -> None:
+        self.argv, self.log, self.own_group = argv, log, own_group
+        self._log = open(log, "wb") if log is not None else None  # noqa: SIM115
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=stdin,
+                                     stdout=stdout or self._log, stderr=self._log,
+                                     start_new_session=own_group)
+        self.wall_s: float | None = None
+        self.maxrss_kib: int | None = None
+        self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
+
+    def poll(self) -> bool:
+        """Whether the child has exited (reaped if so); does not block."""
+        if self.wall_s is None:
+            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            if pid:
+                self._reaped(status, usage)
+        return self.wall_s is not None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """Its exit status, once exited; killed after ``timeout`` seconds."""
+        if self.wall_s is None:
+            timer = threading.Timer(timeout, self.kill) if timeout is not None else None
+            if timer is not None:
+                timer.start()
+            try:
+                _, status, usage = os.wait4(self.proc.pid, 0)
+                self._reaped(status, usage)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (its group with ``own_group``) unless reaped (not Popen.kill, whose poll()
+        would reap the child behind os.wait4's back)."""
+        if self.wall_s is None:
+            with contextlib.suppress(ProcessLookupError):
+                (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
+
+    def _reaped(self, status: int, usage: Any) -> None:
+        self.wall_s = time.perf_counter() - self.t0
+        self.maxrss_kib = usage.ru_maxrss  # KiB on Linux
+        self.cpu_s = usage.ru_utime + usage.ru_stime
+        self.proc.returncode = os.waitstatus_to_exitcode(status)
+        if self._log is not None:
+            self._log.close()
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log and self.log.is_file() else ""
+
+    def log_tail(self, lines: int = 15) -> str:
+        """The log's first error line and last lines, for error messages."""
+        text = self.output.splitlines()
+        cause = next((ln for ln in text if ln.split(" ", 1)[0].endswith(
+            ("Error:", "Exception:"))), None)
+        first = f"; first error: {cause.strip()}" if cause else ""
+        return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
+
+    def check(self) -> None:
+        """RuntimeError (with the log's tail) unless it exited with status 0."""
+        if self.wait() != 0:
+            raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
+                               f"{self.log_tail(40)}")
 
 
-def args_dict(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+# ---- engine internals: the only reads past batchgen's public API, one function each ---------
+def engine_facts(llm: Any) -> dict[str, Any]:
+    """Attention backend, per-step token budget, EOS ids, whether decode runs CUDA graphs."""
+    return {"attention_backend": llm.attention_backend,
+            "max_num_batched_tokens": llm.max_num_batched_tokens,
+            "eos_token_ids": list(llm.eos_token_ids),
+            "cuda_graphs": getattr(engine_runner(llm), "graphs", None) is not None}
 
 
-# ---- small helpers for benchmark scripts ----------------------------------------------------
-def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str, minimum: int = 1
-                   ) -> list[int]:
-    """Comma-separated integers (each >= ``minimum``), or parser.error() naming ``flag``."""
-    try:
-        out = [int(v) for v in str(value).split(",") if v.strip()]
-    except ValueError:
-        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
-    if not out or min(out) < minimum:
-        p.error(f"{flag} needs at least one value, each >= {minimum}")
-    return out
+def engine_runner(llm: Any) -> Any:
+    """The model runner; ``execute(rows)`` runs one step's forward (tensor_parallel wraps it)."""
+    return llm.engine.runner
 
 
-def resolve_model(spec: str) -> Path:
-    """A folder, or 'smollm2' / 'tiny' made (once) by batchgen.tools (the real-model
-    benchmarks' --model)."""
-    if spec == "smollm2":
-        from batchgen.tools import smollm2
-
-        return smollm2.smollm2_folder(smollm2.default_folder())
-    if spec == "tiny":
-        from batchgen.tools.demo_model import tiny_model
-
-        return tiny_model()
-    return Path(spec).expanduser()
+def step_is_decode(rows: Any) -> bool:
+    """Whether a step's rows (``execute``'s argument) are one new token each."""
+    return len(rows.token_ids) == rows.num_rows
 
 
-def quiet_logging() -> None:
-    """Silence transformers' warnings / progress bars, generate_batch's logger and batchgen's
-    info lines, as the benchmarks do unless ``--verbose``."""
-    import logging
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    logging.getLogger("batchgen").setLevel(logging.WARNING)
+def engine_model(llm: Any) -> torch.nn.Module:
+    """The transformers module batchgen runs (host_overhead hooks its forward)."""
+    return llm.model
 
 
-def common_prefix_frac(a: Sequence[int], b: Sequence[int]) -> float:
-    """Length of the common prefix of two token lists over the longer one's length."""
-    k = 0
-    while k < min(len(a), len(b)) and a[k] == b[k]:
-        k += 1
-    return k / max(len(a), len(b), 1)
+def kv_bytes_per_token(llm: Any) -> int:
+    """KV-cache bytes per token (all layers, K and V)."""
+    return llm.cache_config.bytes_per_token
+
+
+def request_peak_blocks(prompt_len: int, width: int, max_tokens: int, block_size: int) -> int:
+    """The admission bound: blocks one request of ``width`` rows may peak at."""
+    from batchgen.engine.kv_manager import request_peak_blocks as bound
+
+    return bound(prompt_len, width, max_tokens, block_size)
+
+
+def grammar_timers(llm: Any) -> tuple[float, int]:
+    """Structured outputs: seconds spent filling and applying token bitmasks, and steps."""
+    grammars = llm.requests.grammars
+    return grammars.mask_seconds, grammars.mask_steps
+
+
+def tp_group_class() -> Any:
+    """The tensor-parallel group; its ``send`` broadcasts each step to the workers."""
+    from batchgen.distributed.group import TPGroup
+
+    return TPGroup

@@ -1,20 +1,16 @@
 """What an fp8 KV cache costs in quality: greedy tokens and logprobs with an fp8 (e4m3, scales
 1.0) pool against a bfloat16 pool, both against a float32 pool, on the same random Llama.
 
-Per KV dtype: the fraction of requests whose greedy tokens equal the float32 pool's, the mean
-common prefix, and the mean |Δ logprob| of the chosen tokens over the positions where the token
-sequences still agree. Runs on the CPU (the torch and C-kernel backends store and read fp8);
-on a GPU FlashInfer reads the same pool.
+Per pair: requests with identical greedy tokens, the mean common prefix, and the mean and max
+|Δ logprob| of the chosen tokens where the sequences still agree. ``--model-dir`` takes a
+trained model (with a tokenizer: natural chat prompts instead of random ids).
 
-Usage (from the repository root)::
-
-    PYTHONPATH=. python benchmarks/kv_quality.py                       # random tiny Llama
+    PYTHONPATH=. python benchmarks/kv_quality.py
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,18 +19,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import (  # noqa: E402
-    add_model_args,
-    add_workload_args,
-    common_prefix_frac,
-    machine_info,
-    machine_line,
-    make_prompts,
-    markdown_table,
-    prepare_model_dir,
-    quiet_logging,
-    write_json,
-)
+from benchmarks import common as h  # noqa: E402
 
 KV_DTYPES = ("float32", "bfloat16", "fp8")
 # With a trained model (--model-dir holding one with a tokenizer), natural prompts: random token
@@ -51,74 +36,56 @@ TEXT_PROMPTS = [
 ]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_args(p)
-    add_workload_args(p, num_prompts=64, min_prompt_len=16, max_prompt_len=256, output_len=32)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--json", default=None)
-    return p.parse_args(argv)
-
-
-def run(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace, kv: str
+def run(model_dir: Path, prompts: list[list[int]], args: Any, kv: str
         ) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs with a ``kv`` pool."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(str(model_dir), kv_cache_dtype=kv, dtype=args.dtype, device=args.device,
               enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, logprobs=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids,
-                                                              o.outputs[0].logprobs)])
-            for o in outs]
+    outs = [o.outputs[0] for o in llm.generate(h.token_prompts(prompts), sp, use_tqdm=False)]
+    return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in outs]
 
 
 def compare(ref: list[tuple[list[int], list[float]]], got: list[tuple[list[int], list[float]]]
             ) -> dict[str, float]:
-    same = sum(a[0] == b[0] for a, b in zip(ref, got))
-    prefix = [common_prefix_frac(a[0], b[0]) for a, b in zip(ref, got)]
+    agree = h.agreement([t for t, _ in ref], [t for t, _ in got])
     deltas = []
     for (ta, la), (tb, lb) in zip(ref, got):
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
         deltas += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
-    return {"identical": same / len(ref), "mean_prefix": sum(prefix) / len(prefix),
+    return {"identical": agree["identical"] / len(ref), "mean_prefix": agree["mean_prefix_frac"],
             "mean_abs_dlogprob": sum(deltas) / max(len(deltas), 1),
             "max_abs_dlogprob": max(deltas, default=0.0)}
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    quiet_logging()
-    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
-                           args.vocab_size, args.seed)
-    with prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
+    p = h.parser(__doc__)
+    h.add_model_args(p)
+    h.add_workload_args(p, num_prompts=64, min_prompt_len=16, max_prompt_len=256, output_len=32)
+    h.add_run_args(p, repeats=None)
+    args = h.check_args(p, p.parse_args(argv))
+    info = h.start(args)
+    prompts = h.workload_prompts(args)
+    with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         if (Path(model_dir) / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(model_dir)
-            msgs = [[{"role": "user", "content": t}] for t in TEXT_PROMPTS]
-            prompts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False) for m in msgs]
+            prompts = h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), TEXT_PROMPTS)
         runs = {kv: run(model_dir, prompts, args, kv) for kv in KV_DTYPES}
     rows, results = [], {}
-    for kv in KV_DTYPES[1:]:
-        for ref in KV_DTYPES[:KV_DTYPES.index(kv)]:
-            r = compare(runs[ref], runs[kv])
-            results[f"{kv}_vs_{ref}"] = r
-            rows.append([f"{kv} vs {ref} pool", f"{100 * r['identical']:.1f}%",
-                         f"{100 * r['mean_prefix']:.1f}%", f"{r['mean_abs_dlogprob']:.2e}",
-                         f"{r['max_abs_dlogprob']:.2e}"])
+    for i, kv in enumerate(KV_DTYPES[1:], 1):
+        for ref in KV_DTYPES[:i]:
+            r = results[f"{kv}_vs_{ref}"] = compare(runs[ref], runs[kv])
+            rows.append([f"{kv} vs {ref} pool", h.pct(r["identical"]), h.pct(r["mean_prefix"]),
+                         f"{r['mean_abs_dlogprob']:.2e}", f"{r['max_abs_dlogprob']:.2e}"])
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.output_len} greedy tokens, model {args.dtype}")
-    print(markdown_table(["KV cache", "identical greedy outputs", "mean common prefix",
-                          "mean |Δ logprob| (agreeing positions)", "max |Δ logprob|"], rows))
-    info = machine_info(args.device)
-    print(machine_line(info))
-    payload = {"machine": info, "args": vars(args), "results": results}
-    if args.json:
-        write_json(args.json, payload)
-    return payload
+    print(h.markdown_table(["KV cache", "identical greedy outputs", "mean common prefix",
+                            "mean |Δ logprob| (agreeing positions)", "max |Δ logprob|"], rows))
+    return h.finish(args, info, {"results": results}, note=None)
 
 
 if __name__ == "__main__":
