@@ -79,7 +79,7 @@ class RequestBuilder:
         """Groups for prompts `start`, `start + 1`, ... (all checked before any is made)."""
         texts, token_ids = self._tokenize(prompts, start)
         token_ids = [self._truncate(ids, p) for ids, p in zip(token_ids, per_prompt)]
-        limits = [self._check(f"prompts[{start + i}]", ids, p, kind)
+        limits = [self._check(start + i, ids, p, kind)
                   for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
         return [kind.group(self, start + i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
@@ -142,7 +142,6 @@ class RequestBuilder:
         texts: list[str | None] = []
         ids: list[list[int] | None] = []
         for i, p in enumerate(prompts, start):
-            label = name or f"prompts[{i}]"
             if isinstance(p, str):
                 texts.append(p)
                 ids.append(None)
@@ -151,14 +150,15 @@ class RequestBuilder:
                 if isinstance(tok, (str, bytes)) or not all(
                         isinstance(t, numbers.Integral) and not isinstance(t, bool)
                         for t in tok):
-                    raise ValueError(f"{label}['prompt_token_ids'] must be a list of ints")
+                    raise ValueError(f"{name or _label(i)}['prompt_token_ids'] must be a list "
+                                     "of ints")
                 texts.append(p.get("prompt"))
                 ids.append([int(t) for t in tok])
             elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
                 texts.append(p["prompt"])
                 ids.append(None)
             else:
-                raise ValueError(f"{label} must be a str, a {{'prompt': str}} or a "
+                raise ValueError(f"{name or _label(i)} must be a str, a {{'prompt': str}} or a "
                                  f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
         todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
@@ -170,18 +170,19 @@ class RequestBuilder:
                 ids[i] = list(e)
         return texts, ids  # type: ignore[return-value]
 
-    def _check(self, name: str, ids: list[int], p: Params, kind: RequestKind) -> int:
-        """Refuse a request that could never run, naming the prompt (`name`), the argument and
-        the limit; returns its max_tokens capped by max_model_len."""
+    def _check(self, at: int | str, ids: list[int], p: Params, kind: RequestKind) -> int:
+        """Refuse a request that could never run, naming the prompt (`prompts[at]`, or `at`
+        when it is a name), the argument and the limit; returns its max_tokens capped by
+        max_model_len."""
         lim = self.limits
         if not ids:
-            raise ValueError(f"{name} is empty: a prompt needs at least one token")
+            raise ValueError(f"{_label(at)} is empty: a prompt needs at least one token")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= lim.vocab_size:
-            raise ValueError(f"{name} has token id {lo if lo < 0 else hi} outside the "
+            raise ValueError(f"{_label(at)} has token id {lo if lo < 0 else hi} outside the "
                              f"model's vocabulary [0, {lim.vocab_size})")
         if len(ids) >= lim.max_model_len:
-            raise ValueError(f"{name} has {len(ids)} tokens; max_model_len is "
+            raise ValueError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
                              f"{lim.max_model_len}, leaving no room to generate")
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
@@ -194,7 +195,7 @@ class RequestBuilder:
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
         if need > lim.num_blocks:
             raise ValueError(
-                f"{name} with {arg}={p.width} and up to {t} new tokens needs {need} KV "
+                f"{_label(at)} with {arg}={p.width} and up to {t} new tokens needs {need} KV "
                 f"blocks and can never fit the pool of {lim.num_blocks} blocks; "
                 f"raise num_kv_blocks / kv_cache_memory or lower max_tokens / {arg}")
         return t
@@ -239,6 +240,11 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
+
+
+def _label(at: int | str) -> str:
+    """How a message names a prompt: `prompts[i]` by its index, or the name it was given."""
+    return at if isinstance(at, str) else f"prompts[{at}]"
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:

@@ -132,8 +132,9 @@ def _reconcile(store: ShardStore, source: Source, errors: bool) -> None:
     stored = store.stored_input or {}
     unchanged = source.content_fingerprint and stored.get("input") == source.fingerprint
     current = None
-    if not unchanged:
-        current = {i: row_fingerprint(row) for i, row in source.rows() if i in store.done_ids}
+    if not unchanged:  # (nothing to read when no row was kept)
+        current = {i: row_fingerprint(row) for i, row in source.rows()
+                   if i in store.done_ids} if store.done_ids else {}
     dropped = store.reconcile(current, errors)
     if dropped:
         logger.info("resume: %d row(s) changed, left the input or failed: they are redone",
