@@ -184,7 +184,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")
         return EXIT_INTERRUPTED
-    _summary(ds, time.perf_counter() - start, args.output)
+    _summary(ds, time.perf_counter() - start, args.output, args.max_tokens)
     return 0
 
 
@@ -259,14 +259,17 @@ def chat_template_arg(path: str | None) -> str | None:
         raise CliError(f"--chat-template {path!r} cannot be read: {e.strerror}") from e
 
 
-def _summary(ds: Any, seconds: float, output: str) -> None:
-    """One line: rows, samples and output tokens in the output, rows skipped with an error
-    (under --on-error skip), and this run's wall time."""
+def _summary(ds: Any, seconds: float, output: str, max_tokens: int) -> None:
+    """One line: rows, samples and output tokens in the output, how many samples --max-tokens
+    cut short, rows skipped with an error (under --on-error skip), and this run's wall
+    time."""
     outputs = ds["outputs"]
     samples = sum(len(o) for o in outputs)
     tokens = sum(len(s["token_ids"]) for o in outputs for s in o)
+    cut = sum(s["finish_reason"] == "length" for o in outputs for s in o)
+    notes = f"; {cut} stopped at --max-tokens {max_tokens}" if cut else ""
     skipped = sum(e is not None for e in ds["error"]) if "error" in ds.column_names else 0
-    errors = f", {skipped} rows skipped with an error (see their `error` column)" if skipped \
-        else ""
+    if skipped:
+        notes += f"; {skipped} rows skipped with an error (see their `error` column)"
     print(f"batchgen: {len(ds)} rows, {samples} samples, {tokens} output tokens in {output}"
-          f"{errors} ({seconds:.1f} s this run)")
+          f"{notes} ({seconds:.1f} s this run)")
