@@ -18,20 +18,18 @@ from batchgen.checks import (
     is_int,
     is_number,
 )
+from batchgen.defaults import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 from batchgen.model.loader import KVGeometry
 
-# CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
-DEFAULT_CPU_KV_BYTES = 4 << 30
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 2048
 # The shortest useful sequence: one prompt token and one generated token. A max_model_len or a
 # pool under it could run no request at all.
 MIN_MODEL_LEN = 2
 PREEMPTION_MODES = ("recompute", "swap")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 

@@ -11,12 +11,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from transformers import PretrainedConfig
 
-from batchgen import cpu_allocator
+from batchgen import cpu_allocator, threads
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.registry import (
     BackendQuery,
@@ -46,6 +45,9 @@ from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # CPU steps are padded to a multiple of this many tokens (and at least this many logits rows):
 # small-M GEMMs and the scalar tails of elementwise kernels round differently, and padding keeps
@@ -369,8 +371,11 @@ def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
 
 def log_capacity(built: Assembled, tp_size: int) -> None:
     """The capacity line, the pool per rank under tensor parallelism, the GPU memory kept
-    beyond the pool when it was sized from free memory, and the backend."""
+    beyond the pool when it was sized from free memory, the backend, and on the CPU a warning
+    when torch's threads outnumber the cores free to run them."""
     logger.info(built.cache_config.capacity_line(built.max_model_len))
+    if built.cache.pool.device.type == "cpu":
+        threads.warn_if_oversubscribed()
     if tp_size > 1:
         pool, heads = built.cache.pool.nbytes / 2**20, built.cache.num_kv_heads
         logger.info("tensor parallel: %d ranks, each with that pool over %d of the model's "

@@ -14,17 +14,20 @@ window-aware allocator would save, which batchgen does not (yet).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import PretrainedConfig
 
 from batchgen import config as engine_config
 from batchgen.checks import check, is_number
 from batchgen.config import CacheConfig, EngineConfig
+from batchgen.defaults import format_bytes  # noqa: F401  (the notebooks import it from here)
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
 from batchgen.model import loader
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _CPU = torch.device("cpu")
 
@@ -198,11 +201,3 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def format_bytes(n: float) -> str:
-    """Binary units, three significant decimals where they matter: 0.781 MiB, 1.56 GiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}" if n / scale < 100 else f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} bytes"

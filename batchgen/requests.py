@@ -84,11 +84,18 @@ class RequestBuilder:
         return [kind.group(self, start + i, text, ids, p, t)
                 for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
 
-    def check_one(self, prompt: PromptType, params: Any, kind: RequestKind) -> None:
-        """Raise the ValueError `build` would for this one request, building nothing (callers
-        that must not let one bad request stop the others check each first: run-batch)."""
-        _, (ids,) = self._tokenize([prompt])
-        self._check(0, self._truncate(ids, params), params, kind)
+    def check_one(self, prompt: PromptType, params: Any, kind: RequestKind,
+                  name: str = "prompt") -> TokensPrompt:
+        """Raise the ValueError `build` would for this one request (messages call it `name`),
+        building nothing; else return it tokenized, so running it does not tokenize again
+        (callers that must not let one bad request stop the others check each first:
+        run-batch, a dataset job's rows)."""
+        (text,), (ids,) = self._tokenize([prompt], name=name)
+        self._check(name, self._truncate(ids, params), params, kind)
+        checked = TokensPrompt(prompt_token_ids=ids)
+        if text is not None:
+            checked["prompt"] = text
+        return checked
 
     def render_chat(self, conversations: Conversation | Seq[Conversation],
                     chat_template: str | None, add_generation_prompt: bool,
@@ -128,9 +135,10 @@ class RequestBuilder:
             return ids
         return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
 
-    def _tokenize(self, prompts: list[PromptType], start: int = 0
+    def _tokenize(self, prompts: list[PromptType], start: int = 0, name: str | None = None
                   ) -> tuple[list[str | None], list[list[int]]]:
-        """Batched tokenisation of text prompts; token-id prompts pass through."""
+        """Batched tokenisation of text prompts; token-id prompts pass through. Messages name
+        prompt i `prompts[i]` (or `name`, for a single prompt)."""
         texts: list[str | None] = []
         ids: list[list[int] | None] = []
         for i, p in enumerate(prompts, start):
@@ -142,14 +150,15 @@ class RequestBuilder:
                 if isinstance(tok, (str, bytes)) or not all(
                         isinstance(t, numbers.Integral) and not isinstance(t, bool)
                         for t in tok):
-                    raise ValueError(f"prompts[{i}]['prompt_token_ids'] must be a list of ints")
+                    raise ValueError(f"{name or _label(i)}['prompt_token_ids'] must be a list "
+                                     "of ints")
                 texts.append(p.get("prompt"))
                 ids.append([int(t) for t in tok])
             elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
                 texts.append(p["prompt"])
                 ids.append(None)
             else:
-                raise ValueError(f"prompts[{i}] must be a str, a {{'prompt': str}} or a "
+                raise ValueError(f"{name or _label(i)} must be a str, a {{'prompt': str}} or a "
                                  f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
         todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
@@ -161,18 +170,19 @@ class RequestBuilder:
                 ids[i] = list(e)
         return texts, ids  # type: ignore[return-value]
 
-    def _check(self, i: int, ids: list[int], p: Params, kind: RequestKind) -> int:
-        """Refuse a request that could never run, naming the argument and the limit; returns
-        its max_tokens capped by max_model_len."""
+    def _check(self, at: int | str, ids: list[int], p: Params, kind: RequestKind) -> int:
+        """Refuse a request that could never run, naming the prompt (`prompts[at]`, or `at`
+        when it is a name), the argument and the limit; returns its max_tokens capped by
+        max_model_len."""
         lim = self.limits
         if not ids:
-            raise ValueError(f"prompts[{i}] is empty: a prompt needs at least one token")
+            raise ValueError(f"{_label(at)} is empty: a prompt needs at least one token")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= lim.vocab_size:
-            raise ValueError(f"prompts[{i}] has token id {lo if lo < 0 else hi} outside the "
+            raise ValueError(f"{_label(at)} has token id {lo if lo < 0 else hi} outside the "
                              f"model's vocabulary [0, {lim.vocab_size})")
         if len(ids) >= lim.max_model_len:
-            raise ValueError(f"prompts[{i}] has {len(ids)} tokens; max_model_len is "
+            raise ValueError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
                              f"{lim.max_model_len}, leaving no room to generate")
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
@@ -180,14 +190,14 @@ class RequestBuilder:
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
-        name = kind.width_arg
+        arg = kind.width_arg
         kind.check(p, min(lim.max_num_seqs, lim.max_num_batched_tokens))
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
         if need > lim.num_blocks:
             raise ValueError(
-                f"prompts[{i}] with {name}={p.width} and up to {t} new tokens needs {need} KV "
+                f"{_label(at)} with {arg}={p.width} and up to {t} new tokens needs {need} KV "
                 f"blocks and can never fit the pool of {lim.num_blocks} blocks; "
-                f"raise num_kv_blocks / kv_cache_memory or lower max_tokens / {name}")
+                f"raise num_kv_blocks / kv_cache_memory or lower max_tokens / {arg}")
         return t
 
     def _check_vocab(self, p: Params) -> None:
@@ -230,6 +240,11 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
+
+
+def _label(at: int | str) -> str:
+    """How a message names a prompt: `prompts[i]` by its index, or the name it was given."""
+    return at if isinstance(at, str) else f"prompts[{at}]"
 
 
 def as_prompt_list(prompts: Any) -> list[Any]:

@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # Installs batchgen with its test extras into .venv, then runs the test suite (pytest).
+# The [test] extra is complete (CI runs every test): Ray, lm-eval, matplotlib, xgrammar (which
+# pulls triton on Linux x86-64), then FlashInfer's Python layer; .venv ends near 4 GB, and the
+# whole suite takes about 20 minutes on a 2-core machine. Arguments go to pytest:
+# `bash scripts/test.sh tests/test_dataset.py -x` runs one file.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh test

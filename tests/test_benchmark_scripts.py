@@ -44,6 +44,7 @@ ALONE = {  # scripts with their own small settings
     "swap.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "4", "--repeats", "1",
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
+    "startup.py": ["--repeats", "1", "--top", "3"],  # fresh interpreters: no model at all
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -61,6 +62,8 @@ EXPECT = {  # lines a script must print with the settings above
     "tensor_parallel.py": ["| TP | wall s", "| all-reduce (rowwise o_proj, down_proj)",
                            "communication share of the step forward: ",
                            "greedy agreement TP=2 vs TP=1: "],
+    "startup.py": ["| command | first s | warm median s | warm min s |",
+                   "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }

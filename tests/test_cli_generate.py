@@ -1,6 +1,8 @@
 """`batchgen generate` / `batchgen beam`: a real subprocess killed with SIGKILL and then
-interrupted with Ctrl-C (SIGINT) mid-run resumes to exactly the rows of an uninterrupted run;
-bad flags and inputs print one line and exit with code 2 before the model is loaded."""
+interrupted with Ctrl-C (SIGINT) mid-run resumes to exactly the rows of an uninterrupted run
+(also when only the clock closed its shards); a row that cannot run stops the job naming its
+row and line, or is skipped with `--on-error skip`; bad flags and inputs print one line and
+exit with code 2 before the model is loaded; `--help` shows every default."""
 
 from __future__ import annotations
 
@@ -125,6 +127,10 @@ def run_main(argv: list[str], capsys) -> tuple[int, str]:
      "--chat-template '/nonexistent/t.jinja' cannot be read"),
     (["--prompt-column", "question", "--tensor-parallel-size", "0"],
      "--tensor-parallel-size must be >= 1, got 0"),
+    (["--prompt-column", "question", "--kv-cache-memory", "4gigs"],
+     "--kv-cache-memory must be a positive size: plain bytes"),
+    (["--prompt-column", "question", "--shard-seconds", "-1"],
+     "--shard-seconds must be >= 0 (0: by rows only), got -1.0"),
 ])
 def test_bad_values_exit_2_before_loading(jsonl: Path, tmp_path: Path, extra: list[str],
                                           message: str, capsys) -> None:
@@ -293,3 +299,58 @@ def test_bad_flags_exit_2(argv: list[str], capsys) -> None:
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("batchgen: error: ")
+
+
+# ---- shards closed by the clock; rows that cannot run; --help --------------------------------
+def test_a_shard_closed_by_time_survives_sigkill(tiny_model_factory, tmp_path: Path) -> None:
+    """No shard fills its rows here (--rows-per-shard 100000): only --shard-seconds writes
+    them, and what they hold survives a SIGKILL and resumes to the uninterrupted rows."""
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    data = write_jsonl(tmp_path / "in.jsonl", 1500)
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    by_time = ["--rows-per-shard", "100000", "--shard-seconds", "0.3"]
+    done = subprocess.run(command(model, data, whole), cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = start_then_signal(command(model, data, broken, *by_time), broken, 1,
+                               signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    resumed = subprocess.run(command(model, data, broken, *by_time, "--resume"), cwd=ROOT,
+                             env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    manifest = json.loads((broken / MANIFEST).read_text())
+    assert manifest["complete"] and len(manifest["shards"]) >= 2
+    assert rows_by_id(broken) == rows_by_id(whole)
+
+
+def test_on_error(tiny_model_factory, tmp_path: Path, capsys) -> None:
+    model = tiny_model_factory("llama", eos_boost=0.06)
+    capsys.readouterr()  # (a model made here says so)
+    data = write_jsonl(tmp_path / "in.jsonl", 6)
+    lines = data.read_text().splitlines()
+    lines[3] = json.dumps({"question": "word " * 1500, "k": 3})  # over max_model_len (1024)
+    data.write_text("\n".join(lines) + "\n")
+    argv = ["generate", "--model", str(model), "--input", str(data), "--prompt-column",
+            "question", "--max-tokens", "4", "--max-model-len", "1024", "--quiet"]
+    code, err = run_main([*argv, "--output", str(tmp_path / "fail")], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"batchgen: error: row 3 (line 4 of {data}): prompt has " in err
+    assert "tokens; max_model_len is 1024, leaving no room to generate" in err
+    assert main([*argv, "--output", str(tmp_path / "skip"), "--on-error", "skip"]) == 0
+    out = capsys.readouterr().out
+    assert "batchgen: 6 rows, 5 samples" in out and "; 1 rows skipped with an error" in out
+    assert "stopped at --max-tokens 4" in out  # (the tiny model rarely stops by itself)
+    rows = rows_by_id(tmp_path / "skip")
+    assert [r["error"] is None for r in rows] == [True, True, True, False, True, True]
+    assert rows[3]["error"].startswith(f"row 3 (line 4 of {data}): prompt has ")
+
+
+def test_help_shows_the_defaults(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in ("(raise it for full answers) (default: 16)", "finished rows (default: 256)",
+                  "(0: by rows only) (default: 60.0)", "and go on (default: fail)",
+                  "--block-size BLOCK_SIZE (default: 16)", "--n N samples per row (default 1)"):
+        assert shown in text, shown

@@ -1,6 +1,8 @@
 """`batchgen.data.generate_dataset`: equal to `LLM.generate` / `chat` / `beam_search` on the same
 rows with the row seeds; every input form; Parquet and JSONL shards that a resume continues (torn,
-partial, interrupted, or another job's); bad input refused before any work."""
+partial, interrupted, or another job's), keeping only rows whose input is unchanged; shards
+closed by time; a row that cannot run fails the job naming it, or is written with its error
+under on_error="skip"; bad input refused before any work."""
 
 from __future__ import annotations
 
@@ -271,9 +273,6 @@ def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> Non
     with pytest.raises(ValueError, match=r"holds a different job \(params, seed differ\)"):
         generate_dataset(llm, sub, SamplingParams(n=2, max_tokens=8), seed=6, output_dir=out,
                          resume=True, use_tqdm=False)
-    with pytest.raises(ValueError, match=r"holds a different job \(input differ\)"):
-        generate_dataset(llm, data.select(range(1, 4)), PARAMS, seed=5, output_dir=out,
-                         resume=True, use_tqdm=False)
     with pytest.raises(ValueError, match=r"holds a different job \(output_format differ\)"):
         generate_dataset(llm, sub, PARAMS, seed=5, output_dir=out, resume=True,
                          output_format="jsonl", use_tqdm=False)
@@ -294,6 +293,8 @@ def test_output_dir_of_another_job_or_without_resume(llm, data, tmp_path) -> Non
     ({"chat_template_kwargs": ["x"]}, "chat_template_kwargs must be None or a dict"),
     ({"output_format": "csv"},
      r"output_format must be one of \('parquet', 'jsonl'\), got 'csv'"),
+    ({"on_error": "ignore"}, r"on_error must be one of \('fail', 'skip'\), got 'ignore'"),
+    ({"shard_seconds": 0}, "shard_seconds must be None or a number of seconds > 0, got 0"),
 ])
 def test_bad_arguments(llm, data, kwargs, message) -> None:
     kwargs = {"params": PARAMS, **kwargs}
@@ -311,8 +312,9 @@ def test_bad_data(llm, data, tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match=r"must be a \.jsonl/\.json/\.parquet/\.csv file"):
         generate_dataset(llm, tmp_path / "notes.txt", PARAMS)
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{not json\n')
-    with pytest.raises(ValueError, match="cannot be read"):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": "b"} trailing\n')
+    with pytest.raises(ValueError, match=r"cannot be read: line 3 of .*bad.jsonl is not JSON "
+                                         r"\(Extra data at column 17\)"):
         generate_dataset(llm, tmp_path / "bad.jsonl", PARAMS)
     with pytest.raises(ValueError, match=r"already has column\(s\) \['outputs'\]"):
         generate_dataset(llm, data.add_column("outputs", [0] * len(data)), PARAMS)
@@ -329,3 +331,97 @@ def test_messages_without_chat_template(tiny_model_factory) -> None:
     data = datasets.Dataset.from_dict({"messages": [[{"role": "user", "content": "hi"}]]})
     with pytest.raises(ValueError, match="chat_template"):
         generate_dataset(llm, data, PARAMS, messages_column="messages", use_tqdm=False)
+
+
+# ---- a row that cannot run; resume after the input changed; shards closed by time ------------
+TOO_LONG = "river " * 1500  # over the test LLM's max_model_len (1024)
+
+
+def write_rows(path: Path, items: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in items))
+    return path
+
+
+def test_a_row_that_cannot_run_fails_the_job_naming_its_row_and_line(llm, tmp_path) -> None:
+    items = rows(8)
+    items[5]["prompt"] = TOO_LONG
+    src = write_rows(tmp_path / "in.jsonl", items)
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=rf"^row 5 \(line 6 of {src}\): prompt has \d+ tokens; "
+                                         r"max_model_len is 1024"):
+        generate_dataset(llm, src, PARAMS, seed=5, output_dir=out, rows_per_shard=2,
+                         use_tqdm=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert not manifest["complete"] and manifest["rows"] == 5  # the rows before it are kept
+
+
+@FORMATS
+def test_skip_writes_the_bad_row_with_its_error_and_a_fixed_row_is_all_a_resume_redoes(
+        llm, reference, tmp_path, monkeypatch, fmt) -> None:
+    items = rows(23)
+    items[7]["prompt"] = TOO_LONG
+    src = write_rows(tmp_path / "in.jsonl", items)
+    out = tmp_path / "out"
+    ds = generate_dataset(llm, src, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
+                          output_format=fmt, on_error="skip", use_tqdm=False)
+    assert ds["row_id"] == list(range(23)) and ds.column_names[-1] == "error"
+    bad = ds[7]
+    assert bad["outputs"] == [] and bad["num_prompt_tokens"] is None
+    assert bad["error"].startswith(f"row 7 (line 8 of {src}): prompt has ")
+    good = [i for i in range(23) if i != 7]
+    assert [ds[i]["error"] for i in good] == [None] * 22
+    assert [table_samples(ds[i]["outputs"]) for i in good] == [samples(reference[i])
+                                                               for i in good]
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["complete"] and sum((s["errors"] for s in manifest["shards"]), []) == [7]
+    before = {p.name for p in out.glob("part-*")}
+
+    items[7]["prompt"] = rows(23)[7]["prompt"]  # the row fixed: the file changed
+    write_rows(src, items)
+    counting = Counting(llm, monkeypatch)
+    fixed = generate_dataset(llm, src, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
+                             output_format=fmt, on_error="skip", resume=True, use_tqdm=False)
+    assert counting.pulled == 1  # only the fixed row
+    assert fixed["row_id"] == list(range(23)) and fixed["error"] == [None] * 23
+    assert [table_samples(o) for o in fixed["outputs"]] == [samples(o) for o in reference]
+    after = {p.name for p in out.glob("part-*")}
+    assert len(before - after) == 1  # row 7's shard, rewritten without it (as part 5)...
+    assert after - before == {f"part-00005.{fmt}", f"part-00006.{fmt}"}  # ...and row 7
+
+
+def test_resume_after_editing_and_adding_rows_redoes_only_those(llm, tmp_path,
+                                                                monkeypatch) -> None:
+    items = rows(12)
+    src = write_rows(tmp_path / "in.jsonl", items)
+    out = tmp_path / "out"
+    generate_dataset(llm, src, PARAMS, seed=5, output_dir=out, rows_per_shard=4, use_tqdm=False)
+    items[2]["topic"] = "edited"  # another column: the row's copy of it must follow
+    items[9]["prompt"] = "a new question"
+    items += rows(14)[12:]
+    write_rows(src, items)
+    counting = Counting(llm, monkeypatch)
+    ds = generate_dataset(llm, src, PARAMS, seed=5, output_dir=out, rows_per_shard=4,
+                          resume=True, use_tqdm=False)
+    assert counting.pulled == 4  # rows 2 and 9, and the two new rows 12 and 13
+    assert ds["row_id"] == list(range(14)) and ds["topic"][2] == "edited"
+    expected = llm.generate([r["prompt"] for r in items],
+                            [row_params(PARAMS, 5, i) for i in range(14)], use_tqdm=False)
+    assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in expected]
+    counting.pulled = 0
+    shorter = write_rows(tmp_path / "in.jsonl", items[:10])  # rows dropped from the input
+    ds = generate_dataset(llm, shorter, PARAMS, seed=5, output_dir=out, rows_per_shard=4,
+                          resume=True, use_tqdm=False)
+    assert counting.pulled == 0 and ds["row_id"] == list(range(10))
+
+
+def test_shards_close_by_time_too(llm, data, reference, tmp_path) -> None:
+    out = tmp_path / "out"
+    ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=1000,
+                          shard_seconds=1e-9, use_tqdm=False)
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert len(manifest["shards"]) > 1 and manifest["rows"] == len(data)
+    assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
+    one = generate_dataset(llm, data, PARAMS, seed=5, output_dir=tmp_path / "one",
+                           rows_per_shard=1000, shard_seconds=None, use_tqdm=False)
+    assert len(json.loads((tmp_path / "one" / MANIFEST).read_text())["shards"]) == 1
+    assert one["outputs"] == ds["outputs"]

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
-     "batchgen.outputs"),  # values and utilities
+     "batchgen.outputs", "batchgen.defaults", "batchgen.threads"),  # values and utilities
     ("batchgen.kv", "batchgen.sampling"),  # the pool's bookkeeping and bytes; the sampler
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model",),  # loading, the runner, step inputs

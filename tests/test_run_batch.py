@@ -1,7 +1,9 @@
 """`batchgen run-batch` / `batchgen.batch_api.run_batch`: an OpenAI Batch API file mixing chat,
 completions, n=2, logprobs, an unknown url, a bad body and a line that is not JSON gets one
 answer or error per line, in order; greedy answers equal `LLM.chat` / `LLM.generate`; all lines
-run in one streamed call; the output is written atomically and `--resume` reuses answers."""
+run in one streamed call; the output is written atomically, an existing one is refused
+without `--resume` or `--overwrite`, and `--resume` reuses exactly the answers whose request
+(model, served name, body) is unchanged: a changed line is recomputed and counted as such."""
 
 from __future__ import annotations
 
@@ -55,7 +57,8 @@ def answered(llm: LLM, tmp_path_factory) -> list[dict]:
     (folder / "in.jsonl").write_text("\n".join(mixed_lines()) + "\n")
     summary = run_batch(llm, folder / "in.jsonl", folder / "out.jsonl", use_tqdm=False)
     assert (summary.answered, summary.reused, summary.errors) == (5, 0, 4)
-    assert sorted(p.name for p in folder.iterdir()) == ["in.jsonl", "out.jsonl"]
+    assert sorted(p.name for p in folder.iterdir()) == [".out.jsonl.fingerprints", "in.jsonl",
+                                                        "out.jsonl"]
     return [json.loads(t) for t in (folder / "out.jsonl").read_text().splitlines()]
 
 
@@ -224,6 +227,9 @@ def test_cli(llm, tmp_path, capsys) -> None:
     assert main(["run-batch", "-i", str(tmp_path / "nope.jsonl"), "-o", "x.jsonl", "--model",
                  str(llm.model_path)]) == 2
     assert "is not a file" in capsys.readouterr().err
+    assert main([*argv, "--resume"]) == 0
+    assert ": 0 answered, 4 reused, 0 recomputed (changed), 0 errors (" in \
+        capsys.readouterr().out
 
 
 def test_examples_batch_file_parses() -> None:
@@ -232,3 +238,102 @@ def test_examples_batch_file_parses() -> None:
     path = Path(__file__).resolve().parents[1] / "examples" / "data" / "batch.jsonl"
     for number, text in enumerate(path.read_text().splitlines(), 1):
         assert parse_line(text, number).custom_id
+
+
+# ---- resume only what is unchanged; never overwrite by surprise --------------------------------
+def completion_lines(max_tokens: list[int]) -> list[str]:
+    return [line(f"c{i}", "/v1/completions", prompt=f"the green river {i}", max_tokens=m,
+                 temperature=0) for i, m in enumerate(max_tokens)]
+
+
+def answers(path: Path) -> dict[str, dict]:
+    return {d["custom_id"]: d["response"]["body"]
+            for d in map(json.loads, path.read_text().splitlines())}
+
+
+def test_resume_recomputes_exactly_the_edited_lines(llm, tmp_path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(completion_lines([6, 6, 6, 6])) + "\n")
+    first = run_batch(llm, src, out, use_tqdm=False)
+    assert (first.answered, first.reused, first.recomputed) == (4, 0, 0)
+    before = answers(out)
+    src.write_text("\n".join(completion_lines([6, 2, 6, 6])) + "\n")  # c1's body changed
+    s = run_batch(llm, src, out, resume=True, use_tqdm=False)
+    assert (s.answered, s.reused, s.recomputed, s.errors, s.lines) == (0, 3, 1, 0, 4)
+    after = answers(out)
+    assert after["c1"]["usage"]["completion_tokens"] <= 2
+    assert {k: after[k] for k in ("c0", "c2", "c3")} == {k: before[k] for k in ("c0", "c2", "c3")}
+    ref = llm.generate("the green river 1", SamplingParams(temperature=0, max_tokens=2),
+                       use_tqdm=False)[0].outputs[0]
+    assert after["c1"]["choices"][0]["text"] == ref.text
+    again = run_batch(llm, src, out, resume=True, use_tqdm=False)  # nothing left to do
+    assert (again.answered, again.reused, again.recomputed) == (0, 4, 0)
+    assert run_batch(llm, src, out, resume=True, model_name="other", use_tqdm=False
+                     ).recomputed == 4  # the served name is in every answer: all redone
+
+
+def test_resume_after_a_model_change_recomputes_every_line(llm, tiny_model_factory,
+                                                           tmp_path) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(completion_lines([5, 5, 5])) + "\n")
+    run_batch(llm, src, out, model_name="m", use_tqdm=False)
+    other = LLM(str(tiny_model_factory("llama", seed=7, eos_boost=0.03)), device="cpu",
+                max_num_seqs=8, block_size=4, num_kv_blocks=256)
+    s = run_batch(other, src, out, resume=True, model_name="m", use_tqdm=False)
+    assert (s.answered, s.reused, s.recomputed) == (0, 0, 3)
+    fresh = tmp_path / "fresh.jsonl"
+    run_batch(other, src, fresh, model_name="m", use_tqdm=False)
+    texts = [{k: v["choices"][0]["text"] for k, v in answers(p).items()} for p in (out, fresh)]
+    assert texts[0] == texts[1]
+
+
+def test_resume_after_a_kill_keeps_each_answer_with_its_request(llm, tmp_path,
+                                                                monkeypatch) -> None:
+    """An interrupted run's progress file holds each answer with its request's fingerprint:
+    a resume after the line was edited recomputes it instead of reusing the stale answer."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(completion_lines([4, 4, 4, 4])) + "\n")
+    real = llm.generate_stream
+
+    def stops_after_two(*a, **k):
+        for count, item in enumerate(real(*a, **k)):
+            if count == 2:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(llm, "generate_stream", stops_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        run_batch(llm, src, out, use_tqdm=False)
+    monkeypatch.setattr(llm, "generate_stream", real)
+    logged = [json.loads(t) for t in (tmp_path / ".out.jsonl.partial").read_text().splitlines()]
+    assert [set(e) for e in logged] == [{"fingerprint", "answer"}] * 2
+    edited = logged[0]["answer"]["custom_id"]
+    widths = [3 if f"c{i}" == edited else 4 for i in range(4)]
+    src.write_text("\n".join(completion_lines(widths)) + "\n")
+    s = run_batch(llm, src, out, resume=True, use_tqdm=False)
+    assert (s.answered, s.reused, s.recomputed) == (2, 1, 1)
+
+
+def test_existing_output_is_refused_without_resume_or_overwrite(llm, tmp_path, capsys) -> None:
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(completion_lines([3])) + "\n")
+    out.write_text("my earlier answers\n")
+    with pytest.raises(ValueError, match=r"output_path '.*out.jsonl' exists: pass resume=True "
+                                         r"to reuse .* or overwrite=True to replace them"):
+        run_batch(llm, src, out, use_tqdm=False)
+    assert out.read_text() == "my earlier answers\n"
+    argv = ["run-batch", "-i", str(src), "-o", str(out), "--model", str(llm.model_path),
+            "--num-kv-blocks", "256", "--block-size", "4", "--quiet"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "-o " in err and "exists: pass --resume to reuse the " \
+        "answers whose request is unchanged, or --overwrite to replace them" in err
+    assert out.read_text() == "my earlier answers\n"
+    assert main([*argv, "--overwrite"]) == 0
+    assert list(answers(out)) == ["c0"]
+    out.unlink()
+    (tmp_path / ".out.jsonl.partial").write_text("")  # a stopped run's progress
+    with pytest.raises(ValueError, match="has a stopped run's answers in .out.jsonl.partial"):
+        run_batch(llm, src, out, use_tqdm=False)
+    with pytest.raises(ValueError, match="pass resume=True .* or overwrite=True .*, not both"):
+        run_batch(llm, src, out, resume=True, overwrite=True, use_tqdm=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
 
 from batchgen.attention.backend import AttentionBackend
 from batchgen.kv.cache import KVCache
@@ -49,5 +48,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
 
 def register() -> str:
     """Register the function (idempotent) and return the attn_implementation name."""
+    from transformers import AttentionInterface  # its model code: imported when a model loads
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION

@@ -20,13 +20,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from batchgen.checks import check
 from batchgen.cli.common import CliError
-from batchgen.cli.kv_plan import MODEL_DTYPES
+from batchgen.defaults import MODEL_DTYPES
+
+if TYPE_CHECKING:  # torch is imported when the command runs, not for --help
+    import torch
 
 # The random model: benchmarks/throughput.py's default shape (a small GQA Llama).
 RANDOM_MODEL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8,
@@ -162,6 +163,8 @@ def random_model_name() -> str:
 
 def machine_info(device: torch.device) -> dict[str, Any]:
     """What the figures depend on: torch, threads, CPUs, device."""
+    import torch
+
     import batchgen
 
     info: dict[str, Any] = {"batchgen": batchgen.__version__, "torch": torch.__version__,
@@ -175,6 +178,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
 
 def _timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
     """fn()'s result and its wall seconds, queued GPU work included."""
+    import torch
+
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _d: None)
     sync(device)
     t0 = time.perf_counter()

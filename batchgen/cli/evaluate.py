@@ -37,7 +37,7 @@ def lm_eval_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
         value = getattr(args, name)
         if value is not None:
             if name == "kv_cache_memory":
-                value = parse_memory(value)
+                value = parse_memory(value, "--kv-cache-memory")
             pairs.append(f"{name}={value}")
     rest, i = [], 0
     while i < len(extra):

@@ -74,9 +74,19 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--output", required=True, help="folder for the shards")
     io.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                     help="shard file format (default parquet)")
-    io.add_argument("--resume", action="store_true", help="continue the job in --output")
-    io.add_argument("--rows-per-shard", type=int, default=256)
-    io.add_argument("--max-tokens", type=int, default=16)
+    io.add_argument("--resume", action="store_true",
+                    help="continue the job in --output: rows of whole shards whose input is "
+                         "unchanged are kept, the rest (edited, added, failed) are computed")
+    io.add_argument("--rows-per-shard", type=int, default=256,
+                    help="a shard is written every this many finished rows")
+    io.add_argument("--shard-seconds", type=float, default=60.0, metavar="S",
+                    help="...or S seconds after the last one, so a small or slow job keeps "
+                         "its progress (0: by rows only)")
+    io.add_argument("--on-error", choices=("fail", "skip"), default="fail",
+                    help="a row that cannot run (prompt too long, bad chat or schema): stop "
+                         "the job, or write it with an `error` column and go on")
+    io.add_argument("--max-tokens", type=int, default=16,
+                    help="most new tokens per sample (raise it for full answers)")
     io.add_argument("--seed", type=int, default=0, help="job seed: row seeds derive from it")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     _constraint_args(p)
@@ -113,22 +123,36 @@ def _constraint_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check everything that can be checked before the weights load, then run the job."""
+    """Check everything that can be checked before the weights load (the flags first, before
+    anything heavy is imported), then run the job."""
     from batchgen.cli.kv_plan import parse_memory
+
+    memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory,
+                                                                      "--kv-cache-memory")
+    check(args.rows_per_shard >= 1, "--rows-per-shard", ">= 1", args.rows_per_shard)
+    check(args.shard_seconds >= 0, "--shard-seconds", ">= 0 (0: by rows only)",
+          args.shard_seconds)
+    check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
+          args.tensor_parallel_size)
+    params = _params(args)
+    return _run_job(args, params, memory)
+
+
+def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
+    """Check the output folder, the input and its columns, load the model, run the job."""
     from batchgen.data.runner import generate_dataset
     from batchgen.data.shards import check_output_dir
     from batchgen.data.source import open_source
 
-    params = _params(args)
-    check(args.rows_per_shard >= 1, "--rows-per-shard", ">= 1", args.rows_per_shard)
-    check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
-          args.tensor_parallel_size)
     if args.ray and args.schema_column:
         raise CliError("--schema-column is for local jobs; on Ray (--ray) pass one constraint "
                        "(--json-schema, --regex, --choice or --grammar)")
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
+    if args.ray and args.on_error != "fail":
+        raise CliError("--on-error skip is for local jobs: on Ray (--ray) a row that cannot "
+                       "run fails the job")
     check_output_dir(Path(args.output).expanduser(), args.resume)
     template = chat_template_arg(args.chat_template)
     source = open_source(args.input)
@@ -139,8 +163,7 @@ def run(args: argparse.Namespace) -> int:
                 and name not in source.column_names:
             raise CliError(f"{flag} {name!r} is not a column of {args.input} (columns: "
                            f"{', '.join(source.column_names)})")
-    engine = engine_kwargs(args, None if args.kv_cache_memory is None
-                            else parse_memory(args.kv_cache_memory))
+    engine = engine_kwargs(args, memory)
     if args.ray:
         from batchgen.cli.ray_job import run_on_ray
 
@@ -153,14 +176,15 @@ def run(args: argparse.Namespace) -> int:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
                               messages_column=args.messages_column, output_dir=args.output,
                               resume=args.resume, seed=args.seed,
-                              rows_per_shard=args.rows_per_shard, chat_template=template,
-                              schema_column=args.schema_column,
+                              rows_per_shard=args.rows_per_shard,
+                              shard_seconds=args.shard_seconds or None, chat_template=template,
+                              schema_column=args.schema_column, on_error=args.on_error,
                               output_format=args.output_format, use_tqdm=not args.quiet)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")
         return EXIT_INTERRUPTED
-    _summary(ds, time.perf_counter() - start, args.output)
+    _summary(ds, time.perf_counter() - start, args.output, args.max_tokens)
     return 0
 
 
@@ -194,7 +218,6 @@ def _constraint(args: argparse.Namespace) -> Any:
     """The constraint the flags give (None without one), parsed now: a bad schema, regex or
     grammar fails before the weights load."""
     from batchgen.params import StructuredOutputsParams
-    from batchgen.sampling.grammar import check_constraint
 
     ws = None if args.max_whitespace == -1 else args.max_whitespace
     check(ws is None or ws >= 0, "--max-whitespace", ">= 0 or -1", args.max_whitespace)
@@ -213,6 +236,8 @@ def _constraint(args: argparse.Namespace) -> Any:
 
             load_xgrammar()  # the extra is there before the weights load
         return None
+    from batchgen.sampling.grammar import check_constraint
+
     check_constraint(so)
     return so
 
@@ -234,10 +259,17 @@ def chat_template_arg(path: str | None) -> str | None:
         raise CliError(f"--chat-template {path!r} cannot be read: {e.strerror}") from e
 
 
-def _summary(ds: Any, seconds: float, output: str) -> None:
-    """One line: rows, samples and output tokens in the output, and this run's wall time."""
+def _summary(ds: Any, seconds: float, output: str, max_tokens: int) -> None:
+    """One line: rows, samples and output tokens in the output, how many samples --max-tokens
+    cut short, rows skipped with an error (under --on-error skip), and this run's wall
+    time."""
     outputs = ds["outputs"]
     samples = sum(len(o) for o in outputs)
     tokens = sum(len(s["token_ids"]) for o in outputs for s in o)
-    print(f"batchgen: {len(ds)} rows, {samples} samples, {tokens} output tokens in {output} "
-          f"({seconds:.1f} s this run)")
+    cut = sum(s["finish_reason"] == "length" for o in outputs for s in o)
+    notes = f"; {cut} stopped at --max-tokens {max_tokens}" if cut else ""
+    skipped = sum(e is not None for e in ds["error"]) if "error" in ds.column_names else 0
+    if skipped:
+        notes += f"; {skipped} rows skipped with an error (see their `error` column)"
+    print(f"batchgen: {len(ds)} rows, {samples} samples, {tokens} output tokens in {output}"
+          f"{notes} ({seconds:.1f} s this run)")

@@ -10,17 +10,19 @@ import argparse
 import json
 import re
 from decimal import Decimal
+from typing import TYPE_CHECKING
 
 from batchgen.cli.common import CliError
-from batchgen.config import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES
-from batchgen.kv_plan import KvPlan, format_bytes, plan_kv
+from batchgen.defaults import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES, MODEL_DTYPES, format_bytes
+
+if TYPE_CHECKING:  # torch and transformers come with the plan, not with --help
+    from batchgen.kv_plan import KvPlan
 
 MEMORY_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
                 "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 MEMORY_FORMS = ("plain bytes (e.g. 1073741824) or a number with B, KB, MB, GB, TB (powers of "
                 "1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 512MiB, 80GiB, 1.5GB")
 _MEMORY_RE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*")
-MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -49,22 +51,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def parse_memory(text: str) -> int:
+def parse_memory(text: str, flag: str = "--memory") -> int:
     """Bytes from '1073741824', '512MiB', '80GiB', '1.5GB' (GiB = 2^30, GB = 10^9); whole
-    bytes, rounded down; a CliError naming --memory otherwise."""
+    bytes, rounded down; a CliError naming `flag` (the option the text came from) otherwise."""
     m = _MEMORY_RE.fullmatch(text)
     unit = MEMORY_UNITS.get(m.group(2).upper()) if m else None
     value = int(Decimal(m.group(1)) * unit) if m and unit else 0
     if value < 1:
-        raise CliError(f"--memory must be a positive size: {MEMORY_FORMS}; got {text!r}")
+        raise CliError(f"{flag} must be a positive size: {MEMORY_FORMS}; got {text!r}")
     return value
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan the pool and print the report (or JSON)."""
+    memory = None if args.memory is None else parse_memory(args.memory)
+    from batchgen.kv_plan import plan_kv
     from batchgen.model import loader
 
-    memory = None if args.memory is None else parse_memory(args.memory)
     path = loader.resolve_model_dir(args.model, "--model")
     config = loader.load_config(path, args.trust_remote_code)
     plan = plan_kv(config, memory=memory, block_size=args.block_size,

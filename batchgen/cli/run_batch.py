@@ -1,6 +1,7 @@
 """`batchgen run-batch -i IN -o OUT --model DIR`: an OpenAI Batch API file (as `vllm
-run-batch` reads it) answered line by line into OUT, written atomically; `--resume` skips the
-custom_ids a stopped run already answered."""
+run-batch` reads it) answered line by line into OUT, written atomically; an existing OUT is
+refused unless `--resume` (reuse the answers whose request is unchanged: same model, served
+name, chat template, url and body; recompute the others) or `--overwrite`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from batchgen.cli.common import EXIT_INTERRUPTED, CliError
+from batchgen.cli.common import EXIT_INTERRUPTED
 from batchgen.cli.engine import engine_args, engine_kwargs
 
 
@@ -26,8 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="the `model` in the answers (default: the model folder's name)")
     io.add_argument("--chat-template", default=None, help="a Jinja chat template file")
     io.add_argument("--resume", action="store_true",
-                    help="skip custom_ids already answered in --output-file or its progress "
-                         "file")
+                    help="reuse the answers in --output-file (or a stopped run's progress) "
+                         "whose request is unchanged; lines that changed (body, model) are "
+                         "recomputed")
+    io.add_argument("--overwrite", action="store_true",
+                    help="replace an existing --output-file (without --resume or this, it is "
+                         "refused)")
     io.add_argument("--seed", type=int, default=0, help="engine seed (requests without one)")
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     engine_args(p)
@@ -35,28 +40,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check the paths, load the model, serve the file, print one summary line."""
-    from batchgen.batch_api import run_batch
+    """Check the flags and paths (before anything heavy is imported), load the model, serve
+    the file, print one summary line."""
+    from batchgen.batch_api.paths import CLI_NAMES, check_paths
     from batchgen.cli.generate import chat_template_arg
     from batchgen.cli.kv_plan import parse_memory
+
+    memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory,
+                                                                      "--kv-cache-memory")
+    check_paths(Path(args.input_file).expanduser(), Path(args.output_file).expanduser(),
+                args.resume, args.overwrite, CLI_NAMES)
+    template = chat_template_arg(args.chat_template)
+    from batchgen.batch_api import run_batch
     from batchgen.llm import LLM
 
-    if not Path(args.input_file).expanduser().is_file():
-        raise CliError(f"-i {args.input_file!r} is not a file")
-    if Path(args.output_file).expanduser().is_dir():
-        raise CliError(f"-o {args.output_file!r} is a folder: give a file path")
-    template = chat_template_arg(args.chat_template)
-    memory = None if args.kv_cache_memory is None else parse_memory(args.kv_cache_memory)
     llm = LLM(args.model, **engine_kwargs(args, memory))
     start = time.perf_counter()
     try:
         s = run_batch(llm, args.input_file, args.output_file, resume=args.resume,
-                      model_name=args.served_model_name, chat_template=template,
-                      use_tqdm=not args.quiet)
+                      overwrite=args.overwrite, model_name=args.served_model_name,
+                      chat_template=template, use_tqdm=not args.quiet)
     except KeyboardInterrupt:
         sys.stderr.write("batchgen: interrupted; rerun with --resume to keep the answers "
                          "finished so far\n")
         return EXIT_INTERRUPTED
     print(f"batchgen: {s.lines} lines in {args.output_file}: {s.answered} answered, "
-          f"{s.reused} reused, {s.errors} errors ({time.perf_counter() - start:.1f} s)")
+          f"{s.reused} reused, {s.recomputed} recomputed (changed), {s.errors} errors "
+          f"({time.perf_counter() - start:.1f} s)")
     return 0

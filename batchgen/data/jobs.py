@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batchgen.checks import check
 from batchgen.kinds import BEAMS, SAMPLES, kind_of
-from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput, CompletionOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
+
+if TYPE_CHECKING:
+    from batchgen.llm import LLM
 
 
 class SampleJobs:

@@ -16,6 +16,7 @@ from batchgen.params import BeamSearchParams, SamplingParams
 ROW_ID = "row_id"
 OUTPUTS = "outputs"
 NUM_PROMPT_TOKENS = "num_prompt_tokens"
+ERROR = "error"  # with on_error="skip": why a row has no outputs (None for the others)
 ADDED_COLUMNS = (ROW_ID, NUM_PROMPT_TOKENS, OUTPUTS)
 
 _LOGPROB = pa.struct([("token_id", pa.int32()), ("logprob", pa.float32()),
@@ -89,18 +90,34 @@ def mark_valid(records: list[dict[str, Any]], constraint: str | None) -> list[di
 
 
 def output_schema(input_schema: pa.Schema | None, params: SamplingParams | BeamSearchParams,
-                  constraint: str | None = None) -> pa.Schema | None:
-    """Input columns, then row_id, num_prompt_tokens and outputs (None while the input's
-    columns are unknown: they are inferred from the first rows)."""
+                  constraint: str | None = None, errors: bool = False) -> pa.Schema | None:
+    """Input columns, then row_id, num_prompt_tokens and outputs, and with `errors`
+    (on_error="skip") an `error` column (None while the input's columns are unknown: they are
+    inferred from the first rows)."""
     if input_schema is None:
         return None
-    clash = [c for c in ADDED_COLUMNS if c in input_schema.names]
+    adds = ADDED_COLUMNS + ((ERROR,) if errors else ())
+    clash = [c for c in adds if c in input_schema.names]
     if clash:
-        raise ValueError(f"data already has column(s) {clash}: batchgen adds {list(ADDED_COLUMNS)}"
+        raise ValueError(f"data already has column(s) {clash}: batchgen adds {list(adds)}"
                          "; rename them first")
     added = [pa.field(ROW_ID, pa.int64()), pa.field(NUM_PROMPT_TOKENS, pa.int32()),
              pa.field(OUTPUTS, output_type(params, constraint))]
+    if errors:
+        added.append(pa.field(ERROR, pa.string()))
     return pa.schema(list(input_schema.remove_metadata()) + added)
+
+
+def input_part(row: dict[str, Any], errors: bool) -> dict[str, Any]:
+    """An output row's input columns: without what batchgen added (the `error` column too,
+    with `errors`)."""
+    return {k: v for k, v in row.items()
+            if k not in ADDED_COLUMNS and not (errors and k == ERROR)}
+
+
+def error_row(row: dict[str, Any], row_id: int, message: str) -> dict[str, Any]:
+    """A row skipped under on_error="skip": its input, its id, no outputs, and why."""
+    return {**row, ROW_ID: row_id, NUM_PROMPT_TOKENS: None, OUTPUTS: [], ERROR: message}
 
 
 def output_row(row: dict[str, Any], row_id: int, out: RequestOutput | BeamSearchOutput,

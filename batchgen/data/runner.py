@@ -7,6 +7,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import tee
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,12 +15,24 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from batchgen.checks import check_flag, check_int, check_seed, check_type
+from batchgen.checks import (
+    check,
+    check_choice,
+    check_flag,
+    check_int,
+    check_seed,
+    check_type,
+    is_number,
+)
+from batchgen.data.identity import model_identity, row_fingerprint
 from batchgen.data.jobs import job_kind
 from batchgen.data.prompts import PromptSpec
 from batchgen.data.rows import (
+    ERROR,
     ROW_ID,
     constraint_of,
+    error_row,
+    input_part,
     job_seed,
     output_row,
     output_schema,
@@ -28,6 +41,8 @@ from batchgen.data.rows import (
 from batchgen.data.shards import ShardStore
 from batchgen.data.source import Source, open_source, quiet_datasets
 from batchgen.data.writers import ShardWriter, writer_for
+from batchgen.kinds import kind_of
+from batchgen.log import logger
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -37,16 +52,19 @@ if TYPE_CHECKING:
     from batchgen.llm import LLM
 
 DEFAULT_ROWS_PER_SHARD = 256
+DEFAULT_SHARD_SECONDS = 60.0
+ON_ERROR = ("fail", "skip")
 
 
 def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchParams | None = None,
                      *, prompt_column: str = "prompt", messages_column: str | None = None,
                      output_dir: str | os.PathLike | None = None, resume: bool = False,
                      seed: int | None = None, rows_per_shard: int = DEFAULT_ROWS_PER_SHARD,
+                     shard_seconds: float | None = DEFAULT_SHARD_SECONDS,
                      chat_template: str | None = None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      schema_column: str | None = None, output_format: str = "parquet",
-                     use_tqdm: bool = True) -> datasets.Dataset:
+                     on_error: str = "fail", use_tqdm: bool = True) -> datasets.Dataset:
     """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
     Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
     `row_id`, `num_prompt_tokens` and `outputs` (the n completions, or the beams for
@@ -56,11 +74,18 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     from `prompt_column` (text or token ids) or, with `messages_column`, from chat messages
     through the chat template. Sample seeds derive from (seed, row id, sample index),
     `seed` being `params.seed`, else this argument, else 0: a row's samples are the same
-    whatever ran with it. With `output_dir`, finished rows go to shards of `rows_per_shard`
-    rows in `output_format` ("parquet" or "jsonl"; written atomically, listed in a
-    manifest); `resume=True` skips the
-    rows of whole shards and redoes the rest, so a resumed run's data equal an uninterrupted
-    run's. Rows finished when an error or Ctrl-C stops the job are written first.
+    whatever ran with it. With `output_dir`, finished rows go to shards in `output_format`
+    ("parquet" or "jsonl"; written atomically, listed in a manifest), a shard closed at
+    `rows_per_shard` rows or `shard_seconds` after the last one (None: by rows only);
+    `resume=True` keeps the rows of whole shards whose input is unchanged and redoes the rest
+    (rows edited or added since, and rows that failed), so a resumed run's data equal an
+    uninterrupted run's on the current input. Rows finished when an error or Ctrl-C stops the
+    job are written first.
+
+    A row that cannot run (its prompt too long, a bad chat or schema, ...) stops the job with
+    a ValueError naming its row id (and its line, for JSON Lines) under `on_error="fail"`;
+    under "skip" it is written with empty outputs and an `error` column saying why, and the
+    job goes on (other rows' `error` is None).
 
     Under `params.structured_outputs`, or with `schema_column` (a column holding each row's
     own JSON schema, a dict or its JSON text), every output also gets a `valid` flag: it
@@ -68,10 +93,29 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     params = llm.get_default_sampling_params() if params is None else params
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
                       chat_template, add_generation_prompt, chat_template_kwargs)
-    _check_args(params, rows_per_shard, resume, output_dir, seed)
+    _check_args(params, rows_per_shard, shard_seconds, on_error, resume, output_dir, seed)
     writer = writer_for(output_format)
     _check_schema_column(params, schema_column)
     source = open_source(data)
+    _check_columns(source, spec, messages_column, schema_column)
+    seed = job_seed(params, seed)
+    skip = on_error == "skip"
+    schema = output_schema(source.schema, params, constraint_of(params, schema_column), skip)
+    store = None
+    if output_dir is not None:
+        fingerprint = _job(llm, params, seed, spec, source, schema_column, writer, on_error)
+        store = ShardStore(Path(output_dir).expanduser(), fingerprint, resume, writer)
+        if resume:
+            _reconcile(store, source, skip)
+    job = _Job(llm, source, params, spec, seed, schema, store,
+               _Closing(rows_per_shard, shard_seconds), schema_column, skip)
+    job.run(use_tqdm)
+    return job.result()
+
+
+def _check_columns(source: Source, spec: PromptSpec, messages_column: str | None,
+                   schema_column: str | None) -> None:
+    """The prompt (or messages) column and the schema column are columns of the data."""
     names = source.column_names
     if names is not None and spec.column not in names:
         raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
@@ -79,53 +123,77 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     if names is not None and schema_column is not None and schema_column not in names:
         raise ValueError(f"schema_column {schema_column!r} is not a column of data (columns: "
                          f"{names})")
-    seed = job_seed(params, seed)
-    schema = output_schema(source.schema, params, constraint_of(params, schema_column))
-    store = None
-    if output_dir is not None:
-        fingerprint = _job(llm, params, seed, spec, source, schema_column, writer)
-        store = ShardStore(Path(output_dir).expanduser(), fingerprint, resume, writer)
-    job = _Job(llm, source, params, spec, seed, schema, store, rows_per_shard, schema_column)
-    job.run(use_tqdm)
-    return job.result()
+
+
+def _reconcile(store: ShardStore, source: Source, errors: bool) -> None:
+    """On resume: keep only the listed rows whose input is unchanged (error rows are retried).
+    The rows are read and fingerprinted only when the input's fingerprint differs from the
+    one the manifest lists, or says nothing of the rows (an iterable)."""
+    stored = store.stored_input or {}
+    unchanged = source.content_fingerprint and stored.get("input") == source.fingerprint
+    current = None
+    if not unchanged:  # (nothing to read when no row was kept)
+        current = {i: row_fingerprint(row) for i, row in source.rows()
+                   if i in store.done_ids} if store.done_ids else {}
+    dropped = store.reconcile(current, errors)
+    if dropped:
+        logger.info("resume: %d row(s) changed, left the input or failed: they are redone",
+                    len(dropped))
+
+
+@dataclass(frozen=True)
+class _Closing:
+    """When a shard is closed: at `rows` rows, or `seconds` after the previous one."""
+
+    rows: int
+    seconds: float | None
+
+    def due(self, buffered: int, since: float) -> bool:
+        return buffered >= self.rows or (
+            buffered > 0 and self.seconds is not None and since >= self.seconds)
 
 
 class _Job:
     """One run of generate_dataset: pulls rows, streams them through the LLM, collects or
-    shards the finished ones."""
+    shards the finished ones (and, under on_error="skip", the rows that cannot run)."""
 
     def __init__(self, llm: LLM, source: Source, params: SamplingParams | BeamSearchParams,
                  spec: PromptSpec, seed: int, schema: pa.Schema | None,
-                 store: ShardStore | None, rows_per_shard: int,
-                 schema_column: str | None = None) -> None:
+                 store: ShardStore | None, closing: _Closing,
+                 schema_column: str | None = None, skip: bool = False) -> None:
         self.llm, self.source, self.params, self.spec = llm, source, params, spec
-        self.seed, self.schema, self.store = seed, schema, store
-        self.rows_per_shard = rows_per_shard
+        self.seed, self.schema, self.store, self.closing = seed, schema, store, closing
         self.kind = job_kind(params)
-        self.inflight: dict[int, tuple[int, dict[str, Any]]] = {}  # stream index -> row
-        self.buffer: list[dict[str, Any]] = []  # finished rows not yet in a shard
+        self.engine_kind = kind_of(params)
+        self.inflight: dict[int, tuple[int, dict[str, Any], str]] = {}  # stream index -> row
+        self.buffer: list[tuple[dict[str, Any], str]] = []  # finished rows, not in a shard
         self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
         self.schema_column = schema_column  # a column of per-row JSON schemas
         self.constraint = constraint_of(params, schema_column)  # outputs get a valid flag
+        self.skip = skip  # on_error="skip": rows that cannot run are written with an error
+        self.opened = time.monotonic()  # when the shard being filled was opened
+        self.rate: _Rate | None = None
+        self.failure: ValueError | None = None  # on_error="fail": the row that stopped the job
 
     def run(self, use_tqdm: bool) -> None:
         """Stream every row not done yet; on any error or Ctrl-C, write what finished first."""
         done = self.store.done_ids if self.store is not None else set()
         todo = None if self.source.num_rows is None else self.source.num_rows - len(done)
         bar = tqdm(total=todo, desc="Rows", unit="row", dynamic_ncols=True, disable=not use_tqdm)
-        rate = _Rate(bar)
+        self.rate = _Rate(bar)
         try:
             for index, out in self._stream(done):
                 self._finished(index, out)
-                rate.update(out)
             self._flush()
+            if self.failure is not None:
+                raise self.failure
             if self.store is not None:
                 self.store.finish()
         except BaseException:
             self._flush()
             raise
         finally:
-            rate.show()
+            self.rate.show()
             bar.close()
 
     def _stream(self, done: set[int]) -> Iterator[tuple[int, Any]]:
@@ -135,39 +203,90 @@ class _Job:
         return self.kind.stream(self.llm, prompts, params)
 
     def _requests(self, done: set[int]) -> Iterator[tuple[Any, Any]]:
-        """(prompt, params) of every row not done, recording which stream index is which row."""
+        """(prompt, params) of every row not done, checked one by one, recording which stream
+        index is which row. A row that cannot run is filed as an error row, or (on_error=
+        "fail") ends the rows here: those already pulled finish and are written, then `run`
+        raises."""
         index = 0
         for row_id, row in self.source.rows():
             if row_id in done:
                 continue
-            self.inflight[index] = (row_id, row)
+            try:
+                prompt, params = self._prepare(row_id, row)
+            except Exception as e:  # the row's own problem: its prompt, template or schema
+                if self._failed(row_id, row, e):
+                    continue
+                return
+            self.inflight[index] = (row_id, row, row_fingerprint(row))
             index += 1
-            params = row_params(self.params, self.seed, row_id)
-            if self.schema_column is not None:
-                params = dataclasses.replace(params, structured_outputs=row_constraint(
-                    self.llm, row_id, row, self.schema_column))
-            yield self.spec.prompt(self.llm, row_id, row), params
+            yield prompt, params
+
+    def _prepare(self, row_id: int, row: dict[str, Any]) -> tuple[Any, Any]:
+        """The row's prompt (tokenized) and params, checked as the engine would check them."""
+        params = row_params(self.params, self.seed, row_id)
+        if self.schema_column is not None:
+            params = dataclasses.replace(params, structured_outputs=row_constraint(
+                self.llm, row, self.schema_column))
+        prompt = self.spec.prompt(self.llm, row_id, row)
+        return self.llm.requests.check_one(prompt, params, self.engine_kind), params
+
+    def _failed(self, row_id: int, row: dict[str, Any], error: Exception) -> bool:
+        """A row that cannot run: its error row filed with the finished ones ("skip": True,
+        go on), or the ValueError naming it kept for `run` to raise ("fail": False, stop)."""
+        reason = str(error).removeprefix(f"row {row_id}: ")
+        if not isinstance(error, ValueError):
+            reason = f"{type(error).__name__}: {reason}"
+        message = f"{self.source.where(row_id)}: {reason}"
+        if not self.skip:
+            self.failure = ValueError(message)
+            self.failure.__cause__ = error
+            return False
+        logger.warning("skipped %s", message)
+        self._file(error_row(row, row_id, message), row_fingerprint(row))
+        return True
 
     def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:
-        """File one finished request's row (and write a shard when one is full)."""
-        row_id, row = self.inflight.pop(index)
-        self.buffer.append(output_row(row, row_id, out, self.kind, self.constraint))
-        if len(self.buffer) >= self.rows_per_shard:
+        """File one finished request's row."""
+        row_id, row, fingerprint = self.inflight.pop(index)
+        record = output_row(row, row_id, out, self.kind, self.constraint)
+        if self.skip:
+            record[ERROR] = None
+        self._file(record, fingerprint, out)
+
+    def _file(self, record: dict[str, Any], fingerprint: str,
+              out: RequestOutput | BeamSearchOutput | None = None) -> None:
+        """Buffer a row for the next shard (written when it is due: full or old enough)."""
+        self.buffer.append((record, fingerprint))
+        if self.rate is not None:
+            self.rate.update(out)
+        if self.closing.due(len(self.buffer), time.monotonic() - self.opened):
             self._flush()
 
     def _flush(self) -> None:
         """Write the buffered finished rows as a shard (without output_dir: keep them). The
         buffer is emptied first: a Ctrl-C inside the write must not let the error path write
         the same rows again (the shard is listed or not; unlisted rows are redone on resume)."""
-        rows, self.buffer = self.buffer, []
-        if not rows:
+        buffered, self.buffer = self.buffer, []
+        self.opened = time.monotonic()
+        if not buffered:
             return
+        rows = [r for r, _ in buffered]
+        if self.schema is None:
+            self.schema = self._inferred_schema(rows)
         if self.store is None:
             self.kept += rows
             return
-        self.store.write(rows, self.schema)
-        if self.schema is None:
-            self.schema = self.store.schema
+        fingerprints = {r[ROW_ID]: fp for r, fp in buffered}
+        errors = tuple(r[ROW_ID] for r in rows if r.get(ERROR) is not None) if self.skip else ()
+        self.store.write(rows, self.schema, fingerprints, errors)
+
+    def _inferred_schema(self, rows: list[dict[str, Any]]) -> pa.Schema:
+        """The output schema when the input's columns were unknown (an iterable without
+        features): the input columns as the first rows have them (a resume: the shards')."""
+        if self.store is not None and self.store.schema is not None:
+            return self.store.schema
+        inputs = pa.Table.from_pylist([input_part(r, self.skip) for r in rows]).schema
+        return output_schema(inputs, self.params, self.constraint, self.skip)
 
     def result(self) -> datasets.Dataset:
         """The job's rows, ordered by row_id (read back from the shards with output_dir:
@@ -190,10 +309,12 @@ class _Rate:
     def __init__(self, bar: tqdm) -> None:
         self.bar, self.start, self.samples, self.tokens, self.shown = bar, time.perf_counter(), 0, 0, 0.0
 
-    def update(self, out: RequestOutput | BeamSearchOutput) -> None:
-        seqs = out.sequences if isinstance(out, BeamSearchOutput) else out.outputs
-        self.samples += len(seqs)
-        self.tokens += sum(len(s.token_ids) for s in seqs)
+    def update(self, out: RequestOutput | BeamSearchOutput | None) -> None:
+        """Count a filed row (`out`: its outputs; None for an error row)."""
+        if out is not None:
+            seqs = out.sequences if isinstance(out, BeamSearchOutput) else out.outputs
+            self.samples += len(seqs)
+            self.tokens += sum(len(s.token_ids) for s in seqs)
         self.bar.update(1)
         if time.perf_counter() - self.shown > 0.5:
             self.show()
@@ -207,12 +328,15 @@ class _Rate:
         self.shown = now
 
 
-def _check_args(params: Any, rows_per_shard: int, resume: bool, output_dir: Any, seed: Any
-                ) -> None:
+def _check_args(params: Any, rows_per_shard: int, shard_seconds: Any, on_error: Any,
+                resume: bool, output_dir: Any, seed: Any) -> None:
     """ValueErrors naming the argument (the prompt source checks itself: PromptSpec)."""
     check_type(params, "params", (SamplingParams, BeamSearchParams))
     job_kind(params).check_job(params)
     check_int(rows_per_shard, "rows_per_shard")
+    check(shard_seconds is None or (is_number(shard_seconds) and shard_seconds > 0),
+          "shard_seconds", "None or a number of seconds > 0", shard_seconds)
+    check_choice(on_error, "on_error", ON_ERROR)
     check_flag(resume, "resume")
     if resume and output_dir is None:
         raise ValueError("resume=True needs output_dir (the shards to resume from)")
@@ -229,22 +353,23 @@ def _check_schema_column(params: Any, schema_column: Any) -> None:
                          "(one for every row), not both")
 
 
-def row_constraint(llm: LLM, row_id: int, row: dict[str, Any], column: str
-                   ) -> StructuredOutputsParams:
-    """A row's own JSON schema as its constraint, compiled now (ValueError naming the row)."""
+def row_constraint(llm: LLM, row: dict[str, Any], column: str) -> StructuredOutputsParams:
+    """A row's own JSON schema as its constraint, compiled now (a ValueError naming the
+    column; the job adds the row)."""
     try:
         so = StructuredOutputsParams(json=row.get(column))
         llm.requests.grammars.compile(so)
     except ValueError as e:
-        raise ValueError(f"row {row_id}: schema_column {column!r}: {e}") from None
+        raise ValueError(f"schema_column {column!r}: {e}") from None
     return so
 
 
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
-         schema_column: str | None = None, writer: ShardWriter | None = None
-         ) -> dict[str, Any]:
-    """What identifies a job for resume: model, params, seed, prompt source, input, and the
-    output format."""
+         schema_column: str | None = None, writer: ShardWriter | None = None,
+         on_error: str = "fail") -> dict[str, Any]:
+    """What identifies a job for resume: model, params, seed, prompt source, the output format
+    and what a failed row does; and the input it ran on (a resume checks the rows of an input
+    that changed, see ShardStore.reconcile)."""
     fields = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
     if fields.get("logits_processors"):
         fields["logits_processors"] = [getattr(f, "__qualname__", repr(f))
@@ -259,13 +384,15 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
     if not fields.get("prompt_logprobs_start"):  # absent when 0, as in older manifests
         fields.pop("prompt_logprobs_start", None)
     fields["seed"] = None  # the job seed below covers it
-    job = {"model": str(llm.model_path), "kind": type(params).__name__,
+    job = {**model_identity(llm), "kind": type(params).__name__,
            "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
            "input": source.fingerprint, "input_rows": source.num_rows}
     if schema_column is not None:  # (absent otherwise: older manifests stay resumable)
         job["schema_column"] = schema_column
     if writer is not None and writer.name != "parquet":  # (absent for Parquet, as before)
         job["output_format"] = writer.name
+    if on_error != "fail":  # (absent for "fail", as before: the outputs have no error column)
+        job["on_error"] = on_error
     return job
 
 

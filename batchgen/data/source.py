@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import warnings
+from array import array
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,14 +30,41 @@ class Source:
     schema: pa.Schema | None
     num_rows: int | None
     fingerprint: str
+    json_lines: tuple[Path, ...] = ()  # the JSON Lines files read, in order (row ids by line)
+    _lines: dict[Path, array] | None = field(default=None, repr=False)
 
     @property
     def column_names(self) -> list[str] | None:
         return None if self.schema is None else list(self.schema.names)
 
+    @property
+    def content_fingerprint(self) -> bool:
+        """Whether `fingerprint` changes with the rows (files, a Dataset); an iterable's
+        names only its columns, so a resume must look at its rows."""
+        return not self.fingerprint.startswith("iterable:")
+
     def rows(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(row id, row) for every row, in input order, never all in memory."""
         return enumerate(iter(self.dataset))
+
+    def where(self, row_id: int) -> str:
+        """How a message names a row: "row 55", with "(line 56 of FILE)" for JSON Lines."""
+        at = self._line_of(row_id)
+        return f"row {row_id}" if at is None else f"row {row_id} (line {at[1]} of {at[0]})"
+
+    def _line_of(self, row_id: int) -> tuple[Path, int] | None:
+        """The file and 1-based line of a JSON Lines row (blank lines hold no row), indexed
+        on the first call."""
+        if not self.json_lines:
+            return None
+        if self._lines is None:
+            self._lines = {f: array("L", (n for n, line in enumerate(f.open("rb"), 1)
+                                          if line.strip())) for f in self.json_lines}
+        for f, numbers in self._lines.items():
+            if row_id < len(numbers):
+                return f, numbers[row_id]
+            row_id -= len(numbers)
+        return None
 
 
 def open_source(data: Any) -> Source:
@@ -94,8 +123,42 @@ def _from_path(path: Path) -> Source:
     except Exception as e:  # datasets raises many error types for a bad file
         if _no_rows(files, kind):
             raise ValueError("data has no rows") from e
-        raise ValueError(f"data {str(path)!r} cannot be read: {_root_cause(e)}") from e
-    return _from_dataset(ds, _files_fingerprint(files))
+        cause = (_bad_json_line(files) if kind == "json" else None) or _root_cause(e)
+        raise ValueError(f"data {str(path)!r} cannot be read: {cause}") from e
+    source = _from_dataset(ds, _files_fingerprint(files))
+    if kind == "json" and all(_is_json_lines(f) for f in files):
+        source.json_lines = tuple(files)
+    return source
+
+
+def _is_json_lines(path: Path) -> bool:
+    """Whether a .json/.jsonl file holds one row per line (its first line is a whole object;
+    a JSON array or a document over many lines is not)."""
+    with path.open("rb") as f:
+        first = next((line for line in f if line.strip()), b"")
+    try:
+        return isinstance(json.loads(first), dict)
+    except ValueError:
+        return False
+
+
+def _bad_json_line(files: list[Path]) -> str | None:
+    """"line N of FILE is not JSON (...)" for the first line of a JSON Lines file that does not
+    parse (None when every line does, or a file is one JSON document over many lines)."""
+    for f in files:
+        if not _is_json_lines(f):
+            continue
+        with f.open("rb") as lines:
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    json.loads(line)
+                except ValueError as e:
+                    why = f"{e.msg} at column {e.colno}" if isinstance(
+                        e, json.JSONDecodeError) else str(e)
+                    return f"line {number} of {f} is not JSON ({why})"
+    return None
 
 
 def _no_rows(files: list[Path], kind: str) -> bool:

@@ -8,16 +8,19 @@ import os
 import sys
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
 
 from batchgen.config import EngineConfig
 from batchgen.distributed.group import TPGroup
 from batchgen.distributed.rendezvous import WorkerSpec
 from batchgen.distributed.worker import serve
 from batchgen.log import logger
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def start_group(owner: object, path: Path, config: PretrainedConfig, dtype: torch.dtype,

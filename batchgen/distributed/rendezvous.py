@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from transformers import PretrainedConfig
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 HOST = "127.0.0.1"  # batchgen's own workers run on rank 0's machine
 ANNOUNCED = "batchgen/announced"  # the store's count of workers about to join

@@ -5,21 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    GenerationConfig,
-    PretrainedConfig,
-)
-from transformers.distributed import DistributedConfig
-from transformers.utils import logging as hf_logging
 
-from batchgen.attention.interface import register
+if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
+    from transformers import GenerationConfig, PretrainedConfig
 
 # Families whose attention does not route through transformers' AttentionInterface.
 UNSUPPORTED_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm")
@@ -139,7 +131,16 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The folder's tokenizer, or None when it ships none (token-id prompts still work)."""
     if not any((path / n).exists() for n in TOKENIZER_FILES.split("|")):
         return None
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    # batchgen checks every prompt against max_model_len itself (an error naming the prompt);
+    # transformers' warning about the tokenizer's own model_max_length would be a second,
+    # misleading line
+    warned = getattr(tokenizer, "deprecation_warnings", None)
+    if isinstance(warned, dict):
+        warned["sequence-length-is-longer-than-the-specified-maximum"] = True
+    return tokenizer
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
@@ -148,9 +149,14 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
     """Load safetensors weights with batchgen's attention registered and selected; with
     tp_size > 1 (inside a process group of that size), this rank's shard, split by
     transformers' own tensor-parallel plan."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from batchgen.attention.interface import register
+
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
-    extra = {} if tp_size == 1 else {"distributed_config": DistributedConfig(tp_size=tp_size)}
+    extra = {} if tp_size == 1 else {"distributed_config": _distributed_config(tp_size)}
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dtype, attn_implementation=register(),
@@ -161,14 +167,26 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
     return (model if tp_size > 1 else model.to(device)).eval()
 
 
+def _distributed_config(tp_size: int) -> Any:
+    """transformers' tensor-parallel setting (torch.distributed.tensor: imported only here)."""
+    from transformers.distributed import DistributedConfig
+
+    return DistributedConfig(tp_size=tp_size)
+
+
 def load_generation_config(path: Path) -> GenerationConfig | None:
     """The folder's generation_config.json (for its EOS ids), or None."""
     if not (path / "generation_config.json").is_file():
         return None
+    from transformers import GenerationConfig
+
     return GenerationConfig.from_pretrained(path)
 
 
 def load_config(path: Path, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The folder's config (AutoConfig), refused when its family or RoPE is unsupported."""
+    from transformers import AutoConfig
+
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     check_supported(config)
     return config
