@@ -1,16 +1,13 @@
 """The benchmarks' shared harness: everything a script needs besides its workload and its table.
 
-Flags (``add_*_args``, ``check_args``), the run's start and end (``start``: logging, threads,
-seed, machine info; ``finish``: machine line, JSON), the random-weight Llama folder
-(``prepare_model_dir``), prompts, systems as ``Contender`` s (batchgen, HF ``generate``, HF
-``generate_batch``) timed in interleaved rounds (``run_contenders``), checks (``agreement``),
-results and tables, child processes (``Child``), and, last, the few engine internals some
-scripts read, one function each, so a refactor of batchgen's engine is adapted here alone.
+Flags (``parser``, ``check_args``), the run's start and end (``start``; ``finish``: machine
+line, JSON), the random-weight Llama (``prepare_model_dir``), prompts, systems as ``Contender`` s
+timed in interleaved rounds (``run_contenders``), checks, results and tables, child processes
+(``Child``), and last the few engine internals some scripts read, one function each, so a
+refactor of batchgen's engine is adapted here alone.
 
 Run benchmarks from the repository root: ``PYTHONPATH=. python benchmarks/throughput.py``.
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -21,6 +18,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import tempfile
@@ -39,13 +37,29 @@ PAD_ID = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
 NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
+QUESTIONS = [  # chat prompts for trained models (kv_quality.py, vs_vllm.py)
+    "Why is the sky blue?", "Explain how a refrigerator keeps food cold.",
+    "What are the main causes of the French Revolution?", "Why do cats purr?",
+    "How do vaccines train the immune system?", "Write a short poem about the sea at night.",
+    "What is the difference between a list and a tuple in Python?", "How do airplanes fly?",
+    "Give me three tips for sleeping better.", "How does a bicycle stay upright while moving?",
+    "Describe the water cycle to a ten-year-old.", "How does compound interest work?",
+    "What is photosynthesis and why does it matter?", "Summarize the plot of Romeo and Juliet.",
+    "Tell me a short story about a lost robot.", "What is a prime number? List the first ten."]
 
 
 # ---- command line ---------------------------------------------------------------------------
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A parser described by the first line of the script's docstring, defaults in --help."""
-    return argparse.ArgumentParser(description=doc.strip().splitlines()[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parser(doc: str, **groups: dict[str, Any]) -> argparse.ArgumentParser:
+    """A parser described by the docstring's first line, with the flag groups named in
+    ``groups`` (``model``, ``workload``, ``run``, ``engine``, ``hf``), each given its
+    ``add_*_args`` keywords (``{}``: the defaults)."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    adders = {"model": add_model_args, "workload": add_workload_args, "run": add_run_args,
+              "engine": add_engine_args, "hf": add_hf_args}
+    for name, kwargs in groups.items():
+        adders[name](p, **kwargs)
+    return p
 
 
 def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
@@ -76,7 +90,7 @@ def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_pro
 
 def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
                  device: str | None = "cpu", verbose: bool = False) -> None:
-    """--device (unless None), --repeats (unless None), --threads, --verbose (if asked), --json."""
+    """--device and --repeats (unless None), --threads, --verbose (if asked), --json."""
     g = p.add_argument_group("run")
     if device is not None:
         g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
@@ -158,8 +172,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on
-    (CPUs, threads, versions, device, date)."""
+    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -210,8 +223,7 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
                       eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
     """``--model-dir`` if it holds a config.json, else a random Llama of the model flags in
     --dtype (the tiny BPE tokenizer if ``tokenizer``) written there or to a temporary folder.
-    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)
-    instead of make_tiny_model's."""
+    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)."""
     from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
     given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
@@ -298,6 +310,21 @@ def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
                         args.vocab_size, args.seed)
 
 
+def workload_line(args: argparse.Namespace, prompts: Sequence[Sequence[int]], rest: str) -> str:
+    n = sum(map(len, prompts))
+    return (f"workload: {len(prompts)} prompts, lengths {args.min_prompt_len}-"
+            f"{args.max_prompt_len} (mean {n / len(prompts):.0f}, {n} prompt tokens), {rest}")
+
+
+def sentences(count: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    """Seeded English-like sentences of the tiny models' corpus words."""
+    from batchgen.tools.make_tiny_model import CORPUS
+
+    words, rng = sorted(set(re.findall(r"[a-z]+", CORPUS.lower()))), random.Random(seed)
+    return [" ".join(rng.choices(words, k=rng.randint(min_words, max_words))).capitalize()
+            + rng.choice(".?!.") for _ in range(count)]
+
+
 def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Each text as a user message through the chat template (if any), as token ids."""
     if not tokenizer.chat_template:
@@ -313,6 +340,13 @@ def token_prompts(prompts: Sequence[Sequence[int]]) -> list[dict[str, list[int]]
 
 def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
+
+
+def greedy(max_tokens: int, **kwargs: Any) -> Any:
+    """Greedy ``SamplingParams`` producing exactly ``max_tokens`` tokens (EOS ignored)."""
+    from batchgen import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 # ---- systems --------------------------------------------------------------------------------
@@ -361,16 +395,27 @@ def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int
                      describe or (lambda: kv_describe(llm)))
 
 
+def fresh_contender(system: str, model_dir: Path, llm_kwargs: dict[str, Any],
+                    go: Callable[[Any], Any], config: str) -> Contender:
+    """A fresh ``LLM`` per run (an empty prefix cache; its start-up timed), ``go(llm)`` its
+    output; described by ``config`` and the last run's :func:`kv_describe` figures."""
+    from batchgen import LLM
+
+    last: list[Any] = []
+
+    def run() -> Any:
+        last[:] = [LLM(str(model_dir), **llm_kwargs)]
+        return go(last[0])
+
+    return Contender(system, run, lambda: (config, kv_describe(last[0])[1]))
+
+
 def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
-    """batchgen's config string and extra fields: its KV figures of the last call."""
+    """batchgen's config string and extra fields: the KV figures of its last call."""
     st = llm.kv_stats()
     return (f"block {st.block_size}, peak {st.peak_blocks_in_use}/{st.num_blocks} blocks, "
             f"{st.preemptions} preempt"), {
-        "kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
-        "kv_peak_blocks": st.peak_blocks_in_use,
-        "kv_peak_tokens": st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
-        "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
-        "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
+        **asdict(st), "peak_tokens": st.peak_blocks_in_use * st.block_size, **engine_facts(llm)}
 
 
 def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
@@ -427,17 +472,16 @@ def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argpar
 def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
                              n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
     """transformers' continuous batching (``generate_batch``, sdpa), warmed up. EOS disabled
-    (``eos_token_id=None`` becomes -1; its CB logits processors have no ``min_new_tokens``); a
-    cache for every row at once without sharing, plus a page each (its default would claim
-    60% of RAM on CPU); batchgen's token budget and request cap; the manager kept from the
-    warm-up on (allocation untimed). ``n`` > 1: ``num_return_sequences``, native in
-    transformers 5 (prefill once, fork)."""
+    (``eos_token_id=None``: its CB logits processors have no ``min_new_tokens``); a cache for
+    every row at once without sharing, plus a page each (its default would claim 60% of RAM on
+    CPU); batchgen's token budget and request cap; the manager kept from the warm-up on.
+    ``n`` > 1: ``num_return_sequences``, native in transformers 5 (prefill once, fork)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
     page = args.gb_page_size
-    cb_config = ContinuousBatchingConfig(
+    cb = ContinuousBatchingConfig(
         page_size=page, max_batch_tokens=args.max_num_batched_tokens,
         num_blocks=sum(n * (math.ceil((len(p) + n_tokens) / page) + 1) for p in prompts),
         max_requests_per_batch=args.max_num_seqs, seed=args.seed)
@@ -446,26 +490,18 @@ def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: ar
 
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         results = model.generate_batch(inputs=ps, generation_config=gen_config,
-                                       continuous_batching_config=cb_config,
-                                       max_new_tokens=k, persistent_manager=True)
+                                       continuous_batching_config=cb, max_new_tokens=k,
+                                       persistent_manager=True)
         assert len(results) == len(ps) * n, f"generate_batch: {len(results)} of {len(ps)} x {n}"
         bad = [rid for rid, r in results.items() if r.error is not None]
         assert not bad, f"generate_batch failed requests {bad}"
         return [list(r.generated_tokens) for r in results.values()]
 
-    def describe() -> tuple[str, dict[str, Any]]:
-        manager = getattr(model, "_cached_continuous_batching_manager", None)
-        cb = getattr(manager, "continuous_batching_config", cb_config)
-        fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
-        return f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok" \
-               f"{fork}", {"page_size": page, "num_blocks": cb.num_blocks,
-                           "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
-                           "max_requests_per_batch": cb.max_requests_per_batch,
-                           "allow_block_sharing": cb.allow_block_sharing,
-                           "attn_implementation": model.config._attn_implementation}
-
+    fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
+    config = f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok{fork}"
     warm_up(go, prompts, n_tokens)
-    return Contender("HF generate_batch", lambda: go(prompts, n_tokens), describe,
+    return Contender("HF generate_batch", lambda: go(prompts, n_tokens),
+                     lambda: (config, {"page_size": page, "num_blocks": cb.num_blocks}),
                      close=model.destroy_cached_continuous_batching_manager)
 
 
@@ -508,7 +544,7 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
 
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
                    prompt_tokens: int, count: Callable[[Any], int] | None = None
-                   ) -> list[tuple[Result, Any]]:
+                   ) -> list[tuple["Result", Any]]:
     """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
     contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
     output (token rows, whose total length ``count`` defaults to)."""
@@ -634,6 +670,11 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
 
 
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print a blank line and :func:`markdown_table`."""
+    print("\n" + markdown_table(headers, rows), flush=True)
+
+
 def fmt_ratio(num: float, den: float) -> str:
     return f"{num / den:.2f}x" if den > 0 else "n/a"
 
@@ -718,11 +759,13 @@ class Child:
         first = f"; first error: {cause.strip()}" if cause else ""
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
-    def check(self) -> None:
-        """RuntimeError (with the log's tail) unless it exited with status 0."""
-        if self.wait() != 0:
+    def check(self, timeout: float | None = None) -> str:
+        """Its output, once it exited with status 0 (killed after ``timeout``); else
+        RuntimeError with the log's tail."""
+        if self.wait(timeout) != 0:
             raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
                                f"{self.log_tail(40)}")
+        return self.output
 
 
 # ---- engine internals: the only reads past batchgen's public API, one function each ---------
