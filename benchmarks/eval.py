@@ -1,44 +1,38 @@
 """lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
 
-The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen`` with ``until``:
-exact_match; ``bg_ppl`` rolling: word / byte perplexity, bits per byte) through
-``lm_eval.simple_evaluate`` with ``HFLM`` (float32, ``--hf-batch-size``) and
-``batchgen.eval.BatchgenLM`` (float32, prefix cache on, cold for every run; ``--no-cache-too``:
-also off), loaded and warmed up first, one ``max_length``, ``--repeats`` interleaved rounds
-(fastest kept). Printed: the metrics side by side (they must agree to ``--rtol``, else exit 1),
-each task's seconds inside the backends' request methods (the model's work) and their ratio,
-the whole ``simple_evaluate`` call's, and batchgen's prefix-hit and computed prompt tokens.
+The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen``: exact_match;
+``bg_ppl`` rolling: word / byte perplexity, bits per byte) through ``lm_eval.simple_evaluate``
+with ``HFLM`` (float32, ``--hf-batch-size``) and ``batchgen.eval.BatchgenLM`` (float32, prefix
+cache on, cold for every run; ``--no-cache-too``: also off), loaded and warmed up first, one
+``max_length``, ``--repeats`` interleaved rounds (fastest by model time kept). Printed: the
+metrics side by side (they must agree to ``--rtol``, else exit 1), each task's seconds inside
+the backends' request methods (the model's work), the whole ``simple_evaluate`` call's, and
+batchgen's prefix-hit and computed prompt tokens.
 
     PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
-    PYTHONPATH=. python benchmarks/eval.py --model tiny --limit 4 --json out.json
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common as h  # noqa: E402
 
-TASKS_DIR = h.ROOT / "tests" / "eval_tasks"
 TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
 METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
-def clock(lm: Any) -> Any:
-    """``lm`` with its request methods timed: ``lm.model_s``, the backend's own seconds
-    (without lm-eval's task building and metrics)."""
+def clock(lm):
+    """``lm`` with its request methods timed into ``lm.model_s`` (the backend's own seconds,
+    without lm-eval's task building and metrics)."""
     lm.model_s = 0.0
 
-    def timed(method: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
+    def timed(method):
+        def call(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
@@ -51,11 +45,10 @@ def clock(lm: Any) -> Any:
     return lm
 
 
-def evaluate(lm: Any, task: str, args: argparse.Namespace, manager: Any, limit: int | None
-             ) -> dict[str, Any]:
-    """One task through lm-eval on ``lm`` (run in the tasks' folder: relative data files): its
-    metrics (stderr left out), the whole call's seconds and the model's; batchgen's prefix hits
-    and prompt tokens computed (the task's last call: its one request type)."""
+def evaluate(lm, task: str, args, manager, limit: int | None) -> dict:
+    """One task through lm-eval on ``lm`` (in the tasks' folder: relative data files): its
+    metrics (no stderr), the whole call's seconds and the model's; batchgen's prefix hits and
+    prompt tokens computed (the task's last call: its one request type)."""
     import lm_eval
 
     if hasattr(lm, "llm"):  # batchgen: a cold prefix cache (no hit from an earlier run)
@@ -79,16 +72,16 @@ def evaluate(lm: Any, task: str, args: argparse.Namespace, manager: Any, limit: 
     return row
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every task on every system (hf first), fastest of the rounds by model time."""
+def run(args) -> dict:
+    """Every task on every system (hf first), the fastest round by model time."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from batchgen.eval import BatchgenLM
 
     folder, systems, load = h.resolve_model(args.model), {}, {}
-    for name, cache in [("batchgen", True)] + [("batchgen, no prefix cache", False)] * bool(
-            args.no_cache_too):
+    for name, cache in [("batchgen", True), ("batchgen, no prefix cache", False)][
+            :1 + args.no_cache_too]:
         t0 = time.perf_counter()
         systems[name] = clock(BatchgenLM(str(folder), device="cpu", dtype="float32",
                                          max_length=args.max_length, enable_prefix_caching=cache,
@@ -102,20 +95,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
     for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
         evaluate(lm, args.tasks[0], args, manager, limit=1)
-    def contender(name: str, lm: Any, task: str, rows: list[dict[str, Any]]) -> h.Contender:
-        return h.Contender(name, lambda: rows.append(evaluate(lm, task, args, manager,
-                                                              args.limit)))
-
     tasks = {}
     for task in args.tasks:
-        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-        h.interleaved_repeats([contender(n, lm, task, rows[n]) for n, lm in systems.items()],
-                              args.repeats)
+        rows = {name: [] for name in systems}
+        h.interleaved_repeats([h.Contender(n, lambda lm=lm, t=task, out=rows[n]: out.append(
+            evaluate(lm, t, args, manager, args.limit))) for n, lm in systems.items()],
+            args.repeats)
         tasks[task] = {n: min(rs, key=lambda r: r["model_s"]) for n, rs in rows.items()}
     return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
 
 
-def report(result: dict[str, Any], rtol: float) -> bool:
+def report(result: dict, rtol: float) -> bool:
     """The metrics side by side, then the times; whether every metric agrees."""
     rows, ok = [], True
     names = list(next(iter(result["tasks"].values())))
@@ -130,16 +120,15 @@ def report(result: dict[str, Any], rtol: float) -> bool:
             ok &= good
             rows.append([task, metric, *(f"{v:.6g}" if v is not None else "-" for v in [a, *bs]),
                          f"{rel:.1e}" if rel is not None else "-", "yes" if good else "NO"])
-    print(h.markdown_table(["task", "metric", *names, "rel. diff", f"<= {rtol:g}"], rows))
+    h.table(["task", "metric", *names, "rel. diff", f"<= {rtol:g}"], rows)
     totals = {n: {k: sum(r[n][k] for r in result["tasks"].values())
                   for k in ("model_s", "lm_eval_s")} for n in names}
-    print(h.markdown_table(
-        ["task", "system", "model s", "hf / system", "lm-eval s", "prefix-hit tokens",
-         "prompt tokens computed"],
-        [[task, n, f"{r[n]['model_s']:.2f}", h.fmt_ratio(r["hf"]["model_s"], r[n]["model_s"]),
-          f"{r[n]['lm_eval_s']:.2f}", r[n].get("prefix_hit_tokens", "-"),
-          r[n].get("prompt_tokens_computed", "-")]
-         for task, r in [*result["tasks"].items(), ("all", totals)] for n in names]))
+    h.table(["task", "system", "model s", "hf / system", "lm-eval s", "prefix-hit tokens",
+             "prompt tokens computed"],
+            [[task, n, f"{r[n]['model_s']:.2f}", h.fmt_ratio(r["hf"]["model_s"], r[n]["model_s"]),
+              f"{r[n]['lm_eval_s']:.2f}", r[n].get("prefix_hit_tokens", "-"),
+              r[n].get("prompt_tokens_computed", "-")]
+             for task, r in [*result["tasks"].items(), ("all", totals)] for n in names])
     load = ", ".join(f"{k} {v:.1f} s" for k, v in result["load_s"].items())
     print(f"load (not timed above): {load}; max_length {result['max_length']}")
     print("metrics agree" if ok else "METRICS DISAGREE")
@@ -147,10 +136,10 @@ def report(result: dict[str, Any], rtol: float) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__)
+    p = h.parser(__doc__, run={"device": None})
     p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument("--tasks-dir", type=Path, default=TASKS_DIR,
+    p.add_argument("--tasks-dir", type=Path, default=h.ROOT / "tests" / "eval_tasks",
                    help="folder of the task YAMLs and their data (lm-eval's --include_path)")
     p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's)")
     p.add_argument("--num-fewshot", type=int, default=None,
@@ -164,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cache-too", action="store_true",
                    help="also run batchgen with its prefix cache off (what the cache saves)")
     p.add_argument("--rtol", type=float, default=1e-3)
-    h.add_run_args(p, device=None)
     args = h.check_args(p, p.parse_args(argv), "limit")
     args.tasks = [t for t in args.tasks.split(",") if t]
     args.fewshot_tasks = [t for t in args.fewshot_tasks.split(",") if t]
