@@ -320,7 +320,7 @@ def sentences(count: int, min_words: int, max_words: int, seed: int) -> list[str
     """Seeded English-like sentences of the tiny models' corpus words."""
     from batchgen.tools.make_tiny_model import CORPUS
 
-    words, rng = sorted(set(re.findall(r"[a-z]+", CORPUS.lower()))), random.Random(seed)
+    words, rng = sorted(set(re.findall(r"[a-z]{2,}", CORPUS.lower()))), random.Random(seed)
     return [" ".join(rng.choices(words, k=rng.randint(min_words, max_words))).capitalize()
             + rng.choice(".?!.") for _ in range(count)]
 

@@ -2,32 +2,26 @@
 local Ray with 1 and 2 actors (`batchgen.ray`), on the same rows, in one run.
 
 Every Ray run starts a fresh Ray and is timed from handing the dataset to the processor until
-every row is back: actor start-up (each loads its `LLM`) counts, as a Ray job pays it; the local
-figure excludes model load (both reported). Ray overhead = (1 actor) - (local); issue 12's bar:
-2 actors not slower than 1 by more than that. Outputs must be identical (same row seeds). Each
-actor gets `--cpus-per-actor` CPUs (Ray sets its torch threads to that), the local run as many
-torch threads: the same compute with and without Ray.
+every row is back: actor start-up (each loads its `LLM`) counts; the local figure excludes model
+load (both reported). Ray overhead = (1 actor) - (local); issue 12's bar: 2 actors not slower
+than 1 by more than that. Outputs must be identical (same row seeds), else exit 1. Each actor
+gets `--cpus-per-actor` CPUs (Ray sets its torch threads to that), the local run as many threads.
 
     PYTHONPATH=. python benchmarks/ray_scaling.py --json /tmp/ray_scaling.json
 """
-
-from __future__ import annotations
 
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import common as h  # noqa: E402
 
-WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
 
-
-def run_local(model: str, data: Any, params: Any) -> tuple[float, float, list[dict]]:
+def run_local(model: str, data, params) -> tuple[float, float, list[dict]]:
     from batchgen import LLM
     from batchgen.data import generate_dataset
 
@@ -38,8 +32,7 @@ def run_local(model: str, data: Any, params: Any) -> tuple[float, float, list[di
     return time.perf_counter() - t1, t1 - t0, out
 
 
-def run_ray(model: str, data: Any, params: Any, actors: int, args: Any
-            ) -> tuple[float, float, list[dict]]:
+def run_ray(model: str, data, params, actors: int, args) -> tuple[float, float, list[dict]]:
     import ray
 
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
@@ -67,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict:
     from batchgen.cli.bench import RANDOM_MODEL, RANDOM_VOCAB
     from batchgen.tools.make_tiny_model import make_tiny_model
 
-    p = h.parser(__doc__)
+    p = h.parser(__doc__, run={"repeats": None, "device": None})
     p.add_argument("--rows", type=int, default=2000)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -79,20 +72,16 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--model-size", choices=["bench", "tiny"], default="bench",
                    help="bench: the benchmarks' shape (hidden 256, 4 layers, vocab 4096); "
                         "tiny: the test models' (fast)")
-    h.add_run_args(p, repeats=None, device=None)
     args = h.check_args(p, p.parse_args(argv))
     args.actors = h.parse_int_list(p, args.actors, "--actors")
-    # The local run gets an actor's threads (unless --threads): the same arithmetic and compute
-    # as 1 actor.
-    args.threads = args.threads or max(1, int(args.cpus_per_actor))
+    args.threads = args.threads or max(1, int(args.cpus_per_actor))  # an actor's arithmetic
     info = h.start(args)
     model = args.model or str(make_tiny_model(
         Path(os.environ.get("TMPDIR", "/tmp")) / f"batchgen-ray-bench-{args.model_size}",
         eos_boost=0.06, **({} if args.model_size == "tiny" else {
             **RANDOM_MODEL, "vocab_size": RANDOM_VOCAB})))
-    data = datasets.Dataset.from_list([
-        {"prompt": " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(4 + i % 12)),
-         "k": i} for i in range(args.rows)])
+    data = datasets.Dataset.from_list([{"prompt": s, "k": i} for i, s in enumerate(
+        h.sentences(args.rows, 4, 16, seed=0))])
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
     local_s, local_load_s, local = run_local(model, data, params)
     tokens = sum(len(s["token_ids"]) for r in local for s in r["outputs"])
@@ -103,17 +92,16 @@ def main(argv: list[str] | None = None) -> dict:
         results.append({"system": f"Ray Data, {actors} actor{'s' * (actors > 1)}",
                         "actors": actors, "wall_s": wall, "startup_s": init_s,
                         "identical": out == local})
-    one = next((r for r in results if r["actors"] == 1), None)
-    two = next((r for r in results if r["actors"] == 2), None)
-    overhead = one["wall_s"] - local_s if one else None
+    by_actors = {r["actors"]: r["wall_s"] for r in results}
+    overhead = by_actors[1] - local_s if 1 in by_actors else None
     print(f"{args.rows} rows, n={args.n}, max_tokens {args.max_tokens}, {tokens} output tokens")
     print(h.markdown_table(
         ["system", "wall s (job)", "output tok/s", "start-up s (load / ray.init)",
          "rows identical to local"],
         [[r["system"], f"{r['wall_s']:.2f}", f"{tokens / r['wall_s']:,.0f}",
           f"{r['startup_s']:.2f}", "yes" if r["identical"] else "NO"] for r in results]))
-    if one and two:
-        extra = two["wall_s"] - one["wall_s"]
+    if overhead is not None and 2 in by_actors:
+        extra = by_actors[2] - by_actors[1]
         print(f"Ray overhead (1 actor - local): {overhead:.2f} s; 2 actors - 1 actor: "
               f"{extra:+.2f} s; bar (2 actors not slower than 1 by more than the overhead): "
               f"{'met' if extra <= overhead else 'NOT met'}")
