@@ -11,13 +11,8 @@ finished-buffer records, against steps x width.
 """
 
 import statistics
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 CONFIGS = ("plain", "trace", "logprobs", "trace+logprobs")
 

@@ -17,10 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
 METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")

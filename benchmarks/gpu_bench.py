@@ -14,15 +14,11 @@ the first ``--hf-prompts``) and HF generate_batch (its own ``max_new_tokens`` pe
 """
 
 import random
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                 intermediate_size=8192, vocab_size=128256)

@@ -18,14 +18,10 @@ host gap starts with cold CPU caches (as a late CPU forward, streaming far more 
 import statistics
 import sys
 import time
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 LONG_ROWS = 64  # rows of the growth run
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2)

@@ -10,13 +10,9 @@ trained model; with a tokenizer, the prompts are ``common.QUESTIONS`` through it
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """
 
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 KV_DTYPES = ("float32", "bfloat16", "fp8")
 

@@ -10,13 +10,8 @@ same tokens (asserted).
 """
 
 import random
-import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 
 def main(argv: list[str] | None = None) -> dict:

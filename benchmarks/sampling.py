@@ -24,15 +24,11 @@ interleaved rounds (fastest kept).
 
 import copy
 import gc
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 # vLLM paper, sec. 6.3: KV blocks saved by sharing / blocks without sharing.
 PAPER_SAVINGS = {"sampling": "6.1-9.8% Alpaca / 16.2-30.5% ShareGPT",

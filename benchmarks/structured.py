@@ -14,12 +14,8 @@
 import json
 import re
 import sys
-from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},

@@ -12,13 +12,9 @@ Asserts swap gives the reference's tokens (recompute may flip near ties: counted
 """
 
 import gc
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 
 def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> list[dict]:

@@ -17,17 +17,13 @@ call is synchronised. Calls and bytes do not depend on the device.
 import contextlib
 import gc
 import pickle
-import sys
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
+import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed import _functional_collectives as funcol  # noqa: E402
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 KINDS = {"control": "control broadcast (TPGroup.send)",
          "all_reduce": "all-reduce (rowwise o_proj, down_proj)",

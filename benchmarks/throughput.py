@@ -9,13 +9,7 @@ prompts, the best counting. generate_batch: see ``common.generate_batch_contende
     PYTHONPATH=. python benchmarks/throughput.py --repeats 3
 """
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from benchmarks import common as h
 
 
 def main(argv: list[str] | None = None) -> dict:
