@@ -1,38 +1,31 @@
-"""What beam search's records cost: ``return_trace`` and ``logprobs=k`` against plain beams.
+"""What beam search's records cost: ``return_trace`` and ``logprobs=5`` against plain beams.
 
-The random Llama and prompt mix of ``sampling.py`` (``--output-len`` new tokens, EOS ignored).
-Per ``--beam-widths`` one ``LLM`` runs ``BeamSearchParams(beam_width=W, ignore_eos=True)``
-plain, with ``return_trace=True``, ``logprobs=--logprobs`` and both, warmed up and timed in
-``--repeats`` interleaved rounds: min and median wall times and each min over plain's. Every
-configuration must return plain's hypotheses (asserted). Trace size per request: live records,
-finished-buffer records, against steps x width.
+The random Llama and prompt mix of ``sampling.py``, ``--output-len`` new tokens (EOS ignored).
+Per ``--beam-widths`` one ``LLM`` runs each of ``--configs``, warmed up, in ``--repeats``
+interleaved rounds: min and median wall times, min over plain's, and the trace's records per
+request against steps x width. Every configuration must return plain's hypotheses (asserted).
 
     PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
 """
 
 import statistics
 
+from batchgen import LLM, BeamSearchParams
 from benchmarks import common as h
 
-CONFIGS = ("plain", "trace", "logprobs", "trace+logprobs")
+CONFIGS = {"plain": {}, "trace": {"return_trace": True}, "logprobs": {"logprobs": 5},
+           "trace+logprobs": {"return_trace": True, "logprobs": 5}}
 
 
-def contender(llm, prompts: list[list[int]], width: int, config: str, args) -> h.Contender:
+def contender(llm, prompts: list[list[int]], width: int, config: str, n_tokens: int
+              ) -> h.Contender:
     """One configuration on ``llm``, warmed up; its output: the RequestOutputs."""
-    from batchgen import BeamSearchParams
-
-    extra = {}  # plain passes neither, so it runs on older versions too
-    if "trace" in config:
-        extra["return_trace"] = True
-    if "logprobs" in config:
-        extra["logprobs"] = args.logprobs
-
     def go(ps: list[list[int]], k: int):
-        bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **extra)
+        bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **CONFIGS[config])
         return llm.beam_search(h.token_prompts(ps), bp, use_tqdm=False)
 
-    h.warm_up(go, prompts, args.output_len)
-    return h.Contender(config, lambda: go(prompts, args.output_len))
+    h.warm_up(go, prompts, n_tokens)
+    return h.Contender(config, lambda: go(prompts, n_tokens))
 
 
 def trace_sizes(outs, width: int) -> dict[str, float]:
@@ -48,13 +41,9 @@ def trace_sizes(outs, width: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from batchgen import LLM
-
     p = h.parser(__doc__, model={}, run={}, workload={
         "num_prompts": 16, "min_prompt_len": 16, "max_prompt_len": 128, "output_len": 32})
     p.add_argument("--beam-widths", default="4,16", help="comma-separated beam widths")
-    p.add_argument("--logprobs", type=int, default=5, help="k of the logprobs configurations")
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset, plain first (plain alone also runs on a "
                         "batchgen without these parameters: the off path across versions)")
@@ -71,9 +60,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         for width in args.beam_widths:
-            llm = LLM(str(model_dir), device=args.device, block_size=args.block_size,
-                      max_num_seqs=max(256, width))
-            timings = h.interleaved_repeats([contender(llm, prompts, width, c, args)
+            llm = LLM(str(model_dir), device=args.device, max_num_seqs=max(256, width))
+            timings = h.interleaved_repeats([contender(llm, prompts, width, c, args.output_len)
                                              for c in args.configs], args.repeats, args.device)
             for config, (outs, walls) in zip(args.configs, timings):
                 assert beams(outs) == beams(timings[0][0]), f"{config} changed the beams"

@@ -12,6 +12,7 @@ trained model; with a tokenizer, the prompts are ``common.QUESTIONS`` through it
 
 from pathlib import Path
 
+from batchgen import LLM
 from benchmarks import common as h
 
 KV_DTYPES = ("float32", "bfloat16", "fp8")
@@ -19,8 +20,6 @@ KV_DTYPES = ("float32", "bfloat16", "fp8")
 
 def run(model_dir: Path, prompts: list[list[int]], args, kv: str) -> list[tuple[list, list]]:
     """Greedy tokens and their logprobs with a ``kv`` pool."""
-    from batchgen import LLM
-
     llm = LLM(str(model_dir), kv_cache_dtype=kv, dtype=args.dtype, device=args.device,
               enable_prefix_caching=False)
     outs = llm.generate(h.token_prompts(prompts), h.greedy(args.output_len, logprobs=0),

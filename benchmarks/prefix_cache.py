@@ -2,21 +2,19 @@
 `generate`, on the same random-weight Llama, in one process.
 
 Defaults: 200 requests = one 512-token system prompt + a 32-64 token question, 32 greedy tokens
-(EOS ignored); a fresh ``LLM`` per batchgen run (timed; an empty cache each time). Reports
-requests/s, the prompt tokens each system ran and the ratios; caching on and off must give the
-same tokens (asserted).
+(EOS ignored); a fresh ``LLM`` per batchgen run (timed: an empty cache each time). Caching on and
+off must give the same tokens (asserted).
 
     PYTHONPATH=. python benchmarks/prefix_cache.py
 """
 
 import random
 
+from batchgen import LLM
 from benchmarks import common as h
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from batchgen import LLM
-
     p = h.parser(__doc__, model={}, run={}, hf={"generate_batch": False})
     g = p.add_argument_group("workload")
     for flag, default in (("--num-prompts", 200), ("--system-len", 512), ("--output-len", 32),

@@ -9,12 +9,11 @@ prompts, the best counting. generate_batch: see ``common.generate_batch_contende
     PYTHONPATH=. python benchmarks/throughput.py --repeats 3
 """
 
+from batchgen import LLM
 from benchmarks import common as h
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from batchgen import LLM
-
     p = h.parser(__doc__, model={}, workload={}, run={"verbose": True}, engine={}, hf={})
     args = h.check_args(p, p.parse_args(argv))
     info = h.start(args)
