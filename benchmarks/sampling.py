@@ -1,22 +1,18 @@
 """Parallel sampling (n > 1) and beam search: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
 The random Llama and prompt mix of ``throughput.py``, exactly ``--output-len`` (L) new tokens
-per sample / beam (EOS ignored); every system warmed up, each workload timed in ``--repeats``
-interleaved rounds (fastest kept).
-
-1. **n-way sampling** (``--n``; temperature 1, no top-k / top-p): every sample counts; HF
-   generate ``num_return_sequences=n`` at each of ``--hf-batch-sizes``, generate_batch natively.
-2. **beam search** per ``--beam-widths`` (length_penalty 1, no early stopping) vs HF
-   ``num_beams=W``: the best beam counts and is compared with HF's. batchgen's ``ignore_eos``
-   keeps EOS an ordinary token where HF's ``min_new_tokens`` bans it: mismatched prompts are
-   rerun (untimed, HF batch 1) with EOS ordinary in HF too. ``--controls-widths`` (default 4)
-   reruns a width with ``CONTROLS`` in both (batchgen banning EOS with ``min_tokens=L`` as HF
-   does: the same search) and reports their cost.
-3. **KV memory** of every batchgen run: peak KV tokens against a contiguous HF-style allocator
-   (``sum width * (len + L)``) and a paged one without sharing (``sum width * ceil((len + L) /
-   block) * block``, the vLLM paper's baseline, SOSP 2023 sec. 6.3), both holding the whole
-   workload at once (overstated, marked *, when ``num_prompts * width > --max-num-seqs``). The
-   pool fits the largest run without sharing (unless ``--num-kv-blocks``): no run preempts.
+per sample / beam (EOS ignored), every system warmed up, each workload timed in ``--repeats``
+interleaved rounds. **n-way sampling** (``--n``, temperature 1): every sample counts.
+**Beam search** per ``--beam-widths`` (length_penalty 1, no early stopping) vs HF
+``num_beams=W``: the best beam counts and is compared with HF's; batchgen's ``ignore_eos`` keeps
+EOS an ordinary token where HF's ``min_new_tokens`` bans it, so mismatched prompts are rerun
+(untimed, HF batch 1) with EOS ordinary in HF too. ``--controls-widths`` reruns a width with
+``CONTROLS`` in both (batchgen banning EOS with ``min_tokens=L`` as HF does: the same search).
+**KV memory** of each batchgen run: its peak against a contiguous HF-style cache (``sum width *
+(len + L)``) and a paged one without sharing (``sum width * ceil((len + L) / block) * block``,
+the vLLM paper's baseline, SOSP 2023 sec. 6.3), both holding the whole workload at once (marked
+* when more rows than ``--max-num-seqs``). The pool fits the largest run without sharing
+(unless ``--num-kv-blocks``): no run may preempt (asserted).
 
     PYTHONPATH=. python benchmarks/sampling.py --repeats 3
     PYTHONPATH=. python benchmarks/sampling.py --beam-widths 64 --skip-hf --skip-generate-batch
@@ -24,10 +20,8 @@ interleaved rounds (fastest kept).
 
 import copy
 import gc
-from pathlib import Path
 
-import torch
-
+from batchgen import LLM, BeamSearchParams, SamplingParams
 from benchmarks import common as h
 
 # vLLM paper, sec. 6.3: KV blocks saved by sharing / blocks without sharing.
@@ -39,29 +33,24 @@ CONTROLS = {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2}  # HF's beam c
 def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, model={}, workload={"num_prompts": 16}, run={"verbose": True},
                  engine={}, hf={"batch_sizes": "1,2,4"})
-    g = p.add_argument_group("sampling / beam search")
-    g.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
-    g.add_argument("--beam-widths", default="4,16",
-                   help="comma-separated beam widths ('' or 0 skips beam search)")
-    g.add_argument("--controls-widths", default=None,
-                   help="beam widths also run with CONTROLS ('' or 0: none; default: 4 when it "
-                        "is among --beam-widths)")
-    g.add_argument("--controls-first", action="store_true",
+    p.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
+    p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)")
+    p.add_argument("--controls-widths", default="4",
+                   help="those of --beam-widths also run with CONTROLS ('' or 0: none)")
+    p.add_argument("--controls-first", action="store_true",
                    help="run the controls variant before the plain one")
     args = h.check_args(p, p.parse_args(argv))
 
     def widths(value: str, flag: str) -> list[int]:
         return [] if value.strip() in ("", "0") else h.parse_int_list(p, value, flag)
 
-    args.beam_widths = widths(str(args.beam_widths), "--beam-widths")
-    default = "4" if 4 in args.beam_widths else ""
-    args.controls_widths = widths(str(args.controls_widths or default), "--controls-widths")
+    args.beam_widths = widths(args.beam_widths, "--beam-widths")
+    args.controls_widths = [w for w in widths(args.controls_widths, "--controls-widths")
+                            if w in args.beam_widths]
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
-    if args.beam_widths and max(args.beam_widths) > args.max_num_seqs:
+    if max(args.beam_widths, default=0) > args.max_num_seqs:
         p.error(f"--beam-widths must be <= --max-num-seqs ({args.max_num_seqs})")
-    if set(args.controls_widths) - set(args.beam_widths):
-        p.error("--controls-widths must be among --beam-widths")
     return args
 
 
@@ -80,10 +69,7 @@ def kv_extra(llm, prompts: list[list[int]], width: int, args) -> tuple[str, dict
         "saving_vs_paged_no_sharing": 1 - e["peak_tokens"] / paged}
 
 
-def sampling_contenders(llm, hf, model_dir: Path, prompts: list[list[int]], args
-                        ) -> list[h.Contender]:
-    from batchgen import SamplingParams
-
+def sampling_contenders(llm, hf, model_dir, prompts: list[list[int]], args) -> list[h.Contender]:
     n, L = args.n, args.output_len
     out = [h.batchgen_contender(llm, prompts, lambda k: SamplingParams(
         n=n, temperature=1.0, top_k=0, max_tokens=k, ignore_eos=True), L,
@@ -97,13 +83,16 @@ def sampling_contenders(llm, hf, model_dir: Path, prompts: list[list[int]], args
     return out
 
 
+def hf_beams(width: int, controls: bool) -> dict:
+    return dict(num_beams=width, num_return_sequences=1, do_sample=False, early_stopping=False,
+                length_penalty=1.0, **(CONTROLS if controls else {}))
+
+
 def run_beams(llm, hf, prompts: list[list[int]], width: int, args, controls: bool
               ) -> list[h.Result]:
     """One beam workload, interleaved; HF's best beams compared with batchgen's (and rechecked
     with EOS ordinary if they differ without the controls, which ban EOS alike in both)."""
-    from batchgen import BeamSearchParams
-
-    label, outs = f"W={width}" + (", +ngram3+rep1.2" if controls else ""), []
+    label, outs, L = f"W={width}" + (", +ngram3+rep1.2" if controls else ""), [], args.output_len
 
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         eos = dict(min_tokens=k, **CONTROLS) if controls else dict(ignore_eos=True)
@@ -118,16 +107,13 @@ def run_beams(llm, hf, prompts: list[list[int]], width: int, args, controls: boo
         config, e = kv_extra(llm, prompts, width, args)
         return f"{label}, {config}", e
 
-    h.warm_up(go, prompts, args.output_len)
-    contenders = [h.Contender("batchgen", lambda: go(prompts, args.output_len), describe)]
+    h.warm_up(go, prompts, L)
+    contenders = [h.Contender("batchgen", lambda: go(prompts, L), describe)]
     if not args.skip_hf:
-        contenders += h.hf_contenders(
-            hf, prompts, args, args.output_len, label, 1, width, num_beams=width,
-            num_return_sequences=1, do_sample=False, early_stopping=False, length_penalty=1.0,
-            **(CONTROLS if controls else {}))
+        contenders += h.hf_contenders(hf, prompts, args, L, label, 1, width,
+                                      **hf_beams(width, controls))
     runs = h.run_contenders(contenders, args, sum(map(len, prompts)))
-    best = runs[0][1]
-    eos_ids = set(h.engine_facts(llm)["eos_token_ids"])
+    best, eos_ids = runs[0][1], set(h.engine_facts(llm)["eos_token_ids"])
     for r, toks in runs[1:]:
         bad = [i for i, (a, b) in enumerate(zip(best, toks)) if a != b]
         r.extra["best_beam_agreement"] = {
@@ -135,37 +121,19 @@ def run_beams(llm, hf, prompts: list[list[int]], width: int, args, controls: boo
             "mismatch_with_eos_in_batchgen_beam": sum(bool(set(best[i]) & eos_ids) for i in bad)}
     bad = sorted({i for r, _ in runs[1:] for i in r.extra["best_beam_agreement"]
                   ["mismatched_prompts"]})
-    if bad and not controls:
-        recheck = {"prompts": bad, "match": recheck_eos_as_token(hf, prompts, best, bad, width,
-                                                                 args)}
+    if bad and not controls:  # EOS ordinary in HF too: stop id outside the vocabulary
+        cfg = copy.deepcopy(hf.generation_config)
+        cfg.eos_token_id = hf.config.vocab_size
+        again = h.hf_generate_all(hf, [prompts[i] for i in bad], 1, L, args.device,
+                                  generation_config=cfg, **hf_beams(width, False))
+        recheck = {"prompts": bad, "match": sum(a == best[i] for a, i in zip(again, bad))}
         for r, _ in runs[1:]:
             r.extra["best_beam_agreement"]["recheck_eos_as_token"] = recheck
     return [r for r, _ in runs]
 
 
-def recheck_eos_as_token(model, prompts: list[list[int]], best: list[list[int]],
-                         indices: list[int], width: int, args) -> int:
-    """Untimed: HF beam search (batch 1) on the mismatched prompts with EOS an ordinary token,
-    as batchgen's ``ignore_eos`` has it; how many then match batchgen's best beam."""
-    cfg = copy.deepcopy(model.generation_config)
-    cfg.eos_token_id = model.config.vocab_size  # never generated: no stop, EOS not banned
-    same = 0
-    with torch.inference_mode():
-        for i in indices:
-            ids = torch.tensor([prompts[i]], dtype=torch.long, device=args.device)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                 generation_config=cfg, num_beams=width, num_return_sequences=1,
-                                 max_new_tokens=args.output_len, do_sample=False,
-                                 early_stopping=False, length_penalty=1.0, pad_token_id=h.PAD_ID)
-            same += out[0, ids.shape[1]:].tolist() == best[i]
-    return same
-
-
-def run_all(model_dir: Path, prompts: list[list[int]], kv_blocks: int, args
-            ) -> dict[str, list[h.Result]]:
+def run_all(model_dir, prompts: list[list[int]], kv_blocks: int, args) -> dict:
     """Every workload on one batchgen LLM: {name: [batchgen, HF ...]}."""
-    from batchgen import LLM
-
     hf = None if args.skip_hf else h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device)
     llm = LLM(str(model_dir), **h.engine_kwargs(args, num_kv_blocks=kv_blocks))
     runs = {}
@@ -186,7 +154,7 @@ def run_all(model_dir: Path, prompts: list[list[int]], kv_blocks: int, args
 
 
 def report(runs: dict[str, list[h.Result]], args) -> dict:
-    """The throughput table, agreement and controls lines; the summary per workload."""
+    """The throughput table, agreement and controls lines, the KV table; the summary."""
     rows, summary = [], {}
     for name, rs in runs.items():
         labels, summary[name] = h.versus(rs)
@@ -221,6 +189,17 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
                       f"; HF generate (best batch) {min(hf_c):.2f} s vs {min(hf_p):.2f} s "
                       f"({min(hf_c) / min(hf_p):.2f}x); batchgen over HF with the controls "
                       f"{min(hf_c) / ctl[0].wall_s:.2f}x" if hf_c and hf_p else ""))
+    kv = [(name, rs[0].extra, "" if rs[0].extra["all_groups_concurrent"] else " *")
+          for name, rs in runs.items()]
+    h.table(["workload", "peak blocks", "peak KV tokens", "contiguous HF-style tokens",
+             "saving vs contiguous", "paged no-sharing tokens", "saving vs paged no-sharing",
+             "COW copies", "preemptions", "vLLM paper sharing saving"],
+            [[name, e["peak_blocks_in_use"], e["peak_tokens"], e["contiguous_tokens"],
+              h.pct(e["saving_vs_contiguous"]) + star, e["paged_no_sharing_tokens"],
+              h.pct(e["saving_vs_paged_no_sharing"]) + star, e["cow_copies"], e["preemptions"],
+              PAPER_SAVINGS[name.split()[0]]] for name, e, star in kv])
+    print("KV baselines hold the whole workload at once (* overstated: num_prompts x width > "
+          "max_num_seqs); the vLLM paper's outputs are long relative to prompts, unlike here.")
     return summary
 
 
@@ -236,30 +215,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(h.model_line(args, n_params))
         print(h.workload_line(args, prompts, f"{L} new tokens per sample/beam, EOS ignored; "
                               f"n={args.n or '-'}, beam widths {args.beam_widths or '-'}"))
-        print(f"batchgen KV pool: num_kv_blocks={kv_blocks} x {args.block_size} tokens", flush=True)
+        print(f"batchgen KV pool: num_kv_blocks={kv_blocks} x {args.block_size}", flush=True)
         runs = run_all(model_dir, prompts, kv_blocks, args)
         gc.collect()
     for name, rs in runs.items():
         for r in rs:
             want = len(prompts) * L * (args.n if name.startswith("sampling") else 1)
             assert r.output_tokens == want, f"{name}: {r.system} counted {r.output_tokens}"
-    summary = report(runs, args)
-    kv_rows = []
-    for name, rs in runs.items():
-        e = rs[0].extra
-        star = "" if e["all_groups_concurrent"] else " *"
-        kv_rows.append([name, e["peak_blocks_in_use"], e["peak_tokens"], e["contiguous_tokens"],
-                        h.pct(e["saving_vs_contiguous"]) + star, e["paged_no_sharing_tokens"],
-                        h.pct(e["saving_vs_paged_no_sharing"]) + star, e["cow_copies"],
-                        e["preemptions"], PAPER_SAVINGS[name.split()[0]]])
-    h.table(["workload", "peak blocks", "peak KV tokens", "contiguous HF-style tokens",
-             "saving vs contiguous", "paged no-sharing tokens", "saving vs paged no-sharing",
-             "COW copies", "preemptions", "vLLM paper sharing saving"], kv_rows)
-    print("KV baselines hold the whole workload at once (* overstated: num_prompts x width > "
-          "max_num_seqs); the vLLM paper's outputs are long relative to prompts, unlike here.")
     return h.finish(args, info, {
         "model_params": n_params, "prompt_tokens": sum(map(len, prompts)),
-        "kv_num_blocks": kv_blocks, "summary": summary,
+        "kv_num_blocks": kv_blocks, "summary": report(runs, args),
         "results": {k: [r.to_dict() for r in rs] for k, rs in runs.items()}})
 
 
