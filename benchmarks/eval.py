@@ -2,12 +2,11 @@
 
 The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen``: exact_match;
 ``bg_ppl`` rolling: word / byte perplexity, bits per byte) through ``lm_eval.simple_evaluate``
-with ``HFLM`` (float32, ``--hf-batch-size``) and ``batchgen.eval.BatchgenLM`` (float32, prefix
-cache on, cold for every run; ``--no-cache-too``: also off), loaded and warmed up first, one
-``max_length``, ``--repeats`` interleaved rounds (fastest by model time kept). Printed: the
-metrics side by side (they must agree to ``--rtol``, else exit 1), each task's seconds inside
-the backends' request methods (the model's work), the whole ``simple_evaluate`` call's, and
-batchgen's prefix-hit and computed prompt tokens.
+with ``HFLM`` and ``batchgen.eval.BatchgenLM`` (float32, prefix cache cold for every run;
+``--no-cache-too``: also off), warmed up, one ``max_length``, ``--repeats`` interleaved rounds
+(fastest by model time). The metrics side by side (they must agree to ``RTOL``, else exit 1),
+each task's seconds in the backends' request methods and in the whole ``simple_evaluate``, and
+batchgen's prefix-hit and computed prompt tokens. ``--num-fewshot`` applies to bg_mc, bg_gen.
 
     PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
 """
@@ -15,11 +14,11 @@ batchgen's prefix-hit and computed prompt tokens.
 import os
 import sys
 import time
-from pathlib import Path
 
 from benchmarks import common as h
 
-TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
+TASKS, FEWSHOT_TASKS, RTOL = ["bg_mc", "bg_gen", "bg_ppl"], ("bg_mc", "bg_gen"), 1e-3
+TASKS_DIR = h.ROOT / "tests" / "eval_tasks"
 METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
@@ -51,12 +50,12 @@ def evaluate(lm, task: str, args, manager, limit: int | None) -> dict:
     if hasattr(lm, "llm"):  # batchgen: a cold prefix cache (no hit from an earlier run)
         lm.llm.reset_prefix_cache()
     before, old = lm.model_s, os.getcwd()
-    os.chdir(args.tasks_dir)
+    os.chdir(TASKS_DIR)
     try:
         start = time.perf_counter()
         out = lm_eval.simple_evaluate(
             model=lm, tasks=[task], limit=limit, task_manager=manager,
-            num_fewshot=args.num_fewshot if task in args.fewshot_tasks else None)
+            num_fewshot=args.num_fewshot if task in FEWSHOT_TASKS else None)
         row = {"lm_eval_s": time.perf_counter() - start, "model_s": lm.model_s - before}
     finally:
         os.chdir(old)
@@ -82,14 +81,14 @@ def run(args) -> dict:
         t0 = time.perf_counter()
         systems[name] = clock(BatchgenLM(str(folder), device="cpu", dtype="float32",
                                          max_length=args.max_length, enable_prefix_caching=cache,
-                                         max_num_seqs=args.max_num_seqs))
+                                         max_num_seqs=256))
         load[name] = time.perf_counter() - t0
     t0 = time.perf_counter()
     systems = {"hf": clock(HFLM(pretrained=str(folder), dtype="float32", device="cpu",
                                 batch_size=args.hf_batch_size,
                                 max_length=systems["batchgen"].max_length)), **systems}
     load["hf"] = time.perf_counter() - t0
-    manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
+    manager = TaskManager(include_path=str(TASKS_DIR))  # indexes lm-eval's tasks: once
     for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
         evaluate(lm, args.tasks[0], args, manager, limit=1)
     tasks = {}
@@ -136,27 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     p = h.parser(__doc__, run={"device": None})
     p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument("--tasks-dir", type=Path, default=h.ROOT / "tests" / "eval_tasks",
-                   help="folder of the task YAMLs and their data (lm-eval's --include_path)")
-    p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's)")
-    p.add_argument("--num-fewshot", type=int, default=None,
-                   help="few-shot examples per question (lm-eval's; longer shared contexts)")
-    p.add_argument("--fewshot-tasks", default="bg_mc,bg_gen",
-                   help="the tasks --num-fewshot applies to (not rolling perplexity)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="both backends' max_length (default: batchgen's max_model_len - 2)")
-    p.add_argument("--hf-batch-size", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    h.add_ints(p, limit=None, num_fewshot=None, max_length=None, hf_batch_size=8)
     p.add_argument("--no-cache-too", action="store_true",
                    help="also run batchgen with its prefix cache off (what the cache saves)")
-    p.add_argument("--rtol", type=float, default=1e-3)
     args = h.check_args(p, p.parse_args(argv), "limit")
     args.tasks = [t for t in args.tasks.split(",") if t]
-    args.fewshot_tasks = [t for t in args.fewshot_tasks.split(",") if t]
-    args.tasks_dir = args.tasks_dir.resolve()
     info = h.start(args)
     result = run(args)
-    ok = report(result, args.rtol)
+    ok = report(result, RTOL)
     h.finish(args, info, {**result, "agree": ok}, note=None)
     return 0 if ok else 1
 

@@ -1,13 +1,12 @@
 """GPU throughput and decode bandwidth: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-Issue 9's bar: a random Llama-3.2-1B-shaped model in bf16; ``--num-prompts`` prompts, output
-lengths uniform in [``--min-output-len``, ``--max-output-len``], greedy, EOS ignored. Output
-tok/s of batchgen (one ``generate``, each request its own ``max_tokens``; eager and with
-CUDA-graph decode, ``--graphs``), HF generate (static left-padded batches of
-``--hf-batch-size``, each generating its longest output, only the requested tokens counted, over
-the first ``--hf-prompts``) and HF generate_batch (its own ``max_new_tokens`` per request, first
-``--gb-prompts``). Then a decode probe at batch ``--probe-batch``: bytes a step must read
-(weights once, every row's K/V) over the step time, against one large device copy's rate.
+Issue 9's bar: a random Llama-3.2-1B-shaped model in bf16, output lengths uniform in
+[``--min-output-len``, ``--max-output-len``], greedy, EOS ignored. Output tok/s of batchgen (one
+``generate``; eager and with CUDA-graph decode), HF generate (static batches of
+``--hf-batch-size``, each generating its longest output, requested tokens counted; first
+``--hf-prompts``) and HF generate_batch (first ``--gb-prompts``). Then a decode probe at batch
+``--probe-batch``: bytes a step must read (weights, every row's K/V) over the step time, against
+one large device copy's rate.
 
     PYTHONPATH=. python benchmarks/gpu_bench.py --json $OUT/gpu_bench.json   # gpu_check.sh
     PYTHONPATH=. python benchmarks/gpu_bench.py --device cpu --quick   # the code path, tiny
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from batchgen import LLM
 from benchmarks import common as h
 
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
@@ -29,8 +29,6 @@ QUICK = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, interme
 
 
 def run_batchgen(model_dir: Path, prompts: list[list[int]], lens: list[int], args, eager: bool):
-    from batchgen import LLM
-
     llm = LLM(str(model_dir), device=args.device, enforce_eager=eager, enable_prefix_caching=False)
     reqs, params = h.token_prompts(prompts), [h.greedy(n) for n in lens]
     llm.generate(reqs[:8], params[:8], use_tqdm=False)  # warm-up: kernels built, graphs hot
@@ -112,10 +110,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "num_prompts": 1024, "min_prompt_len": 128, "max_prompt_len": 1024,
                      "output_len": None})
     p.add_argument("--quick", action="store_true", help="a tiny model and workload (CI)")
-    for flag, default in (("--min-output-len", 128), ("--max-output-len", 512),
-                          ("--hf-prompts", 128), ("--hf-batch-size", 64), ("--gb-prompts", 512),
-                          ("--probe-batch", 128), ("--probe-len", 512), ("--probe-steps", 64)):
-        p.add_argument(flag, type=int, default=default)
+    h.add_ints(p, min_output_len=128, max_output_len=512, hf_prompts=128, hf_batch_size=64,
+               gb_prompts=512, probe_batch=128, probe_len=512, probe_steps=64)
     p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
                    help="batchgen with CUDA-graph decode (enforce_eager=False), eager, or both")
     p.add_argument("--skip-hf", action="store_true")

@@ -1,15 +1,13 @@
 """Host overhead per decode step: what batchgen's Python costs around the model forward.
 
 On a model whose forward is nearly free (Llama, 2 layers, hidden 64, vocab 300), hooks time
-every forward; a step's host time (sampling, stop checks, results, scheduling, inputs, the
-attention plan) is the gap between two decode forwards (on CUDA each forward is synchronised).
-``SCENARIOS`` (``ignore_eos``; ``penalties + stop``: two stop strings that never match, so every
-row is detokenized every step), each at ``--rows`` rows: the median host ms over the decode
-steps of tokens ``--window``, lowest of ``--repeats`` rounds. The growth run decodes
-``--long-tokens`` tokens (``penalties + stop``, 64 rows): the window's median against the last
-tokens'; an untimed rerun counts the host's function calls per step. HF ``generate`` (greedy)
-is measured the same way. ``--evict-mb`` writes that much memory after every forward, so every
-host gap starts with cold CPU caches (as a late CPU forward, streaming far more K/V, leaves them).
+every forward; a step's host time is the gap between two decode forwards (on CUDA each forward
+is synchronised). Each of ``SCENARIOS`` (EOS ignored; the stop strings never match, so every row
+is detokenized every step) at ``--rows`` rows: the median host ms over the decode steps of tokens
+``--window``, lowest of ``--repeats`` rounds; HF ``generate`` (greedy) the same way. The growth
+run (``--long-tokens``, ``penalties + stop``, 64 rows): the window's median against the last
+tokens', and in an untimed rerun the host's function calls per step. ``--evict-mb`` writes that
+much memory after every forward: every host gap starts with cold CPU caches.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
     PYTHONPATH=. python benchmarks/host_overhead.py --scenarios greedy --rows 64 --evict-mb 64
@@ -21,6 +19,7 @@ import time
 
 import torch
 
+from batchgen import LLM, SamplingParams
 from benchmarks import common as h
 
 LONG_ROWS = 64  # rows of the growth run
@@ -96,8 +95,6 @@ def window(values: list[float], first: int, last: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    from batchgen import LLM, SamplingParams
-
     p = h.parser(__doc__, run={"repeats": 3}, model=dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
         vocab_size=300, seed=0))

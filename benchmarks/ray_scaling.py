@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> dict:
     from batchgen.tools.make_tiny_model import make_tiny_model
 
     p = h.parser(__doc__, run={"repeats": None, "device": None})
-    p.add_argument("--rows", type=int, default=2000)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--batch-size", type=int, default=50, help="rows per actor call")
+    h.add_ints(p, rows=2000, n=4, max_tokens=16, batch_size=50)  # batch: rows per actor call
     p.add_argument("--actors", default="1,2", help="actor counts to run")
     p.add_argument("--cpus-per-actor", type=float, default=1.0)
     p.add_argument("--model", default=None,

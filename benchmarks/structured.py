@@ -1,12 +1,12 @@
 """Structured outputs: what constraints cost, and whether they hold on a real model.
 
-1. **Throughput**: the same job (``--num-prompts`` chat prompts asking for JSON, ``n=--n`` at
-   temperature 0.7, ``--bench-tokens`` tokens, so both runs take the same steps) unconstrained
-   and under a JSON schema, ``--repeats`` interleaved rounds (fastest kept): tok/s, their
-   ratio, and the grammar's time per step (filling and applying the bitmask).
-2. **Check** (``--check``): a JSON schema, a regex and a choice, each over ``--num-prompts``
-   prompts, ``n=4`` samples and width-4 beams: every finished output must satisfy its
-   constraint (schema-validated, regex matched in full, a choice), else exit status 1.
+**Throughput**: the same job (``--num-prompts`` chat prompts asking for JSON, ``n=--n`` at
+temperature 0.7, ``--bench-tokens`` tokens, so both take the same steps) unconstrained and under
+a JSON schema, ``--repeats`` interleaved rounds: tok/s, their ratio, and the grammar's time per
+step (filling and applying the bitmask). **Check** (``--check``): a JSON schema, a regex and a
+choice, each over ``--num-prompts`` prompts, ``n=4`` samples and width-4 beams: every finished
+output must satisfy its constraint (schema-validated, regex matched in full, a choice), else
+exit status 1.
 
     PYTHONPATH=. python benchmarks/structured.py --model smollm2 --check
 """
@@ -15,6 +15,8 @@ import json
 import re
 import sys
 
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import StructuredOutputsParams as S
 from benchmarks import common as h
 
 SCHEMA = {"type": "object", "properties": {
@@ -41,8 +43,6 @@ def prompts(llm, kind: str, count: int) -> list[dict[str, list[int]]]:
 
 
 def constraint(kind: str, max_whitespace: int):
-    from batchgen import StructuredOutputsParams as S
-
     if kind == "json":
         return S(json=SCHEMA, max_whitespace=max_whitespace)
     return S(regex=REGEX) if kind == "regex" else S(choice=CHOICES)
@@ -64,8 +64,6 @@ def valid(kind: str, text: str) -> bool:
 def throughput(llm, args) -> dict:
     """Output tok/s of the same job unconstrained and under the JSON schema, and the grammar's
     milliseconds per step (from its timers, in the fastest run)."""
-    from batchgen import SamplingParams
-
     ps, masks = prompts(llm, "json", args.num_prompts), {}
 
     def job(name: str, so) -> h.Contender:
@@ -96,8 +94,6 @@ def throughput(llm, args) -> dict:
 
 def check(llm, args) -> dict:
     """Every finished sample and beam of each constraint satisfies it; finish rates."""
-    from batchgen import BeamSearchParams, SamplingParams
-
     report = {}
     for kind in ASK:
         ps, so = prompts(llm, kind, args.num_prompts), constraint(kind, args.max_whitespace)
@@ -117,29 +113,20 @@ def check(llm, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchgen import LLM
-
     p = h.parser(__doc__, run={"repeats": 2, "device": None})
     p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
-    p.add_argument("--num-prompts", type=int, default=36)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96, help="the check's limit")
-    p.add_argument("--bench-tokens", type=int, default=24, help="the throughput job's tokens")
-    p.add_argument("--max-whitespace", type=int, default=16)
+    h.add_ints(p, num_prompts=36, n=4, max_tokens=96, bench_tokens=24, max_whitespace=16)
     p.add_argument("--check", action="store_true", help="also check every constraint holds")
-    p.add_argument("--skip-throughput", action="store_true")
     args = h.check_args(p, p.parse_args(argv))
     info = h.start(args)
     llm = LLM(h.resolve_model(args.model), max_num_seqs=256)
     result, ok = {}, True
-    if not args.skip_throughput:
-        t = result["throughput"] = throughput(llm, args)
-        h.table(["job", "output tokens", "s", "tok/s", "ms / step (approx.)", "mask ms / step"],
-                [[name, r["tokens"], f"{r['seconds']:.2f}", f"{r['tok_s']:.1f}",
-                  f"{r['ms_per_step']:.1f}", f"{r['mask_ms_per_step']:.3f}" if r["masked_steps"]
-                  else "-"] for name, r in t.items() if name != "ratio"])
-        print(f"constrained / unconstrained tok/s: "
-              f"{t['ratio']['constrained_over_unconstrained']:.2f}x")
+    t = result["throughput"] = throughput(llm, args)
+    h.table(["job", "output tokens", "s", "tok/s", "ms / step (approx.)", "mask ms / step"],
+            [[name, r["tokens"], f"{r['seconds']:.2f}", f"{r['tok_s']:.1f}",
+              f"{r['ms_per_step']:.1f}", f"{r['mask_ms_per_step']:.3f}" if r["masked_steps"]
+              else "-"] for name, r in t.items() if name != "ratio"])
+    print(f"constrained / unconstrained tok/s: {t['ratio']['constrained_over_unconstrained']:.2f}x")
     if args.check:
         c = result["check"] = check(llm, args)
         h.table(["constraint / outputs", "outputs", "finished", "finish rate", "violations"],

@@ -2,11 +2,11 @@
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
 Defaults: 8 prompts of 256-384 tokens; n=8 samples (temperature 1, seeded) and beams of width 8,
-64 new tokens (EOS ignored). The tight pool is ``--pool-factor`` x the largest request's
-admission bound (one group fits, not all). Per workload three engines, a fresh ``LLM`` per timed
-run, interleaved: a roomy pool (no preemption: the reference tokens), the tight pool with
-``preemption_mode="recompute"``, and with a host pool of ``--swap-factor`` x its blocks.
-Asserts swap gives the reference's tokens (recompute may flip near ties: counted).
+64 new tokens (EOS ignored). Per workload three engines, a fresh ``LLM`` per timed run,
+interleaved: a roomy pool (no preemption: the reference tokens), and a tight pool
+(``--pool-factor`` x the largest request's admission bound) with ``preemption_mode="recompute"``
+and with a host pool of ``--swap-factor`` x its blocks. Swap must give the reference's tokens
+(asserted); recompute may flip near ties (counted).
 
     PYTHONPATH=. python benchmarks/swap.py --repeats 2
 """
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, run={}, workload={
         "num_prompts": 8, "min_prompt_len": 256, "max_prompt_len": 384, "output_len": 64})
     g = p.add_argument_group("swap")
-    g.add_argument("--n", type=int, default=8, help="samples per prompt")
-    g.add_argument("--beam-width", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=16)
+    h.add_ints(g, n=8, beam_width=8, block_size=16)
     g.add_argument("--pool-factor", type=float, default=1.5,
                    help="device pool = this x the largest request's exact bound (>= 1)")
     g.add_argument("--swap-factor", type=float, default=4.0,

@@ -2,13 +2,12 @@
 ``--tp`` size, with the communication of a step measured on rank 0.
 
 Every size runs the same random Llama and prompts (greedy, EOS ignored, counts asserted),
-warmed up, timed in ``--repeats`` interleaved rounds (fastest kept). Each size k > 1 then runs
-once more with rank 0's communication timed per step (all steps; decode steps), in calls, KiB
-and ms, against the step's forward (``execute``, communication included): the control broadcast
-``TPGroup.send`` (bytes: the pickle's), ``dist.all_reduce`` (rowwise ``o_proj`` / ``down_proj``)
-and DTensor's collectives (the embedding's all-reduce, ``lm_head``'s all-gather, ``wait_tensor``
-time). On CPU a collective's time includes waiting for the other ranks; on CUDA each wrapped
-call is synchronised. Calls and bytes do not depend on the device.
+warmed up, timed in ``--repeats`` interleaved rounds. Each size k > 1 then runs once more with
+rank 0's communication per step (all steps; decode steps) against the step's forward
+(``execute``, communication included): the control broadcast ``TPGroup.send`` (bytes: the
+pickle's), ``dist.all_reduce`` (rowwise ``o_proj`` / ``down_proj``) and DTensor's collectives
+(embedding all-reduce, ``lm_head`` all-gather). On CPU a collective's time includes waiting for
+the other ranks; on CUDA each wrapped call is synchronised. Calls and bytes are device-free.
 
     PYTHONPATH=. python benchmarks/tensor_parallel.py --repeats 3
     PYTHONPATH=. python benchmarks/tensor_parallel.py --device cuda --tp 1,2 --dtype bfloat16
@@ -18,6 +17,7 @@ import contextlib
 import gc
 import pickle
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -82,10 +82,9 @@ def _nbytes(t, *_, **__) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
-@contextlib.contextmanager
-def metered(llm, meter: CommMeter, tp: int):
+def metered(llm, meter: CommMeter, tp: int, stack: contextlib.ExitStack) -> CommMeter:
     """``meter`` counting ``llm``'s steps and, for tp > 1, wrapping this process's (rank 0's)
-    communication calls; everything put back afterwards."""
+    communication calls, until ``stack`` closes."""
     runner, group = h.engine_runner(llm), h.tp_group_class()
     patches = [(runner, "execute", meter.count_steps(runner.execute))]
     if tp > 1:
@@ -97,17 +96,9 @@ def metered(llm, meter: CommMeter, tp: int):
             (funcol, "all_gather_single", meter.wrap(
                 "dtensor", funcol.all_gather_single, lambda t, *a, **kw: tp * _nbytes(t))),
             (funcol, "wait_tensor", meter.wrap("dtensor", funcol.wait_tensor, None))]
-    saved = [(obj, name, vars(obj).get(name)) for obj, name, _ in patches]
     for obj, name, fn in patches:
-        setattr(obj, name, fn)
-    try:
-        yield meter
-    finally:
-        for obj, name, old in saved:
-            if old is None:
-                delattr(obj, name)  # an instance's own attribute: the class's shows again
-            else:
-                setattr(obj, name, old)
+        stack.enter_context(mock.patch.object(obj, name, fn))
+    return meter
 
 
 def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result, list]]:
@@ -122,7 +113,7 @@ def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result
             llm = LLM(str(path), **h.engine_kwargs(
                 args, tensor_parallel_size=tp, enable_prefix_caching=False,  # repeats reuse
                 kv_cache_memory=int(args.kv_cache_gib * 2**30) if gpu_pool else None))
-            meter = stack.enter_context(metered(llm, CommMeter(torch.device(args.device)), tp))
+            meter = metered(llm, CommMeter(torch.device(args.device)), tp, stack)
             c = h.batchgen_contender(llm, prompts, h.greedy, args.output_len,
                                      lambda tp=tp, m=meter: (f"tensor_parallel_size={tp}",
                                                              {"steps": m.steps}),

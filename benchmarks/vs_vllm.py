@@ -43,34 +43,26 @@ STYLES = ["", " Please answer in detail.", " Keep it simple and use an example."
 VLLM_TIMEOUT_S = 1800.0  # for vLLM's load or one call
 
 
-class VllmError(RuntimeError):
-    """The vLLM child failed, timed out or answered something unexpected."""
-
-
 def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, run={"repeats": 2, "device": None})
     p.add_argument("--model", default="smollm2",
                    help="model folder, 'smollm2' (batchgen.tools.smollm2) or 'tiny' (random)")
-    h.add_ints(p.add_argument_group("workload"), num_prompts=64, sampling_prompts=16, n=8,
-               max_tokens=64)
+    h.add_ints(p, num_prompts=64, sampling_prompts=16, n=8, max_tokens=64, hf_batch_size=32)
     e = p.add_argument_group("engine settings (the same in batchgen and vLLM)")
     h.add_ints(e, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024,
                kv_cache_gib=2)
     e.add_argument("--prefix-caching", action="store_true", help="turn it on in both")
-    v = p.add_argument_group("vLLM and HF")
-    v.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
+    p.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
                                                             "/work/vllm-venv/bin/python"),
                    help="python of a venv with vllm (env BATCHGEN_VLLM_PYTHON)")
-    v.add_argument("--vllm-bind", default=None,
+    p.add_argument("--vllm-bind", default=None,
                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: a CPU list, 'auto' or "
                         "'nobind' (default: the first --threads CPUs)")
-    h.add_ints(v, hf_batch_size=32)  # rows per HF generate call
-    v.add_argument("--skip-vllm", action="store_true")
-    v.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--skip-hf", action="store_true")
     args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
                         "hf_batch_size", "kv_cache_gib")
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1))
+    cpus = sorted(os.sched_getaffinity(0))
     args.threads = args.threads or len(cpus)
     if args.threads > len(cpus):
         p.error(f"--threads must be in [1, {len(cpus)}]")
@@ -78,7 +70,6 @@ def parse_args(argv: list[str] | None):
     return args
 
 
-# ---- batchgen and HF (this process) ---------------------------------------------------------
 def batchgen_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Contender]:
     """batchgen with the shared settings, warmed up on every workload."""
     from batchgen import LLM, SamplingParams
@@ -115,11 +106,19 @@ def hf_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Conten
     return out
 
 
-# ---- vLLM (child process) -------------------------------------------------------------------
-class VllmChild(h.Child):
-    """The vLLM child process: JSON command lines in on stdin, JSON reply lines out."""
+class VllmError(RuntimeError):
+    """The vLLM child failed, timed out or answered something unexpected."""
 
-    def __init__(self, python: str, spec: dict, log: Path, args) -> None:
+
+class VllmChild(h.Child):
+    """The vLLM child process, started at once (it loads while this process sets up the
+    others): JSON command lines in on stdin, JSON reply lines out."""
+
+    def __init__(self, python: str, model_dir: Path, workloads: list[dict], args, log: Path):
+        spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
+            "dtype": "float32", "max_num_seqs": args.max_num_seqs, "seed": 0,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "enable_prefix_caching": args.prefix_caching}}
         env = h.child_env(VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                           VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind, VLLM_NO_USAGE_STATS="1",
                           DO_NOT_TRACK="1")
@@ -154,51 +153,36 @@ class VllmChild(h.Child):
                 self.proc.stdin.flush()
             self.wait(timeout)
 
+    def contenders(self, workloads: list[dict], args) -> tuple[list[h.Contender], dict]:
+        """Once loaded, a contender per workload (its output None once vLLM failed); or none,
+        and why (import failed, crashed)."""
+        try:
+            msg = self.ask()
+        except VllmError as e:
+            self.close(timeout=0)
+            return [], {"status": "failed", "reason": str(e)}
+        if msg.get("event") != "ready":
+            self.close()
+            return [], {"status": "skipped", "reason": f"no python with vllm at "
+                        f"{args.vllm_python}: {msg.get('error', msg)}; see the docstring"}
+        info = {"status": "ran", **msg}
 
-def start_vllm(model_dir: Path, workloads: list[dict], args, tmp: Path) -> VllmChild | str:
-    """Start the vLLM child (it loads while this process sets up the others), or say why not."""
-    python = shutil.which(args.vllm_python)
-    if python is None:
-        return f"no python with vllm at {args.vllm_python}; see the docstring to make one"
-    spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
-        "dtype": "float32", "max_num_seqs": args.max_num_seqs, "seed": 0,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_model_len": args.max_model_len, "enable_prefix_caching": args.prefix_caching}}
-    return VllmChild(python, spec, tmp / "vllm.log", args)
+        def run(w: dict) -> h.Measured | None:
+            if info["status"] == "ran":
+                try:
+                    reply = self.ask({"cmd": "run", "workload": w["name"]})
+                    if reply.get("event") != "done":
+                        raise VllmError(f"vLLM failed on {w['name']}: {reply.get('error')}")
+                    return h.Measured(reply["tokens"], reply["wall_s"])
+                except VllmError as e:
+                    info.update(status="failed", reason=str(e))
+                    print(f"vLLM: failed ({e})", flush=True)
+            info.setdefault("incomplete", []).append(w["name"])  # left out of the results
+            return None
 
-
-def vllm_contenders(child: VllmChild, workloads: list[dict], args
-                    ) -> tuple[list[h.Contender], dict]:
-    """Wait for the child's load; a contender per workload (None after a failure), or none and
-    why (import failed, crashed)."""
-    try:
-        msg = child.ask()
-    except VllmError as e:
-        child.close(timeout=0)
-        return [], {"status": "failed", "reason": str(e)}
-    if msg.get("event") != "ready":
-        child.close()
-        return [], {"status": "skipped", "reason": f"no python with vllm at {args.vllm_python}"
-                    f": {msg.get('error', msg)}; see the docstring to make one"}
-    info = {"status": "ran", **msg}
-
-    def run(w: dict) -> h.Measured | None:
-        """One call in the child: its tokens and its own wall time; None once vLLM failed."""
-        if info["status"] == "ran":
-            try:
-                reply = child.ask({"cmd": "run", "workload": w["name"]})
-                if reply.get("event") != "done":
-                    raise VllmError(f"vLLM failed on {w['name']}: {reply.get('error', reply)}")
-                return h.Measured(reply["tokens"], reply["wall_s"])
-            except VllmError as e:
-                info.update(status="failed", reason=str(e))
-                print(f"vLLM: failed ({e})", flush=True)
-        info.setdefault("incomplete", []).append(w["name"])  # left out of the results
-        return None
-
-    config = f"block {msg['block_size']}, CPUs {args.vllm_bind}, vllm {msg['vllm']}"
-    return [h.Contender("vLLM", lambda w=w: run(w), lambda: (config, {}), child.close)
-            for w in workloads], info
+        config = f"block {msg['block_size']}, CPUs {args.vllm_bind}, vllm {msg['vllm']}"
+        return [h.Contender("vLLM", lambda w=w: run(w), lambda: (config, {}), self.close)
+                for w in workloads], info
 
 
 def child_main(spec: dict) -> int:
@@ -229,18 +213,15 @@ def child_main(spec: dict) -> int:
     workloads = {w["name"]: w for w in spec["workloads"]}
     for w in workloads.values():
         h.warm_up(lambda ps, k, w=w: generate(w, ps, k), w["prompts"], w["max_tokens"])
-    cfg = llm.llm_engine.vllm_config
     reply({"event": "ready", "vllm": vllm.__version__, "torch": torch.__version__,
-           "block_size": cfg.cache_config.block_size,
-           "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
+           "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":
             break
         try:
-            w = workloads[cmd["workload"]]
-            t0 = time.perf_counter()
+            w, t0 = workloads[cmd["workload"]], time.perf_counter()
             tokens = generate(w, w["prompts"], w["max_tokens"])
             reply({"event": "done", "tokens": tokens, "wall_s": time.perf_counter() - t0})
         except Exception as e:  # reported; the parent stops using vLLM
@@ -254,8 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     args = parse_args(argv)
     info = h.start(args)
-    model_dir = h.resolve_model(args.model)
-    q = len(h.QUESTIONS)
+    model_dir, q = h.resolve_model(args.model), len(h.QUESTIONS)
     texts = [h.QUESTIONS[i % q] + STYLES[(i // q) % len(STYLES)]
              for i in range(max(args.num_prompts, args.sampling_prompts))]
     prompts = h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), texts)
@@ -273,19 +253,22 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}, KV cache "
           f"{args.kv_cache_gib} GiB, prefix caching {'on' if args.prefix_caching else 'off'} "
           f"in both batchgen and vLLM", flush=True)
+    python = None if args.skip_vllm else shutil.which(args.vllm_python)
+    vinfo = {"status": "skipped", "reason": "--skip-vllm" if args.skip_vllm else
+             f"no python with vllm at {args.vllm_python}; see the docstring to make one"}
     with tempfile.TemporaryDirectory(prefix="batchgen-vs-vllm-") as tmp:
-        child = None if args.skip_vllm else start_vllm(model_dir, workloads, args, Path(tmp))
+        log = Path(tmp) / "vllm.log"
+        child = VllmChild(python, model_dir, workloads, args, log) if python else None
         try:  # the child loads meanwhile
             systems = [batchgen_contenders(model_dir, workloads, args)]
             if not args.skip_hf:
                 systems.append(hf_contenders(model_dir, workloads, args))
         except BaseException:
-            if isinstance(child, VllmChild):
+            if child:
                 child.close(timeout=0)
             raise
-        vinfo = {"status": "skipped", "reason": child or "--skip-vllm"}
-        if isinstance(child, VllmChild):
-            vllm, vinfo = vllm_contenders(child, workloads, args)
+        if child:
+            vllm, vinfo = child.contenders(workloads, args)
             systems.insert(1, vllm)
         if vinfo["status"] != "ran":
             print(f"vLLM: {vinfo['status']} ({vinfo['reason']})", flush=True)
@@ -303,26 +286,27 @@ def main(argv: list[str] | None = None) -> dict:
         results.append(r)
         if w is workloads[0]:
             greedy[r.system] = toks
-        mine = [x for x in results if x.extra["workload"] == w["name"]]  # batchgen first
+        ref = next(x for x in results if x.extra["workload"] == w["name"])  # batchgen's
         rows.append([w["name"], r.system, r.config, f"{r.wall_s:.2f}", f"{r.output_tok_s:.1f}",
-                     h.fmt_ratio(mine[0].output_tok_s, r.output_tok_s)])
+                     h.fmt_ratio(ref.output_tok_s, r.output_tok_s)])
         if r.system == "vLLM":
-            ratios[w["name"]] = mine[0].output_tok_s / r.output_tok_s
+            ratios[w["name"]] = ref.output_tok_s / r.output_tok_s
     h.table(["workload", "system", "config", h.wall_head(args.repeats), "output tok/s",
              "batchgen / this"], rows)
     print()
     for name, ratio in ratios.items():
         print(f"batchgen / vLLM, {name}: {ratio:.2f}x")
-    agree = {f"{a} vs {b}": h.agreement(greedy[a], greedy[b]) for i, a in enumerate(SYSTEMS)
+    agree = {(a, b): h.agreement(greedy[a], greedy[b]) for i, a in enumerate(SYSTEMS)
              for b in SYSTEMS[i + 1:] if a in greedy and b in greedy}
-    for pair, ag in agree.items():
-        print(h.agreement_line(*pair.split(" vs "), ag))
+    for (a, b), ag in agree.items():
+        print(h.agreement_line(a, b, ag))
     if vinfo["status"] == "ran":
         print(f"vLLM: {vinfo['vllm']} (torch {vinfo['torch']}), block {vinfo['block_size']}, "
               f"VLLM_CPU_OMP_THREADS_BIND={vinfo['omp_threads_bind']}, unseeded sampling")
     return h.finish(args, info, {"model": str(model_dir), "vllm": vinfo,
                                  "results": [r.to_dict() for r in results],
-                                 "batchgen_over_vllm": ratios, "greedy_agreement": agree})
+                                 "batchgen_over_vllm": ratios, "greedy_agreement": {
+                                     f"{a} vs {b}": ag for (a, b), ag in agree.items()}})
 
 
 if __name__ == "__main__":
