@@ -1,8 +1,7 @@
 """What beam search's records cost: ``return_trace`` and ``logprobs=5`` against plain beams.
 
-The random Llama and prompt mix of ``sampling.py``, ``--output-len`` new tokens (EOS ignored).
-Per ``--beam-widths`` one ``LLM`` runs each of ``--configs``, warmed up, in ``--repeats``
-interleaved rounds: min and median wall times, min over plain's, and the trace's records per
+Per ``--beam-widths`` one ``LLM`` runs each of ``--configs`` on the random Llama (EOS ignored),
+in interleaved rounds: min and median wall times, min over plain's, and the trace's records per
 request against steps x width. Every configuration must return plain's hypotheses (asserted).
 
     PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1

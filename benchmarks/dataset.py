@@ -1,21 +1,14 @@
 """Dataset jobs: `batchgen generate` (the CLI, Parquet shards) vs `LLM.generate` on the same rows.
 
-Issue 11's bars, on the benchmarks' random Llama with the tiny BPE tokenizer and
-``--eos-boost``, over a JSONL of ``--rows`` English-like sentences of 4-16 words (``prompt``)
-and a ``topic`` column, n=``--n``, temperature 1. Fresh processes (each its own ``datasets``
-cache), interleaved (CLI, script, timed CLI; again), best of ``--repeats``:
-
-1. **Throughput**: ``python -m batchgen generate`` vs a minimal script (load ``LLM``, read the
-   JSONL, one ``llm.generate`` with the same per-row seeded params and engine flags; every
-   process's KV-pool and backend log lines checked equal): (a) generation phase: the CLI's
-   ``generate_dataset`` call timed in a wrapper around ``batchgen.cli.main`` ("timed CLI"; the
-   CLI's own 0.1 s summary beside it) vs the script's ``llm.generate``; (b) whole process,
-   launch to exit. Every CLI run's shards must hold the script's tokens and the topic column,
-   row by row and sample by sample, else exit 1.
-2. **Time to first shard**: launch until ``part-00000.parquet`` appears. Bar: < 10 s.
-3. **Peak RSS** over each of ``--rss-rows`` rows (n=1, ``--rss-max-tokens``), a timed CLI each:
-   ``ru_maxrss`` from ``os.wait4``, and up to the end of ``generate_dataset``. Bar: the largest
-   row count's peak < 2x the smallest's.
+Issue 11's bars on the random Llama with the tiny BPE tokenizer (``--eos-boost``), a JSONL of
+``--rows`` sentences (``prompt``) and a ``topic`` column, n=``--n``, temperature 1. Fresh
+processes, interleaved (CLI, script, timed CLI; again), best of ``--repeats``. 1. Throughput of
+``python -m batchgen generate`` and of a minimal script (one ``llm.generate``, the same row seeds
+and engine flags): the generation phase (the CLI's ``generate_dataset`` timed in a wrapper of
+``batchgen.cli.main``: "timed CLI") and the whole process; every CLI run's shards must hold the
+script's tokens and topics row by row (else exit 1), every engine set-up the same. 2. Time to
+the first shard (bar < 10 s). 3. Peak RSS (``os.wait4``) of a timed CLI over each of
+``--rss-rows`` rows, n=1 (bar: largest < 2x smallest).
 
     PYTHONPATH=. python benchmarks/dataset.py --json /tmp/dataset_bench.json
 """

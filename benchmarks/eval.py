@@ -1,12 +1,11 @@
 """lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
 
-The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen``: exact_match;
-``bg_ppl`` rolling: word / byte perplexity, bits per byte) through ``lm_eval.simple_evaluate``
-with ``HFLM`` and ``batchgen.eval.BatchgenLM`` (float32, prefix cache cold for every run;
-``--no-cache-too``: also off), warmed up, one ``max_length``, ``--repeats`` interleaved rounds
-(fastest by model time). The metrics side by side (they must agree to ``RTOL``, else exit 1),
-each task's seconds in the backends' request methods and in the whole ``simple_evaluate``, and
-batchgen's prefix-hit and computed prompt tokens. ``--num-fewshot`` applies to bg_mc, bg_gen.
+The local tasks in ``tests/eval_tasks`` (multiple choice, generation, rolling perplexity) through
+``lm_eval.simple_evaluate`` with ``HFLM`` and ``batchgen.eval.BatchgenLM`` (float32, a cold
+prefix cache each run; ``--no-cache-too``: also without), in interleaved rounds (fastest by model
+time). The metrics side by side (they must agree to ``RTOL``, else exit 1), each task's seconds
+in the backends' request methods and in ``simple_evaluate``, batchgen's prefix-hit and computed
+prompt tokens.
 
     PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
 """

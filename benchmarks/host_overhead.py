@@ -1,16 +1,13 @@
 """Host overhead per decode step: what batchgen's Python costs around the model forward.
 
-On a model whose forward is nearly free (Llama, 2 layers, hidden 64, vocab 300), hooks time
-every forward; a step's host time is the gap between two decode forwards (on CUDA each forward
-is synchronised). Each of ``SCENARIOS`` (EOS ignored; the stop strings never match, so every row
-is detokenized every step) at ``--rows`` rows: the median host ms over the decode steps of tokens
-``--window``, lowest of ``--repeats`` rounds; HF ``generate`` (greedy) the same way. The growth
-run (``--long-tokens``, ``penalties + stop``, 64 rows): the window's median against the last
-tokens', and in an untimed rerun the host's function calls per step. ``--evict-mb`` writes that
-much memory after every forward: every host gap starts with cold CPU caches.
+On a model whose forward is nearly free, hooks time every forward; a step's host time is the gap
+between two decode forwards (synchronised on CUDA): the median over the decode steps of tokens
+``--window``, lowest of ``--repeats`` rounds, per scenario and ``--rows``, and for HF ``generate``.
+The growth run (``--long-tokens``, 64 rows) compares the window with the last tokens, and counts
+the host's function calls per step in an untimed rerun. ``--evict-mb``: that much memory written
+after every forward, so every host gap starts with cold CPU caches.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
-    PYTHONPATH=. python benchmarks/host_overhead.py --scenarios greedy --rows 64 --evict-mb 64
 """
 
 import statistics

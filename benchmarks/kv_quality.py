@@ -1,12 +1,10 @@
 """What an fp8 KV cache costs in quality: greedy tokens and logprobs with an fp8 (e4m3, scales
 1.0) pool and a bfloat16 pool, each against a float32 pool, on the same model.
 
-Per pair: requests with identical greedy tokens, the mean common prefix, and the mean and max
-|Δ logprob| of the chosen tokens where the sequences still agree. ``--model-dir`` takes a
-trained model; with a tokenizer, the prompts are ``common.QUESTIONS`` through its chat template
-(random ids would make it guess among near-ties, where any rounding flips the greedy token).
+Per pair: identical greedy outputs, mean common prefix, mean and max |Δ logprob| of the chosen
+tokens where the sequences agree. ``--model-dir`` takes a trained model; with a tokenizer the
+prompts are ``common.QUESTIONS`` (random ids would leave it among near-ties).
 
-    PYTHONPATH=. python benchmarks/kv_quality.py
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """
 

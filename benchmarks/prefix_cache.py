@@ -1,9 +1,8 @@
 """Prefix caching on a shared-system-prompt workload: batchgen with caching on and off, and HF
 `generate`, on the same random-weight Llama, in one process.
 
-Defaults: 200 requests = one 512-token system prompt + a 32-64 token question, 32 greedy tokens
-(EOS ignored); a fresh ``LLM`` per batchgen run (timed: an empty cache each time). Caching on and
-off must give the same tokens (asserted).
+Requests are one system prompt + a question each, greedy (EOS ignored); a fresh ``LLM`` per
+batchgen run (timed: an empty cache each time). Caching on and off must agree (asserted).
 
     PYTHONPATH=. python benchmarks/prefix_cache.py
 """

@@ -1,11 +1,10 @@
 """Ray Data scale-out: the same dataset job locally (`generate_dataset`, one process) and on a
 local Ray with 1 and 2 actors (`batchgen.ray`), on the same rows, in one run.
 
-Every Ray run starts a fresh Ray and is timed from handing the dataset to the processor until
-every row is back: actor start-up (each loads its `LLM`) counts; the local figure excludes model
-load (both reported). Ray overhead = (1 actor) - (local); issue 12's bar: 2 actors not slower
-than 1 by more than that. Outputs must be identical (same row seeds), else exit 1. Each actor
-gets `--cpus-per-actor` CPUs (Ray sets its torch threads to that), the local run as many threads.
+Each Ray run starts a fresh Ray and is timed from handing over the dataset until every row is
+back (actor start-up counts; the local figure excludes model load). Issue 12's bar: 2 actors not
+slower than 1 by more than the Ray overhead, (1 actor) - (local). Outputs must be identical, else
+exit 1. Actors get ``--cpus-per-actor`` CPUs (their torch threads), the local run as many threads.
 
     PYTHONPATH=. python benchmarks/ray_scaling.py --json /tmp/ray_scaling.json
 """

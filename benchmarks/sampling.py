@@ -1,21 +1,14 @@
 """Parallel sampling (n > 1) and beam search: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-The random Llama and prompt mix of ``throughput.py``, exactly ``--output-len`` (L) new tokens
-per sample / beam (EOS ignored), every system warmed up, each workload timed in ``--repeats``
-interleaved rounds. **n-way sampling** (``--n``, temperature 1): every sample counts.
-**Beam search** per ``--beam-widths`` (length_penalty 1, no early stopping) vs HF
-``num_beams=W``: the best beam counts and is compared with HF's; batchgen's ``ignore_eos`` keeps
-EOS an ordinary token where HF's ``min_new_tokens`` bans it, so mismatched prompts are rerun
-(untimed, HF batch 1) with EOS ordinary in HF too. ``--controls-widths`` reruns a width with
-``CONTROLS`` in both (batchgen banning EOS with ``min_tokens=L`` as HF does: the same search).
-**KV memory** of each batchgen run: its peak against a contiguous HF-style cache (``sum width *
-(len + L)``) and a paged one without sharing (``sum width * ceil((len + L) / block) * block``,
-the vLLM paper's baseline, SOSP 2023 sec. 6.3), both holding the whole workload at once (marked
-* when more rows than ``--max-num-seqs``). The pool fits the largest run without sharing
-(unless ``--num-kv-blocks``): no run may preempt (asserted).
+The random Llama, exactly ``--output-len`` (L) tokens per sample / beam (EOS ignored), each
+workload in interleaved rounds. n-way sampling counts every sample; beam search (``--beam-widths``)
+counts the best beam, compared with HF's (mismatches rerun untimed with EOS ordinary in HF too,
+as batchgen's ``ignore_eos`` has it); ``--controls-widths`` rerun with ``CONTROLS`` in both (EOS
+banned in both). KV memory: each batchgen run's peak against a contiguous cache (``sum width *
+(len + L)``) and a paged one without sharing (the vLLM paper's baseline, sec. 6.3), both holding
+the whole workload (* when more rows than ``--max-num-seqs``); no run may preempt (asserted).
 
     PYTHONPATH=. python benchmarks/sampling.py --repeats 3
-    PYTHONPATH=. python benchmarks/sampling.py --beam-widths 64 --skip-hf --skip-generate-batch
 """
 
 import copy

@@ -1,12 +1,10 @@
 """Structured outputs: what constraints cost, and whether they hold on a real model.
 
-**Throughput**: the same job (``--num-prompts`` chat prompts asking for JSON, ``n=--n`` at
-temperature 0.7, ``--bench-tokens`` tokens, so both take the same steps) unconstrained and under
-a JSON schema, ``--repeats`` interleaved rounds: tok/s, their ratio, and the grammar's time per
-step (filling and applying the bitmask). **Check** (``--check``): a JSON schema, a regex and a
-choice, each over ``--num-prompts`` prompts, ``n=4`` samples and width-4 beams: every finished
-output must satisfy its constraint (schema-validated, regex matched in full, a choice), else
-exit status 1.
+Throughput: the same job (chat prompts asking for JSON, ``--n`` samples at temperature 0.7,
+``--bench-tokens`` tokens) unconstrained and under a JSON schema, in interleaved rounds: tok/s,
+their ratio, the grammar's mask time per step. ``--check``: a JSON schema, a regex and a choice,
+each with ``n=4`` samples and width-4 beams; every finished output must satisfy its constraint
+(else exit 1).
 
     PYTHONPATH=. python benchmarks/structured.py --model smollm2 --check
 """

@@ -1,12 +1,10 @@
 """Preemption by swap vs by recompute (`swap_space`): n samples and wide beams over long prompts
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
-Defaults: 8 prompts of 256-384 tokens; n=8 samples (temperature 1, seeded) and beams of width 8,
-64 new tokens (EOS ignored). Per workload three engines, a fresh ``LLM`` per timed run,
-interleaved: a roomy pool (no preemption: the reference tokens), and a tight pool
-(``--pool-factor`` x the largest request's admission bound) with ``preemption_mode="recompute"``
-and with a host pool of ``--swap-factor`` x its blocks. Swap must give the reference's tokens
-(asserted); recompute may flip near ties (counted).
+Per workload, a fresh ``LLM`` per timed run, interleaved: a roomy pool (no preemption: the
+reference tokens), and a tight one (``--pool-factor`` x the largest request's bound) preempting
+by recompute and by swap (a host pool of ``--swap-factor`` x its blocks). Swap must give the
+reference's tokens (asserted); recompute may flip near ties (counted).
 
     PYTHONPATH=. python benchmarks/swap.py --repeats 2
 """

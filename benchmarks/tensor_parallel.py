@@ -1,13 +1,10 @@
 """Tensor parallelism: the same greedy workload through ``LLM(tensor_parallel_size=k)`` for each
 ``--tp`` size, with the communication of a step measured on rank 0.
 
-Every size runs the same random Llama and prompts (greedy, EOS ignored, counts asserted),
-warmed up, timed in ``--repeats`` interleaved rounds. Each size k > 1 then runs once more with
-rank 0's communication per step (all steps; decode steps) against the step's forward
-(``execute``, communication included): the control broadcast ``TPGroup.send`` (bytes: the
-pickle's), ``dist.all_reduce`` (rowwise ``o_proj`` / ``down_proj``) and DTensor's collectives
-(embedding all-reduce, ``lm_head`` all-gather). On CPU a collective's time includes waiting for
-the other ranks; on CUDA each wrapped call is synchronised. Calls and bytes are device-free.
+Sizes timed in interleaved rounds (greedy, EOS ignored; tokens compared). Each size > 1 runs once
+more with rank 0's calls per step (all steps; decode steps) against the step's ``execute``: the
+control broadcast (bytes: the pickle's), the rowwise all-reduces and DTensor's collectives. On
+CPU a collective's time includes waiting for the other ranks; calls and bytes are device-free.
 
     PYTHONPATH=. python benchmarks/tensor_parallel.py --repeats 3
     PYTHONPATH=. python benchmarks/tensor_parallel.py --device cuda --tp 1,2 --dtype bfloat16

@@ -1,10 +1,8 @@
 """Offline throughput: batchgen vs HF ``generate`` vs HF ``generate_batch`` (continuous batching).
 
-One random Llama, ``--num-prompts`` token-id prompts, exactly ``--output-len`` greedy tokens each
-(EOS ignored; counts asserted); every system warmed up, then timed in ``--repeats`` interleaved
-rounds (fastest kept); greedy tokens compared with batchgen's. batchgen: prefix caching off (the
-repeats reuse the prompts). HF generate: left-padded batches of each of ``--hf-batch-sizes``
-prompts, the best counting. generate_batch: see ``common.generate_batch_contender``.
+Random Llama, token-id prompts, exactly ``--output-len`` greedy tokens each (EOS ignored; counts
+asserted), interleaved rounds, greedy tokens compared with batchgen's. batchgen: prefix caching
+off (the repeats reuse the prompts); HF generate: each of ``--hf-batch-sizes``, the best counts.
 
     PYTHONPATH=. python benchmarks/throughput.py --repeats 3
 """

