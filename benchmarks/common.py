@@ -33,15 +33,8 @@ PAD_ID = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
 NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
-QUESTIONS = [  # chat prompts for trained models (kv_quality.py, vs_vllm.py)
-    "Why is the sky blue?", "Explain how a refrigerator keeps food cold.",
-    "What are the main causes of the French Revolution?", "Why do cats purr?",
-    "How do vaccines train the immune system?", "Write a short poem about the sea at night.",
-    "What is the difference between a list and a tuple in Python?", "How do airplanes fly?",
-    "Give me three tips for sleeping better.", "How does a bicycle stay upright while moving?",
-    "Describe the water cycle to a ten-year-old.", "How does compound interest work?",
-    "What is photosynthesis and why does it matter?", "Summarize the plot of Romeo and Juliet.",
-    "Tell me a short story about a lost robot.", "What is a prime number? List the first ten."]
+QUESTIONS = [json.loads(line)["prompt"]  # chat prompts for trained models: the examples' 20
+             for line in (ROOT / "examples" / "data" / "prompts.jsonl").read_text().splitlines()]
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -86,8 +79,8 @@ def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_pro
 
 
 def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
-                 device: str | None = "cpu", verbose: bool = False) -> None:
-    """--device and --repeats (unless None), --threads, --verbose (if asked), --json."""
+                 device: str | None = "cpu") -> None:
+    """--device and --repeats (unless None), --threads, --json."""
     g = p.add_argument_group("run")
     if device is not None:
         g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
@@ -95,8 +88,6 @@ def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
         g.add_argument("--repeats", type=int, default=repeats,
                        help="timed runs per system, in interleaved rounds; the fastest counts")
     g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    if verbose:
-        g.add_argument("--verbose", action="store_true", help="keep the libraries' logging")
     g.add_argument("--json", type=Path, default=None, metavar="PATH",
                    help="also write the results as JSON to PATH")
 
@@ -160,17 +151,16 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    """Logging quieted (unless --verbose), --threads, the seed; the machine's facts."""
+    """Logging quieted, --threads, the seed; the machine's facts."""
     import transformers
     from transformers.utils import logging as hf_logging
 
     import batchgen
 
-    if not getattr(args, "verbose", False):
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-        logging.getLogger("batchgen").setLevel(logging.WARNING)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("batchgen").setLevel(logging.WARNING)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(getattr(args, "seed", 0))
@@ -591,11 +581,11 @@ class Result:
                 "total_tok_s": total / self.wall_s if self.wall_s > 0 else float("inf")}
 
 
-def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
+def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any], str]:
     """batchgen (the first result) against the HF baselines of one workload: the results'
-    labels (the fastest of several HF generate batch sizes marked "(best)") and the summary
-    (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
-    bg = results[0]
+    labels (the fastest of several HF generate batch sizes marked "(best)"), the summary and
+    its line (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
+    bg, parts = results[0], []
     hf = [r for r in results if r.system == "HF generate"]
     best = max(hf, key=lambda r: r.output_tok_s) if hf else None
     gb = next((r for r in results if r.system == "HF generate_batch"), None)
@@ -604,22 +594,15 @@ def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
         summary.update(batchgen_over_hf_generate=bg.output_tok_s / best.output_tok_s,
                        hf_generate_best_batch_size=best.extra["batch_size"],
                        hf_generate_output_tok_s=best.output_tok_s)
+        parts.append(f"batchgen / HF generate (best, batch {best.extra['batch_size']}): "
+                     f"{summary['batchgen_over_hf_generate']:.2f}x")
     if gb is not None:
         summary.update(batchgen_over_generate_batch=bg.output_tok_s / gb.output_tok_s,
                        generate_batch_output_tok_s=gb.output_tok_s)
-    return [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results], summary
-
-
-def versus_line(summary: dict[str, Any]) -> str:
-    parts = []
-    if "batchgen_over_hf_generate" in summary:
-        parts.append(f"batchgen / HF generate (best, batch "
-                     f"{summary['hf_generate_best_batch_size']}): "
-                     f"{summary['batchgen_over_hf_generate']:.2f}x")
-    if "batchgen_over_generate_batch" in summary:
         parts.append(f"batchgen / HF generate_batch: "
                      f"{summary['batchgen_over_generate_batch']:.2f}x")
-    return ", ".join(parts)
+    labels = [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results]
+    return labels, summary, ", ".join(parts)
 
 
 def wall_head(repeats: int) -> str:

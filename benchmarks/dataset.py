@@ -1,6 +1,6 @@
 """Dataset jobs: `batchgen generate` (the CLI, Parquet shards) vs `LLM.generate` on the same rows.
 
-Issue 11's bars on the random Llama with the tiny BPE tokenizer (``--eos-boost``), a JSONL of
+Issue 11's bars on the random Llama with the tiny BPE tokenizer (EOS boosted), a JSONL of
 ``--rows`` sentences (``prompt``) and a ``topic`` column, n=``--n``, temperature 1. Fresh
 processes, interleaved (CLI, script, timed CLI; again), best of ``--repeats``. 1. Throughput of
 ``python -m batchgen generate`` and of a minimal script (one ``llm.generate``, the same row seeds
@@ -25,6 +25,7 @@ from benchmarks import common as h
 
 FIRST_SHARD, FIRST_SHARD_BAR_S, RSS_BAR = "part-00000.parquet", 10.0, 2.0
 GEN_TOLERANCE = 0.10  # the CLI's generation phase may be this much slower than LLM.generate
+EOS_BOOST, TIMEOUT_S = 0.06, 3600.0  # EOS ends some samples early; any one child's limit
 TOPICS = ["travel", "history", "science", "cooking", "sports", "music", "nature", "letters"]
 SUMMARY = re.compile(r"batchgen: (\d+) rows, (\d+) samples, (\d+) output tokens in .* "
                      r"\(([\d.]+) s this run\)")
@@ -92,16 +93,16 @@ def cli_argv(args, data: Path, out: Path, n: int, max_tokens: int) -> list[str]:
             "--quiet", "--block-size", str(args.block_size), "--max-num-seqs",
             str(args.max_num_seqs), "--dtype", args.dtype, "--device", args.device,
             "--seed", str(args.seed)]
-    for flag in ("max_num_batched_tokens", "num_kv_blocks", "rows_per_shard"):
+    for flag in ("max_num_batched_tokens", "num_kv_blocks"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return argv + ["--no-prefix-caching"] * args.no_prefix_caching
+    return argv
 
 
 def run_child(args, root: Path, name: str, kind: str, argv: list[str]) -> dict:
     """This file as a ``kind`` child, run to its end: its figures, process and log lines."""
     child = launch(args, root, name, [__file__, "--child", kind, *argv])
-    output = child.check(args.timeout)
+    output = child.check(TIMEOUT_S)
     figures = json.loads(output.rsplit(RESULT, 1)[1].split("\n", 1)[0])
     return {**figures, "process_s": child.wall_s,
             "cpu_s": child.cpu_s, "maxrss_kib": child.maxrss_kib, "output": output}
@@ -147,16 +148,16 @@ def run_round(args, root: Path, data: Path, r: int, runs: dict, checks: list, re
     while first is None and not child.poll():
         if (out / FIRST_SHARD).exists():
             first = time.perf_counter() - child.t0
-        elif time.perf_counter() - child.t0 > args.timeout:
+        elif time.perf_counter() - child.t0 > TIMEOUT_S:
             child.kill()
         time.sleep(0.05)
-    output = child.check(args.timeout)
+    output = child.check(TIMEOUT_S)
     if first is None and (out / FIRST_SHARD).exists():
         first = child.wall_s  # appeared between the last poll and the exit
     runs["cli"].append({"process_s": child.wall_s, "cpu_s": child.cpu_s, "first_shard_s": first,
                         "maxrss_kib": child.maxrss_kib, **facts(output)})
     cfg = {"model": str(args.model), "input": str(data), "seed": args.seed, "dump": r == 0,
-           "llm": h.engine_kwargs(args, enable_prefix_caching=not args.no_prefix_caching),
+           "llm": h.engine_kwargs(args),
            "params": {"n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens,
                       "seed": args.seed}}
     m = run_child(args, root, f"minimal-{r}", "minimal", [json.dumps(cfg)])
@@ -201,17 +202,12 @@ def write_jsonl(path: Path, rows: int, seed: int) -> None:
 def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, model={}, run={"repeats": 3},
                  engine={"max_num_batched_tokens": None})
-    h.add_ints(p, rows=2000, n=4, max_tokens=16, seed=0, rss_max_tokens=4, rows_per_shard=None)
-    p.add_argument("--eos-boost", type=float, default=0.06,
-                   help="make_tiny_model's eos_boost: EOS ends some samples early")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    h.add_ints(p, rows=2000, n=4, max_tokens=16, seed=0, rss_max_tokens=4)
     p.add_argument("--rss-rows", default="1000,100000",
                    help="comma-separated row counts of part 3, one fresh CLI process each")
     p.add_argument("--skip-rss", action="store_true")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds any one child process may run")
     args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "rss_max_tokens",
-                        "rows_per_shard")
+)
     args.rss_rows = [] if args.skip_rss else h.parse_int_list(p, args.rss_rows, "--rss-rows")
     return args
 
@@ -287,10 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
     info = h.start(args)  # its --threads: the children's, through OMP_NUM_THREADS
     runs, checks, ref = {"cli": [], "minimal": [], "timed_cli": []}, [], []
     with tempfile.TemporaryDirectory(prefix="batchgen-dataset-bench-") as tmp, \
-            h.prepare_model_dir(args, 1024, tokenizer=True, eos_boost=args.eos_boost) as model:
+            h.prepare_model_dir(args, 1024, tokenizer=True, eos_boost=EOS_BOOST) as model:
         root, args.model = Path(tmp), model
         write_jsonl(root / "input.jsonl", args.rows, args.seed)
-        print(h.model_line(args) + f", eos_boost {args.eos_boost}")
+        print(h.model_line(args) + f", eos_boost {EOS_BOOST}")
         cli_command = ["python", "-m", "batchgen", *cli_argv(
             args, Path("INPUT.jsonl"), Path("OUT"), args.n, args.max_tokens)]
         print(f"workload: {args.rows} rows of 4-16 words (+ a topic column), n={args.n}, "

@@ -4,7 +4,7 @@ local Ray with 1 and 2 actors (`batchgen.ray`), on the same rows, in one run.
 Each Ray run starts a fresh Ray and is timed from handing over the dataset until every row is
 back (actor start-up counts; the local figure excludes model load). Issue 12's bar: 2 actors not
 slower than 1 by more than the Ray overhead, (1 actor) - (local). Outputs must be identical, else
-exit 1. Actors get ``--cpus-per-actor`` CPUs (their torch threads), the local run as many threads.
+exit 1. An actor gets 1 CPU (1 torch thread), and so does the local run: the same arithmetic.
 
     PYTHONPATH=. python benchmarks/ray_scaling.py --json /tmp/ray_scaling.json
 """
@@ -34,14 +34,14 @@ def run_ray(model: str, data, params, actors: int, args) -> tuple[float, float, 
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
 
     t0 = time.perf_counter()
-    cpus = max(os.cpu_count() or 1, int(actors * args.cpus_per_actor) + 1)
+    cpus = max(os.cpu_count() or 1, actors + 1)
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     try:
         t1 = time.perf_counter()
         config = BatchgenProcessorConfig(model, params, engine_kwargs={"device": "cpu"},
                                          seed=0, batch_size=args.batch_size, concurrency=actors,
-                                         num_cpus=args.cpus_per_actor)
+                                         num_cpus=1)
         ds = build_processor(config)(ray.data.from_arrow(numbered_blocks(data, args.batch_size)))
         out = sorted(ds.take_all(), key=lambda r: r["row_id"])
         return time.perf_counter() - t1, t1 - t0, out
@@ -59,7 +59,6 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, run={"repeats": None, "device": None})
     h.add_ints(p, rows=2000, n=4, max_tokens=16, batch_size=50)  # batch: rows per actor call
     p.add_argument("--actors", default="1,2", help="actor counts to run")
-    p.add_argument("--cpus-per-actor", type=float, default=1.0)
     p.add_argument("--model", default=None,
                    help="model folder (default: a random Llama of --model-size)")
     p.add_argument("--model-size", choices=["bench", "tiny"], default="bench",
@@ -67,7 +66,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "tiny: the test models' (fast)")
     args = h.check_args(p, p.parse_args(argv))
     args.actors = h.parse_int_list(p, args.actors, "--actors")
-    args.threads = args.threads or max(1, int(args.cpus_per_actor))  # an actor's arithmetic
+    args.threads = args.threads or 1  # an actor's
     info = h.start(args)
     model = args.model or str(make_tiny_model(
         Path(os.environ.get("TMPDIR", "/tmp")) / f"batchgen-ray-bench-{args.model_size}",

@@ -3,7 +3,7 @@
 The random Llama, exactly ``--output-len`` (L) tokens per sample / beam (EOS ignored), each
 workload in interleaved rounds. n-way sampling counts every sample; beam search (``--beam-widths``)
 counts the best beam, compared with HF's (mismatches rerun untimed with EOS ordinary in HF too,
-as batchgen's ``ignore_eos`` has it); ``--controls-widths`` rerun with ``CONTROLS`` in both (EOS
+as batchgen's ``ignore_eos`` has it); width 4 also runs with ``CONTROLS`` in both (EOS
 banned in both). KV memory: each batchgen run's peak against a contiguous cache (``sum width *
 (len + L)``) and a paged one without sharing (the vLLM paper's baseline, sec. 6.3), both holding
 the whole workload (* when more rows than ``--max-num-seqs``); no run may preempt (asserted).
@@ -21,15 +21,14 @@ from benchmarks import common as h
 PAPER_SAVINGS = {"sampling": "6.1-9.8% Alpaca / 16.2-30.5% ShareGPT",
                  "beam": "37.6-55.2% Alpaca / 44.3-66.3% ShareGPT"}
 CONTROLS = {"no_repeat_ngram_size": 3, "repetition_penalty": 1.2}  # HF's beam controls
+CONTROLS_WIDTH = 4  # the beam width also run with them
 
 
 def parse_args(argv: list[str] | None):
-    p = h.parser(__doc__, model={}, workload={"num_prompts": 16}, run={"verbose": True},
+    p = h.parser(__doc__, model={}, workload={"num_prompts": 16}, run={},
                  engine={}, hf={"batch_sizes": "1,2,4"})
     p.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
     p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)")
-    p.add_argument("--controls-widths", default="4",
-                   help="those of --beam-widths also run with CONTROLS ('' or 0: none)")
     p.add_argument("--controls-first", action="store_true",
                    help="run the controls variant before the plain one")
     args = h.check_args(p, p.parse_args(argv))
@@ -38,8 +37,6 @@ def parse_args(argv: list[str] | None):
         return [] if value.strip() in ("", "0") else h.parse_int_list(p, value, flag)
 
     args.beam_widths = widths(args.beam_widths, "--beam-widths")
-    args.controls_widths = [w for w in widths(args.controls_widths, "--controls-widths")
-                            if w in args.beam_widths]
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
     if max(args.beam_widths, default=0) > args.max_num_seqs:
@@ -137,7 +134,7 @@ def run_all(model_dir, prompts: list[list[int]], kv_blocks: int, args) -> dict:
         h.check_lengths("batchgen samples", out[0][1], len(prompts) * args.n, args.output_len)
         runs[f"sampling n={args.n}"] = [r for r, _ in out]
     for width in args.beam_widths:
-        variants = [False, True] if width in args.controls_widths else [False]
+        variants = [False, True] if width == CONTROLS_WIDTH else [False]
         for controls in variants[::-1] if args.controls_first else variants:
             name = f"beam W={width}" + (" +ngram3+rep1.2" if controls else "")
             print(f"  {name}", flush=True)
@@ -150,7 +147,8 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
     """The throughput table, agreement and controls lines, the KV table; the summary."""
     rows, summary = [], {}
     for name, rs in runs.items():
-        labels, summary[name] = h.versus(rs)
+        labels, summary[name], line = h.versus(rs)
+        summary[name]["line"] = line
         bs = summary[name].get("hf_generate_best_batch_size")
         best = next((r for r in rs if r.extra.get("batch_size", 0) == bs), None)
         if best is not None and "best_beam_agreement" in best.extra:
@@ -164,8 +162,8 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
              "output tok/s", "batchgen / this", "best beam = batchgen"], rows)
     print("\noutput tokens: every sample for n-way sampling, the best beam for beam search.")
     for name, s in summary.items():
-        if h.versus_line(s):
-            print(f"{name}: {h.versus_line(s)}")
+        if s["line"]:
+            print(f"{name}: {s['line']}")
         if ag := s.get("best_beam_agreement"):
             rc = ag.get("recheck_eos_as_token")
             print(f"{name}: best beam identical to HF's (batch {s['hf_generate_best_batch_size']})"

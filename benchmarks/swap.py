@@ -2,8 +2,8 @@
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
 Per workload, a fresh ``LLM`` per timed run, interleaved: a roomy pool (no preemption: the
-reference tokens), and a tight one (``--pool-factor`` x the largest request's bound) preempting
-by recompute and by swap (a host pool of ``--swap-factor`` x its blocks). Swap must give the
+reference tokens), and a tight one (``POOL_FACTOR`` x the largest request's bound) preempting
+by recompute and by swap (a host pool of ``SWAP_FACTOR`` x its blocks). Swap must give the
 reference's tokens (asserted); recompute may flip near ties (counted).
 
     PYTHONPATH=. python benchmarks/swap.py --repeats 2
@@ -13,6 +13,8 @@ import gc
 from pathlib import Path
 
 from benchmarks import common as h
+
+POOL_FACTOR, SWAP_FACTOR = 1.5, 4.0  # device pool / the largest bound, host pool / device pool
 
 
 def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> list[dict]:
@@ -31,10 +33,10 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> 
         outs = llm.beam_search(h.token_prompts(prompts), params, use_tqdm=False)
         return [list(s.token_ids) for o in outs for s in o.sequences]
 
-    tight = int(args.pool_factor * max(h.request_peak_blocks(
+    tight = int(POOL_FACTOR * max(h.request_peak_blocks(
         len(p), width, args.output_len, args.block_size) for p in prompts))
     probe = LLM(str(model_dir), **h.engine_kwargs(args))
-    gib = (int(tight * args.swap_factor) + 0.5) * args.block_size * h.kv_bytes_per_token(
+    gib = (int(tight * SWAP_FACTOR) + 0.5) * args.block_size * h.kv_bytes_per_token(
         probe) / 2**30
     roomy = 2 * len(prompts) * width * h.blocks_for(args.max_prompt_len + args.output_len,
                                                     args.block_size)
@@ -44,7 +46,7 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> 
                ("recompute", {"num_kv_blocks": tight, "preemption_mode": "recompute"}),
                ("swap", {"num_kv_blocks": tight, "swap_space": gib})]
     runs = h.run_contenders([h.fresh_contender(name, model_dir, h.engine_kwargs(
-        args, enable_prefix_caching=not args.no_prefix_caching, **kw), go, ", ".join(
+        args, **kw), go, ", ".join(
             f"{k}={v:.4g}" for k, v in kw.items() if k != "preemption_mode"))
         for name, kw in engines], args, sum(map(len, prompts)))
     ref, rows = runs[0][1], []
@@ -63,20 +65,13 @@ def main(argv: list[str] | None = None) -> dict:
         "num_prompts": 8, "min_prompt_len": 256, "max_prompt_len": 384, "output_len": 64})
     g = p.add_argument_group("swap")
     h.add_ints(g, n=8, beam_width=8, block_size=16)
-    g.add_argument("--pool-factor", type=float, default=1.5,
-                   help="device pool = this x the largest request's exact bound (>= 1)")
-    g.add_argument("--swap-factor", type=float, default=4.0,
-                   help="host pool = this x the device pool's blocks")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    args = h.check_args(p, p.parse_args(argv), "n", "beam_width", "pool_factor")
-    if args.swap_factor <= 0:
-        p.error("--swap-factor must be > 0")
+    args = h.check_args(p, p.parse_args(argv), "n", "beam_width")
     info = h.start(args)
     prompts = h.workload_prompts(args)
     n_prompt = sum(map(len, prompts))
     print(h.workload_line(args, prompts, f"{args.output_len} new tokens; n={args.n} samples "
-                          f"and beams of width {args.beam_width}; pool {args.pool_factor}x the "
-                          f"largest request's bound, host pool {args.swap_factor}x that"))
+                          f"and beams of width {args.beam_width}; pool {POOL_FACTOR}x the "
+                          f"largest request's bound, host pool {SWAP_FACTOR}x that"))
     rows = []
     with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         for kind in ("samples", "beams"):

@@ -157,7 +157,7 @@ def comm_report(r: h.Result) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = h.parser(__doc__, model={}, workload={}, run={"verbose": True}, engine={})
+    p = h.parser(__doc__, model={}, workload={}, run={}, engine={})
     p.add_argument("--tp", default="1,2",
                    help="comma-separated tensor_parallel_size values (at most one > 1)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,

