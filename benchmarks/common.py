@@ -38,15 +38,49 @@ QUESTIONS = [json.loads(line)["prompt"]  # chat prompts for trained models: the 
 
 
 # ---- command line ---------------------------------------------------------------------------
-def parser(doc: str, **groups: dict[str, Any]) -> argparse.ArgumentParser:
-    """A parser described by the docstring's first line, with the flag groups named (``model``,
-    ``workload``, ``run``, ``engine``, ``hf``), each given its ``add_*_args`` keywords."""
+def parser(doc: str, model: dict | None = None, workload: dict | None = None,
+           run: dict | None = None, engine: dict | None = None, hf: dict | None = None
+           ) -> argparse.ArgumentParser:
+    """A parser described by the docstring's first line, with the harness's flag groups named:
+    each a dict over the group's defaults (``{}``: as they are); a workload or run default of
+    None drops that flag (``output_len``, ``repeats``, ``device``)."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    adders = {"model": add_model_args, "workload": add_workload_args, "run": add_run_args,
-              "engine": add_engine_args, "hf": add_hf_args}
-    for name, kwargs in groups.items():
-        adders[name](p, **kwargs)
+    if model is not None:  # the random-weight Llama
+        g = p.add_argument_group("model (random weights, Llama family)")
+        g.add_argument("--model-dir", type=Path, default=None,
+                       help="existing model folder to use, or where to write the random one "
+                            "(default: a temporary folder, deleted at exit)")
+        g.add_argument("--dtype", default=model.pop("dtype", "float32"), choices=sorted(DTYPES))
+        add_ints(g, **{"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
+                       "intermediate_size": 688, "vocab_size": 4096, **model})
+    if workload is not None:  # token-id prompts of uniform random length; --seed: weights too
+        w = {"num_prompts": 32, "min_prompt_len": 16, "max_prompt_len": 384, "output_len": 64,
+             "seed": 0, **workload}
+        add_ints(p.add_argument_group("workload"), **{k: v for k, v in w.items() if v is not None})
+    if run is not None:
+        g, run = p.add_argument_group("run"), {"device": "cpu", "repeats": 1, **run}
+        if run["device"] is not None:
+            g.add_argument("--device", default=run["device"], help="cpu, cuda or cuda:N")
+        if run["repeats"] is not None:
+            g.add_argument("--repeats", type=int, default=run["repeats"],
+                           help="timed runs per system, in interleaved rounds; the fastest counts")
+        g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        g.add_argument("--json", type=Path, default=None, metavar="PATH",
+                       help="also write the results as JSON to PATH")
+    if engine is not None:
+        add_ints(p.add_argument_group("batchgen engine (generate_batch: the same limits)"), **{
+            "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+            "num_kv_blocks": None, **engine})
+    if hf is not None:  # HF generate at several batch sizes (the best counts), generate_batch
+        g = p.add_argument_group("HF baselines")
+        g.add_argument("--hf-batch-sizes", default=hf.get("batch_sizes", "8,32"),
+                       help="comma-separated HF generate batch sizes (prompts)")
+        g.add_argument("--skip-hf", action="store_true")
+        if hf.get("generate_batch", True):
+            g.add_argument("--gb-page-size", type=int, default=256,
+                           help="generate_batch page size in tokens (transformers' default)")
+            g.add_argument("--skip-generate-batch", action="store_true")
     return p
 
 
@@ -55,61 +89,6 @@ def add_ints(g: Any, **defaults: int | None) -> None:
     for name, default in defaults.items():
         g.add_argument("--" + name.replace("_", "-"), type=int, default=default,
                        help="(default: %(default)s)")
-
-
-def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    """The random-weight Llama (``defaults`` override the flags' defaults)."""
-    g = p.add_argument_group("model (random weights, Llama family)")
-    add_ints(g, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-             intermediate_size=688, vocab_size=4096)
-    g.add_argument("--model-dir", type=Path, default=None,
-                   help="existing model folder to use, or where to write the random one "
-                        "(default: a temporary folder, deleted at exit)")
-    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.set_defaults(**defaults)
-
-
-def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
-                      max_prompt_len: int = 384, output_len: int | None = 64) -> None:
-    """N token-id prompts of uniform random length, a fixed output length (unless None); --seed
-    seeds the weights and the prompts."""
-    out = {} if output_len is None else {"output_len": output_len}
-    add_ints(p.add_argument_group("workload"), num_prompts=num_prompts, seed=0,
-             min_prompt_len=min_prompt_len, max_prompt_len=max_prompt_len, **out)
-
-
-def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
-                 device: str | None = "cpu") -> None:
-    """--device and --repeats (unless None), --threads, --json."""
-    g = p.add_argument_group("run")
-    if device is not None:
-        g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
-    if repeats is not None:
-        g.add_argument("--repeats", type=int, default=repeats,
-                       help="timed runs per system, in interleaved rounds; the fastest counts")
-    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    g.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="also write the results as JSON to PATH")
-
-
-def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192) -> None:
-    """batchgen's engine flags (generate_batch gets the same limits)."""
-    add_ints(p.add_argument_group("batchgen engine (generate_batch: the same limits)"),
-             block_size=16, max_num_seqs=256, max_num_batched_tokens=max_num_batched_tokens,
-             num_kv_blocks=None)
-
-
-def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
-                generate_batch: bool = True) -> None:
-    """HF generate at several batch sizes (the best is reported) and generate_batch."""
-    g = p.add_argument_group("HF baselines")
-    g.add_argument("--hf-batch-sizes", default=batch_sizes,
-                   help="comma-separated HF generate batch sizes (prompts); the best counts")
-    g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
-    if generate_batch:
-        g.add_argument("--gb-page-size", type=int, default=256,
-                       help="generate_batch page size in tokens (transformers' default)")
-        g.add_argument("--skip-generate-batch", action="store_true")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str

@@ -32,11 +32,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--controls-first", action="store_true",
                    help="run the controls variant before the plain one")
     args = h.check_args(p, p.parse_args(argv))
-
-    def widths(value: str, flag: str) -> list[int]:
-        return [] if value.strip() in ("", "0") else h.parse_int_list(p, value, flag)
-
-    args.beam_widths = widths(args.beam_widths, "--beam-widths")
+    args.beam_widths = ([] if args.beam_widths.strip() in ("", "0") else
+                        h.parse_int_list(p, args.beam_widths, "--beam-widths"))
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
     if max(args.beam_widths, default=0) > args.max_num_seqs:

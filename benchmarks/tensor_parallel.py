@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import _functional_collectives as funcol
 
+from batchgen import LLM
 from benchmarks import common as h
 
 KINDS = {"control": "control broadcast (TPGroup.send)",
@@ -53,13 +54,6 @@ class CommMeter:
             return out
         return timed_call
 
-    def restarting(self, run):
-        """``run`` with the step count restarted: ``steps`` is the last run's."""
-        def go():
-            self.steps = 0
-            return run()
-        return go
-
     def count_steps(self, execute):
         def step(rows):
             self.steps += 1
@@ -75,34 +69,31 @@ class CommMeter:
         return step
 
 
+    def attach(self, llm, tp: int, stack: contextlib.ExitStack) -> None:
+        """Count ``llm``'s steps and, for tp > 1, wrap this process's (rank 0's) communication
+        calls, until ``stack`` closes."""
+        runner, group = h.engine_runner(llm), h.tp_group_class()
+        patches = [(runner, "execute", self.count_steps(runner.execute))]
+        if tp > 1:
+            patches += [
+                (group, "send", self.wrap("control", group.send,
+                                          lambda _group, msg: len(pickle.dumps(msg)))),
+                (dist, "all_reduce", self.wrap("all_reduce", dist.all_reduce, _nbytes)),
+                (funcol, "all_reduce", self.wrap("dtensor", funcol.all_reduce, _nbytes)),
+                (funcol, "all_gather_single", self.wrap(
+                    "dtensor", funcol.all_gather_single, lambda t, *a, **kw: tp * _nbytes(t))),
+                (funcol, "wait_tensor", self.wrap("dtensor", funcol.wait_tensor, None))]
+        for obj, name, fn in patches:
+            stack.enter_context(mock.patch.object(obj, name, fn))
+
+
 def _nbytes(t, *_, **__) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
-
-
-def metered(llm, meter: CommMeter, tp: int, stack: contextlib.ExitStack) -> CommMeter:
-    """``meter`` counting ``llm``'s steps and, for tp > 1, wrapping this process's (rank 0's)
-    communication calls, until ``stack`` closes."""
-    runner, group = h.engine_runner(llm), h.tp_group_class()
-    patches = [(runner, "execute", meter.count_steps(runner.execute))]
-    if tp > 1:
-        patches += [
-            (group, "send", meter.wrap("control", group.send,
-                                       lambda _group, msg: len(pickle.dumps(msg)))),
-            (dist, "all_reduce", meter.wrap("all_reduce", dist.all_reduce, _nbytes)),
-            (funcol, "all_reduce", meter.wrap("dtensor", funcol.all_reduce, _nbytes)),
-            (funcol, "all_gather_single", meter.wrap(
-                "dtensor", funcol.all_gather_single, lambda t, *a, **kw: tp * _nbytes(t))),
-            (funcol, "wait_tensor", meter.wrap("dtensor", funcol.wait_tensor, None))]
-    for obj, name, fn in patches:
-        stack.enter_context(mock.patch.object(obj, name, fn))
-    return meter
 
 
 def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result, list]]:
     """Every size loaded and metered, timed in interleaved rounds, then one instrumented run
     per size > 1 (its tallies in ``extra["comm"]``). The LLMs are gone when this returns."""
-    from batchgen import LLM
-
     gpu_pool = args.num_kv_blocks is None and torch.device(args.device).type == "cuda"
     with contextlib.ExitStack() as stack:
         loaded = []
@@ -110,12 +101,12 @@ def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result
             llm = LLM(str(path), **h.engine_kwargs(
                 args, tensor_parallel_size=tp, enable_prefix_caching=False,  # repeats reuse
                 kv_cache_memory=int(args.kv_cache_gib * 2**30) if gpu_pool else None))
-            meter = metered(llm, CommMeter(torch.device(args.device)), tp, stack)
-            c = h.batchgen_contender(llm, prompts, h.greedy, args.output_len,
-                                     lambda tp=tp, m=meter: (f"tensor_parallel_size={tp}",
-                                                             {"steps": m.steps}),
-                                     f"batchgen tp={tp}")
-            c.run = meter.restarting(c.run)
+            meter = CommMeter(torch.device(args.device))
+            c = h.batchgen_contender(
+                llm, prompts, h.greedy, args.output_len, lambda tp=tp, m=meter: (
+                    f"tensor_parallel_size={tp}", {"steps": m.steps // args.repeats}),
+                f"batchgen tp={tp}")
+            meter.attach(llm, tp, stack)  # after the warm-up: steps counts the timed runs'
             loaded.append((c, meter))
         runs = h.run_contenders([c for c, _ in loaded], args, sum(map(len, prompts)))
         for tp, (r, _), (c, meter) in zip(args.tp, runs, loaded):
