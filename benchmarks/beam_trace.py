@@ -42,12 +42,11 @@ def trace_sizes(outs, width: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, run={}, workload={
         "num_prompts": 16, "min_prompt_len": 16, "max_prompt_len": 128, "output_len": 32})
-    p.add_argument("--beam-widths", default="4,16", help="comma-separated beam widths")
+    p.add_argument("--beam-widths", type=h.int_list, default="4,16", help="comma-separated")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="comma-separated subset, plain first (plain alone also runs on a "
                         "batchgen without these parameters: the off path across versions)")
     args = h.check_args(p, p.parse_args(argv))
-    args.beam_widths = h.parse_int_list(p, args.beam_widths, "--beam-widths")
     args.configs = [c for c in args.configs.split(",") if c]
     if not args.configs or not set(args.configs) <= set(CONFIGS) or args.configs[0] != "plain":
         p.error(f"--configs must start with plain and name only {', '.join(CONFIGS)}")

@@ -74,7 +74,7 @@ def parser(doc: str, model: dict | None = None, workload: dict | None = None,
             "num_kv_blocks": None, **engine})
     if hf is not None:  # HF generate at several batch sizes (the best counts), generate_batch
         g = p.add_argument_group("HF baselines")
-        g.add_argument("--hf-batch-sizes", default=hf.get("batch_sizes", "8,32"),
+        g.add_argument("--hf-batch-sizes", type=int_list, default=hf.get("batch_sizes", "8,32"),
                        help="comma-separated HF generate batch sizes (prompts)")
         g.add_argument("--skip-hf", action="store_true")
         if hf.get("generate_batch", True):
@@ -94,7 +94,7 @@ def add_ints(g: Any, **defaults: int | None) -> None:
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
                ) -> argparse.Namespace:
     """parser.error() on inconsistent flags (of those the script has; ``positive``: more that
-    must be >= 1 when given); --hf-batch-sizes parsed."""
+    must be >= 1 when given)."""
     for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "num_kv_blocks", "gb_page_size", *positive):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
@@ -105,19 +105,17 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: 
                                         % args.num_heads or args.num_heads % args.num_kv_heads):
         p.error(f"need --vocab-size > {FIRST_REGULAR_ID}, --hidden-size a multiple of "
                 "--num-heads, and --num-heads of --num-kv-heads")
-    if isinstance(getattr(args, "hf_batch_sizes", None), str):
-        args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
     return args
 
 
-def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str) -> list[int]:
-    """Comma-separated integers >= 1, or parser.error() naming ``flag``."""
+def int_list(value: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (e.g. 1,2,4)."""
     try:
-        out = [int(v) for v in str(value).split(",") if v.strip()]
+        out = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
         out = []
     if not out or min(out) < 1:
-        p.error(f"{flag} takes comma-separated integers >= 1, e.g. 1,2,4")
+        raise argparse.ArgumentTypeError(f"{value!r} is not comma-separated integers >= 1")
     return out
 
 

@@ -104,8 +104,8 @@ def run_child(args, root: Path, name: str, kind: str, argv: list[str]) -> dict:
     child = launch(args, root, name, [__file__, "--child", kind, *argv])
     output = child.check(TIMEOUT_S)
     figures = json.loads(output.rsplit(RESULT, 1)[1].split("\n", 1)[0])
-    return {**figures, "process_s": child.wall_s,
-            "cpu_s": child.cpu_s, "maxrss_kib": child.maxrss_kib, "output": output}
+    return {**figures, "process_s": child.wall_s, "cpu_s": child.cpu_s,
+            "maxrss_kib": child.maxrss_kib, "output": output}
 
 
 def facts(output: str) -> dict:
@@ -203,12 +203,11 @@ def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, model={}, run={"repeats": 3},
                  engine={"max_num_batched_tokens": None})
     h.add_ints(p, rows=2000, n=4, max_tokens=16, seed=0, rss_max_tokens=4)
-    p.add_argument("--rss-rows", default="1000,100000",
+    p.add_argument("--rss-rows", type=h.int_list, default="1000,100000",
                    help="comma-separated row counts of part 3, one fresh CLI process each")
     p.add_argument("--skip-rss", action="store_true")
-    args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "rss_max_tokens",
-)
-    args.rss_rows = [] if args.skip_rss else h.parse_int_list(p, args.rss_rows, "--rss-rows")
+    args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "rss_max_tokens")
+    args.rss_rows = [] if args.skip_rss else args.rss_rows
     return args
 
 

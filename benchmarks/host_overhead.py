@@ -95,8 +95,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, run={"repeats": 3}, model=dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
         vocab_size=300, seed=0))
-    p.add_argument("--rows", default="64,256", help="decode rows (sequences) per step")
-    p.add_argument("--window", default="9,72",
+    p.add_argument("--rows", type=h.int_list, default="64,256", help="decode rows per step")
+    p.add_argument("--window", type=h.int_list, default="9,72",
                    help="first,last generated token whose decode steps are measured")
     p.add_argument("--long-tokens", type=int, default=1024,
                    help="tokens of the growth run (penalties + stop, 64 rows); 0 skips it")
@@ -106,8 +106,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--evict-mb", type=int, default=0,
                    help="MiB written after every forward (timed as forward): cold CPU caches")
     args = h.check_args(p, p.parse_args(argv))
-    args.rows = h.parse_int_list(p, args.rows, "--rows")
-    args.window = h.parse_int_list(p, args.window, "--window")
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"unknown --scenarios {args.scenarios}; choose from {list(SCENARIOS)}")

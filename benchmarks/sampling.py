@@ -28,12 +28,11 @@ def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, model={}, workload={"num_prompts": 16}, run={},
                  engine={}, hf={"batch_sizes": "1,2,4"})
     p.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
-    p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)")
+    p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)",
+                   type=lambda v: [] if v.strip() in ("", "0") else h.int_list(v))
     p.add_argument("--controls-first", action="store_true",
                    help="run the controls variant before the plain one")
     args = h.check_args(p, p.parse_args(argv))
-    args.beam_widths = ([] if args.beam_widths.strip() in ("", "0") else
-                        h.parse_int_list(p, args.beam_widths, "--beam-widths"))
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
     if max(args.beam_widths, default=0) > args.max_num_seqs:

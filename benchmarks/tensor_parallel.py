@@ -149,13 +149,12 @@ def comm_report(r: h.Result) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, workload={}, run={}, engine={})
-    p.add_argument("--tp", default="1,2",
+    p.add_argument("--tp", type=h.int_list, default="1,2",
                    help="comma-separated tensor_parallel_size values (at most one > 1)")
     p.add_argument("--kv-cache-gib", type=float, default=4.0,
                    help="KV pool GiB per rank on CUDA, without --num-kv-blocks (the TP=1 and "
                         "TP=2 LLMs share GPU 0)")
     args = h.check_args(p, p.parse_args(argv))
-    args.tp = h.parse_int_list(p, args.tp, "--tp")
     if sum(k > 1 for k in args.tp) > 1 or len(set(args.tp)) < len(args.tp):
         p.error("--tp takes distinct sizes, at most one of them > 1 (a process holds one "
                 "tensor-parallel group at a time)")
