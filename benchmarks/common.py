@@ -488,11 +488,12 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
 
 
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
-                   prompt_tokens: int, count: Callable[[Any], int] | None = None
-                   ) -> list[tuple["Result", Any]]:
+                   prompt_tokens: int, count: Callable[[Any], int] | None = None,
+                   expect: tuple[int, int] | None = None) -> list[tuple["Result", Any]]:
     """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
     contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
-    output (token rows, whose total length ``count`` defaults to)."""
+    output (token rows, whose total length ``count`` defaults to; ``expect``: (rows, tokens
+    each), asserted)."""
     try:
         timings = interleaved_repeats(
             contenders, args.repeats, getattr(args, "device", "cpu"),
@@ -503,6 +504,8 @@ def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
     out = []
     for c, (value, walls) in zip(contenders, timings):
         config, extra = c.describe()
+        if expect is not None:
+            check_lengths(f"{c.system} ({config})", value, *expect)
         tokens = count(value) if count else sum(map(len, value))
         out.append((Result(c.system, config, min(walls), tokens, prompt_tokens,
                            {**extra, "wall_s_all": walls}), value))

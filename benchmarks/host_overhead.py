@@ -22,7 +22,7 @@ from benchmarks import common as h
 LONG_ROWS = 64  # rows of the growth run
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2)
 TOP_P = dict(temperature=0.8, top_p=0.95)
-SCENARIOS = {  # name -> (n, SamplingParams kwargs)
+SCENARIOS = {  # name -> (n, SamplingParams kwargs); the stop strings never match
     "greedy": (1, dict(temperature=0.0)),
     "n8 top-p": (8, TOP_P),
     "n8 top-p + penalties": (8, dict(**TOP_P, **PENALTIES)),
@@ -91,39 +91,39 @@ def window(values: list[float], first: int, last: int) -> float:
     return statistics.median(picked)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None):
     p = h.parser(__doc__, run={"repeats": 3}, model=dict(
         hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
         vocab_size=300, seed=0))
     p.add_argument("--rows", type=h.int_list, default="64,256", help="decode rows per step")
     p.add_argument("--window", type=h.int_list, default="9,72",
                    help="first,last generated token whose decode steps are measured")
-    p.add_argument("--long-tokens", type=int, default=1024,
-                   help="tokens of the growth run (penalties + stop, 64 rows); 0 skips it")
-    p.add_argument("--scenarios", default=",".join(SCENARIOS),
-                   help="comma-separated subset of: " + ", ".join(SCENARIOS))
+    h.add_ints(p, long_tokens=1024, evict_mb=0)  # long tokens 0: no growth run
+    p.add_argument("--scenarios", type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
+                   default=",".join(SCENARIOS), help=f"a subset of {', '.join(SCENARIOS)}")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
-    p.add_argument("--evict-mb", type=int, default=0,
-                   help="MiB written after every forward (timed as forward): cold CPU caches")
     args = h.check_args(p, p.parse_args(argv))
-    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"unknown --scenarios {args.scenarios}; choose from {list(SCENARIOS)}")
     if len(args.window) != 2 or args.window[0] > args.window[1]:
         p.error("--window must be first,last with first <= last")
-    (first, last), long = args.window, args.long_tokens
-    if 0 < long < 2 * last:
+    if 0 < args.long_tokens < 2 * args.window[1]:
         p.error("--long-tokens must be 0 or at least twice the window's last token")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     info = h.start(args)
-    late = f"{long - (last - first)}-{long}"
+    (first, last), long = args.window, args.long_tokens
+    early, late = f"{first}-{last}", f"{long - (last - first)}-{long}"
     max_rows = max(*args.rows, LONG_ROWS)
     prompts = h.make_prompts(max_rows, 16, 32, args.vocab_size, seed=0)
     figures = {}  # (system, scenario, rows, tokens) -> the lowest host ms and its forward ms
 
-    def keep(system: str, scenario: str, rows: int, gaps_fwd: tuple, lo: int = first,
-             hi: int = last) -> None:
-        host, fwd = (window(v, lo, hi) for v in gaps_fwd[:2])
-        key = (system, scenario, rows, f"{lo}-{hi}")
+    def keep(system: str, scenario: str, rows: int, gaps_fwd: tuple, tokens: str = early):
+        host, fwd = (window(v, *map(int, tokens.split("-"))) for v in gaps_fwd[:2])
+        key = (system, scenario, rows, tokens)
         if key not in figures or host < figures[key][0]:
             figures[key] = (host, fwd)
 
@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict:
             if long:  # the growth run: early and late in one long run
                 out = bg_run("penalties + stop", LONG_ROWS, long)
                 keep("batchgen", "penalties + stop", LONG_ROWS, out)
-                keep("batchgen", "penalties + stop", LONG_ROWS, out, long - (last - first), long)
+                keep("batchgen", "penalties + stop", LONG_ROWS, out, late)
         if long:  # once more, untimed, counting the host's function calls per step
             clock.count_calls = True
             counts = bg_run("penalties + stop", LONG_ROWS, long)[2]
-            calls = (window(counts, first, last), window(counts, long - (last - first), long))
+            calls = [window(counts, *map(int, t.split("-"))) for t in (early, late)]
         clock.close()
         if not args.skip_hf:
             hf = h.load_hf_model(model_dir, torch.float32, args.device)
@@ -167,17 +167,17 @@ def main(argv: list[str] | None = None) -> dict:
             clock.close()
     long_run = {k[3]: host for k, (host, _) in figures.items()
                 if k[1:3] == ("penalties + stop", LONG_ROWS)}
-    growth = long_run[late] / long_run[f"{first}-{last}"] if late in long_run else None
+    growth = long_run[late] / long_run[early] if late in long_run else None
     print(h.markdown_table(["system", "scenario", "rows", "tokens", "host ms / step",
                             "forward ms / step"],
                            [[*k, f"{host:.3f}", f"{fwd:.3f}"] for k, (host, fwd) in
                             figures.items()]))
     if growth is not None:
-        print(f"growth (penalties + stop, 64 rows): host ms at tokens {late} / at "
-              f"{first}-{last} = {growth:.2f}x")
+        print(f"growth (penalties + stop, 64 rows): host ms at tokens {late} / at {early} = "
+              f"{growth:.2f}x")
     if calls is not None:
         print(f"function calls per decode step (penalties + stop, 64 rows): {calls[0]:.0f} at "
-              f"tokens {first}-{last}, {calls[1]:.0f} at {late} ({calls[1] / calls[0]:.2f}x)")
+              f"tokens {early}, {calls[1]:.0f} at {late} ({calls[1] / calls[0]:.2f}x)")
     keys = ("system", "scenario", "rows", "tokens")
     return h.finish(args, info, {"figures": [dict(zip(keys, k), host_ms=host, forward_ms=fwd)
                                              for k, (host, fwd) in figures.items()],

@@ -30,10 +30,8 @@ def main(argv: list[str] | None = None) -> dict:
         if not args.skip_generate_batch:
             contenders.append(h.generate_batch_contender(model_dir, prompts, args, L,
                                                          do_sample=False))
-        runs = h.run_contenders(contenders, args, n_prompt)
+        runs = h.run_contenders(contenders, args, n_prompt, expect=(len(prompts), L))
     results = [r for r, _ in runs]
-    for r, toks in runs:
-        h.check_lengths(f"{r.system} ({r.config})", toks, len(prompts), L)
     labels, summary, line = h.versus(results)
     h.table(["system", "batch / config", h.wall_head(args.repeats), "output tok/s",
              "batchgen / this"],
@@ -41,9 +39,6 @@ def main(argv: list[str] | None = None) -> dict:
               h.fmt_ratio(results[0].output_tok_s, r.output_tok_s)]
              for label, r in zip(labels, results)])
     print("\n" + line)
-    bg = results[0].extra
-    print(f"batchgen KV: peak {bg['peak_blocks_in_use']} of {bg['num_blocks']} blocks x "
-          f"{bg['block_size']} tokens, {bg['preemptions']} preemptions")
     agree = {}
     for r, toks in runs[1:]:
         name = r.system + (f" bs={r.extra['batch_size']}" if "batch_size" in r.extra else "")
