@@ -100,26 +100,24 @@ def cli_argv(args, data: Path, out: Path, n: int, max_tokens: int) -> list[str]:
 
 
 def run_child(args, root: Path, name: str, kind: str, argv: list[str]) -> dict:
-    """This file as a ``kind`` child, run to its end: its figures, process and log lines."""
+    """This file as a ``kind`` child, run to its end: its figures, process and log facts."""
     child = launch(args, root, name, [__file__, "--child", kind, *argv])
     output = child.check(TIMEOUT_S)
     figures = json.loads(output.rsplit(RESULT, 1)[1].split("\n", 1)[0])
     return {**figures, "process_s": child.wall_s, "cpu_s": child.cpu_s,
-            "maxrss_kib": child.maxrss_kib, "output": output}
+            "maxrss_kib": child.maxrss_kib, **facts(output, cli=kind != "minimal")}
 
 
-def facts(output: str) -> dict:
-    """The CLI's summary line and the engine's set-up log lines (equal for a fair race)."""
-    m = SUMMARY.search(output)
-    if m is None:
-        raise RuntimeError(f"no summary line in the CLI's output:\n{output[-2000:]}")
-    return {"summary": dict(zip(("rows", "samples", "output_tokens"), map(int, m.groups()[:3])),
-                            gen_s=float(m.group(4))), "engine": engine_lines(output)}
-
-
-def engine_lines(output: str) -> list[str]:
-    return [ln.strip() for ln in output.splitlines()
-            if "KV cache:" in ln or "attention backend:" in ln]
+def facts(output: str, cli: bool = True) -> dict:
+    """The engine's set-up log lines (equal for a fair race) and the CLI's summary line."""
+    out = {"engine": [ln.strip() for ln in output.splitlines()
+                      if "KV cache:" in ln or "attention backend:" in ln]}
+    if cli:
+        if (m := SUMMARY.search(output)) is None:
+            raise RuntimeError(f"no summary line in the CLI's output:\n{output[-2000:]}")
+        out["summary"] = dict(zip(("rows", "samples", "output_tokens"), map(int, m.groups()[:3])),
+                              gen_s=float(m.group(4)))
+    return out
 
 
 def compare(label: str, out: Path, want: list[list[list[int]]], topics: list[str]) -> dict:
@@ -161,13 +159,11 @@ def run_round(args, root: Path, data: Path, r: int, runs: dict, checks: list, re
            "params": {"n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens,
                       "seed": args.seed}}
     m = run_child(args, root, f"minimal-{r}", "minimal", [json.dumps(cfg)])
-    m["engine"] = engine_lines(m.pop("output"))
-    if r == 0:
-        ref[:] = m.pop("token_ids")  # the first round's tokens: the reference
+    ref[:] = m.pop("token_ids", ref)  # the first round's tokens: the reference
     t = run_child(args, root, f"timed-cli-{r}", "timed-cli",
                   cli_argv(args, data, tout, args.n, args.max_tokens))
     runs["minimal"].append(m)
-    runs["timed_cli"].append({**t, **facts(t.pop("output"))})
+    runs["timed_cli"].append(t)
     topics = [json.loads(line)["topic"] for line in data.open()]
     checks += [compare(f"cli-{r}", out, ref, topics), compare(f"timed-cli-{r}", tout, ref, topics)]
     print(f"  round {r + 1}/{args.repeats}: CLI process {child.wall_s:.2f} s (summary "
@@ -185,7 +181,7 @@ def run_rss(args, root: Path) -> list[dict]:
         write_jsonl(data, rows, args.seed + 1)
         t = run_child(args, root, f"rss-{rows}", "timed-cli",
                       cli_argv(args, data, dest, 1, args.rss_max_tokens))
-        assert facts(t.pop("output"))["summary"]["rows"] == rows, f"RSS run over {rows} rows"
+        assert t["summary"]["rows"] == rows, f"RSS run over {rows} rows: {t['summary']}"
         out.append({"rows": rows, **t, "shards": len(list(dest.glob("part-*.parquet")))})
         print(f"  {rows:,} rows: peak RSS {t['maxrss_kib'] / 1024:,.0f} MiB", flush=True)
     return out
