@@ -590,17 +590,12 @@ def wall_head(repeats: int) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; numeric columns right-aligned."""
-    def number(s: str) -> bool:
-        try:
-            float(s.rstrip("x%").replace(",", ""))
-        except ValueError:
-            return False
-        return True
-
+    """A GitHub-flavoured markdown table; numeric columns (1,234.5, 2.1e-03, 1.00x, 12.5%)
+    right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(number(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [bool(cells) and all(re.fullmatch(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?[x%]?", r[i])
+                                   for r in cells) for i in range(len(headers))]
 
     def line(vals: Sequence[str]) -> str:
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
@@ -657,17 +652,15 @@ class Child:
                 self._reaped(status, usage)
         return self.wall_s is not None
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float) -> int:
         """Its exit status, once exited; killed after ``timeout`` seconds."""
         if self.wall_s is None:
-            timer = threading.Timer(timeout, self.kill) if timeout is not None else None
-            if timer is not None:
-                timer.start()
+            timer = threading.Timer(timeout, self.kill)
+            timer.start()
             try:
                 self._reaped(*os.wait4(self.proc.pid, 0)[1:])
             finally:
-                if timer is not None:
-                    timer.cancel()
+                timer.cancel()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -695,7 +688,7 @@ class Child:
         first = f"; first error: {cause.strip()}" if cause else ""
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
-    def check(self, timeout: float | None = None) -> str:
+    def check(self, timeout: float) -> str:
         """Its output once it exited with status 0 (killed after ``timeout``); else
         RuntimeError with the log's tail."""
         if self.wait(timeout) != 0:

@@ -126,7 +126,7 @@ class VllmChild(h.Child):
         finally:
             timer.cancel()
         if not line:
-            status = self.wait()
+            status = self.wait(60)
             why = f" (killed: no answer in {VLLM_TIMEOUT_S:.0f} s)" if status == -9 else ""
             raise VllmError(f"the vLLM child exited with status {status}{why}{self.log_tail()}")
         return json.loads(line)

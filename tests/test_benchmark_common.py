@@ -70,15 +70,16 @@ def result(system, wall, tokens=100, **extra):
 def test_versus_marks_the_fastest_hf_batch_size_and_gives_the_ratios():
     rs = [result("batchgen", 1.0), result("HF generate", 4.0, batch_size=8),
           result("HF generate", 2.0, batch_size=32), result("HF generate_batch", 5.0)]
-    labels, s = h.versus(rs)
+    labels, s, line = h.versus(rs)
     assert labels == ["batchgen", "HF generate", "HF generate (best)", "HF generate_batch"]
     assert s["hf_generate_best_batch_size"] == 32
     assert s["batchgen_over_hf_generate"] == pytest.approx(2.0)
     assert s["batchgen_over_generate_batch"] == pytest.approx(5.0)
-    assert h.versus_line(s) == ("batchgen / HF generate (best, batch 32): 2.00x, "
-                                "batchgen / HF generate_batch: 5.00x")
-    labels, s = h.versus(rs[:2])  # one batch size: nothing to mark, no generate_batch
+    assert line == ("batchgen / HF generate (best, batch 32): 2.00x, "
+                    "batchgen / HF generate_batch: 5.00x")
+    labels, s, line = h.versus(rs[:2])  # one batch size: nothing to mark, no generate_batch
     assert labels == ["batchgen", "HF generate"] and "batchgen_over_generate_batch" not in s
+    assert line == "batchgen / HF generate (best, batch 8): 4.00x"
 
 
 def test_agreement_counts_identical_rows_and_the_mean_common_prefix():
@@ -97,13 +98,8 @@ def test_check_lengths_names_the_system_on_a_short_row():
         h.check_lengths("short", [[1], [2, 3]], 2, 2)
 
 
-def parse(argv, **kw):
-    p = h.parser("A benchmark.\n\nMore.")
-    h.add_model_args(p)
-    h.add_workload_args(p)
-    h.add_run_args(p, **kw)
-    h.add_engine_args(p)
-    h.add_hf_args(p)
+def parse(argv, **run):
+    p = h.parser("A benchmark.\n\nMore.", model={}, workload={}, run=run, engine={}, hf={})
     return h.check_args(p, p.parse_args(argv))
 
 
@@ -119,16 +115,18 @@ def test_check_args_rejects_inconsistent_flags(argv, capsys):
 
 
 def test_flags_parse_and_feed_llm_kwargs():
-    args = parse(["--hf-batch-sizes", "4,16", "--block-size", "8", "--verbose"], verbose=True)
-    assert args.hf_batch_sizes == [4, 16] and args.verbose and args.repeats == 1
+    args = parse(["--hf-batch-sizes", "4,16", "--block-size", "8"])
+    assert args.hf_batch_sizes == [4, 16] and args.repeats == 1 and args.output_len == 64
     assert h.engine_kwargs(args, seed=3) == {
         "block_size": 8, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
         "num_kv_blocks": None, "dtype": "float32", "device": "cpu", "seed": 3}
-    with pytest.raises(SystemExit):
-        parse(["--verbose"])  # only where the script asks for it
-    p = h.parser("x")
-    h.add_run_args(p, repeats=None)
-    assert not hasattr(p.parse_args([]), "repeats")
+    p = h.parser("x", model={"vocab_size": 99, "dtype": "bfloat16"}, run={"repeats": None},
+                 workload={"output_len": None}, hf={"batch_sizes": "2", "generate_batch": False})
+    args = p.parse_args([])
+    assert (args.vocab_size, args.dtype, args.hf_batch_sizes) == (99, "bfloat16", [2])
+    assert not {"repeats", "output_len", "skip_generate_batch"} & set(vars(args))
+    h.add_ints(p, max_tokens=16, limit=None)
+    assert (p.parse_args(["--max-tokens", "3"]).max_tokens, p.parse_args([]).limit) == (3, None)
 
 
 def test_make_prompts_is_seeded_and_avoids_special_ids():
@@ -186,7 +184,7 @@ def test_a_child_is_timed_reaped_and_its_log_kept(tmp_path):
     assert child.wall_s > 0 and child.maxrss_kib > 0 and child.cpu_s >= 0
     assert "hello" in child.output
     with pytest.raises(RuntimeError, match="exited with 3; first error: ValueError: bad"):
-        child.check()
+        child.check(60)
 
 
 def test_a_child_past_its_timeout_is_killed(tmp_path):
