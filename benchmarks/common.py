@@ -468,9 +468,7 @@ def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[An
 
 
 def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
-                        device: str | torch.device = "cpu",
-                        on_round: Callable[[int], None] | None = None
-                        ) -> list[tuple[Any, list[float]]]:
+                        device: str | torch.device = "cpu") -> list[tuple[Any, list[float]]]:
     """Time every contender ``repeats`` times in rounds (A B C, A B C, ...), not all of A's runs
     first: on a shared machine whose load drifts, every system then samples the same quiet and
     busy spells, and ``min`` compares like with like. Per contender: its first result and all
@@ -482,8 +480,6 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
             if isinstance(res, Measured):
                 res, wall = res.value, res.wall_s
             out[i] = (res if r == 0 else out[i][0], out[i][1] + [wall])
-        if on_round is not None:
-            on_round(r)
     return out
 
 
@@ -495,9 +491,7 @@ def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
     output (token rows, whose total length ``count`` defaults to; ``expect``: (rows, tokens
     each), asserted)."""
     try:
-        timings = interleaved_repeats(
-            contenders, args.repeats, getattr(args, "device", "cpu"),
-            on_round=lambda r: print(f"  round {r + 1}/{args.repeats} done", flush=True))
+        timings = interleaved_repeats(contenders, args.repeats, getattr(args, "device", "cpu"))
     finally:
         for c in contenders:
             c.close()

@@ -124,8 +124,6 @@ def report(result: dict, rtol: float) -> bool:
               f"{r[n]['lm_eval_s']:.2f}", r[n].get("prefix_hit_tokens", "-"),
               r[n].get("prompt_tokens_computed", "-")]
              for task, r in [*result["tasks"].items(), ("all", totals)] for n in names])
-    load = ", ".join(f"{k} {v:.1f} s" for k, v in result["load_s"].items())
-    print(f"load (not timed above): {load}; max_length {result['max_length']}")
     print("metrics agree" if ok else "METRICS DISAGREE")
     return ok
 

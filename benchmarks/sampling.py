@@ -155,7 +155,7 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
                          f"{ag['identical']}/{ag['of']}" if ag else ""])
     h.table(["workload", "system", "batch / config", h.wall_head(args.repeats), "output tokens",
              "output tok/s", "batchgen / this", "best beam = batchgen"], rows)
-    print("\noutput tokens: every sample for n-way sampling, the best beam for beam search.")
+    print()
     for name, s in summary.items():
         if s["line"]:
             print(f"{name}: {s['line']}")
@@ -184,8 +184,7 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
               h.pct(e["saving_vs_contiguous"]) + star, e["paged_no_sharing_tokens"],
               h.pct(e["saving_vs_paged_no_sharing"]) + star, e["cow_copies"], e["preemptions"],
               PAPER_SAVINGS[name.split()[0]]] for name, e, star in kv])
-    print("KV baselines hold the whole workload at once (* overstated: num_prompts x width > "
-          "max_num_seqs); the vLLM paper's outputs are long relative to prompts, unlike here.")
+    print("* more rows than max_num_seqs: the baselines, holding every row at once, overstate")
     return summary
 
 

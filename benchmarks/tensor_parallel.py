@@ -181,8 +181,6 @@ def main(argv: list[str] | None = None) -> dict:
     for r, tokens in runs[1:]:
         print(h.agreement_line(f"TP={r.extra['tp']}", f"TP={args.tp[0]}",
                                h.agreement(tokens, base_tokens)))
-    print("note: ms/step is the timed runs' wall time over their steps; the communication "
-          "tables come from one extra instrumented run per TP > 1 (rank 0's calls).")
     return h.finish(args, info, {"prompt_tokens": sum(map(len, prompts)),
                                  "expected_output_tokens": len(prompts) * args.output_len,
                                  "results": [r.to_dict() for r, _ in runs]})

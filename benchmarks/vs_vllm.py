@@ -216,7 +216,6 @@ def child_main(spec: dict) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the benchmark; return (and with --json write) the payload."""
     from transformers import AutoTokenizer
 
     args = parse_args(argv)
@@ -235,9 +234,6 @@ def main(argv: list[str] | None = None) -> dict:
               f"({sum(map(len, w['prompts']))} prompt tokens), n={w['n']}, temperature "
               f"{w['temperature']}, top_p {w['top_p']}, {w['max_tokens']} tokens each, EOS "
               f"ignored = {len(w['prompts']) * w['n'] * w['max_tokens']} output tokens")
-    print(f"engines: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
-          f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}, KV cache "
-          f"{args.kv_cache_gib} GiB, prefix caching off in both batchgen and vLLM", flush=True)
     python = shutil.which(args.vllm_python)
     vinfo = {"status": "skipped", "reason": f"no python with vllm at {args.vllm_python}; see "
              "the docstring to make one"}
