@@ -638,23 +638,26 @@ class Child:
         self.wall_s: float | None = None
         self.maxrss_kib = self.cpu_s = None  # KiB; user + system seconds
 
-    def poll(self) -> bool:
-        """Whether the child has exited (reaped if so); does not block."""
+    def poll(self, block: bool = False) -> bool:
+        """Whether the child has exited (reaped if so: its wall time, peak RSS, CPU time)."""
         if self.wall_s is None:
-            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            pid, status, usage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
             if pid:
-                self._reaped(status, usage)
+                self.wall_s = time.perf_counter() - self.t0
+                self.maxrss_kib, self.cpu_s = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                if self._log is not None:
+                    self._log.close()
         return self.wall_s is not None
 
     def wait(self, timeout: float) -> int:
         """Its exit status, once exited; killed after ``timeout`` seconds."""
-        if self.wall_s is None:
-            timer = threading.Timer(timeout, self.kill)
-            timer.start()
-            try:
-                self._reaped(*os.wait4(self.proc.pid, 0)[1:])
-            finally:
-                timer.cancel()
+        timer = threading.Timer(timeout, self.kill)
+        timer.start()
+        try:
+            self.poll(block=True)
+        finally:
+            timer.cancel()
         return self.proc.returncode
 
     def kill(self) -> None:
@@ -662,13 +665,6 @@ class Child:
         if self.wall_s is None:
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
-
-    def _reaped(self, status: int, usage: Any) -> None:
-        self.wall_s = time.perf_counter() - self.t0
-        self.maxrss_kib, self.cpu_s = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
-        self.proc.returncode = os.waitstatus_to_exitcode(status)
-        if self._log is not None:
-            self._log.close()
 
     @property
     def output(self) -> str:

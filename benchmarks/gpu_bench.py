@@ -111,10 +111,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--quick", action="store_true", help="a tiny model and workload (CI)")
     h.add_ints(p, min_output_len=128, max_output_len=512, hf_prompts=128, hf_batch_size=64,
                gb_prompts=512, probe_batch=128, probe_len=512, probe_steps=64)
-    p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
-                   help="batchgen with CUDA-graph decode (enforce_eager=False), eager, or both")
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-generate-batch", action="store_true")
     args = h.check_args(p, p.parse_args(argv))
     if args.quick:
         vars(args).update(QUICK)
@@ -128,21 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"model: random Llama, {n_params / 1e9:.2f}B params, {args.dtype}; workload: "
               f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(lens)} output tokens", flush=True)
-        for eager in {"off": [True], "on": [False], "both": [True, False]}[args.graphs]:
+        for eager in (True, False):  # eager, and with CUDA-graph decode where there is one
             wall, config, llm = run_batchgen(model_dir, prompts, lens, args, eager)
             systems.append(("batchgen", config, wall, sum(lens)))
             print(f"  batchgen {config}: {wall:.2f} s", flush=True)
-        if not (args.skip_hf and args.skip_generate_batch):
-            hf = h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device)
-        if not args.skip_hf:
-            k = args.hf_prompts
-            systems.append(("HF generate", f"sdpa, batch {args.hf_batch_size}, first {k} prompts",
-                            run_hf_generate(hf, prompts[:k], lens[:k], args), sum(lens[:k])))
-        if not args.skip_generate_batch:
-            k = args.gb_prompts
-            systems.append(("HF generate_batch", f"first {k} prompts",
-                            run_generate_batch(hf, prompts[:k], lens[:k], args.device),
-                            sum(lens[:k])))
+        hf, k = h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device), args.hf_prompts
+        systems.append(("HF generate", f"sdpa, batch {args.hf_batch_size}, first {k} prompts",
+                        run_hf_generate(hf, prompts[:k], lens[:k], args), sum(lens[:k])))
+        k = args.gb_prompts
+        systems.append(("HF generate_batch", f"first {k} prompts",
+                        run_generate_batch(hf, prompts[:k], lens[:k], args.device), sum(lens[:k])))
         hf = None
         probe = decode_probe(llm, args, n_params)
     h.table(["system", "config", "wall s", "output tok/s"],

@@ -59,15 +59,13 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, run={"repeats": None, "device": None})
     h.add_ints(p, rows=2000, n=4, max_tokens=16, batch_size=50)  # batch: rows per actor call
     p.add_argument("--actors", type=h.int_list, default="1,2", help="actor counts to run")
-    p.add_argument("--model", default=None,
-                   help="model folder (default: a random Llama of --model-size)")
     p.add_argument("--model-size", choices=["bench", "tiny"], default="bench",
                    help="bench: the benchmarks' shape (hidden 256, 4 layers, vocab 4096); "
                         "tiny: the test models' (fast)")
     args = h.check_args(p, p.parse_args(argv))
     args.threads = args.threads or 1  # an actor's
     info = h.start(args)
-    model = args.model or str(make_tiny_model(
+    model = str(make_tiny_model(
         Path(os.environ.get("TMPDIR", "/tmp")) / f"batchgen-ray-bench-{args.model_size}",
         eos_boost=0.06, **({} if args.model_size == "tiny" else {
             **RANDOM_MODEL, "vocab_size": RANDOM_VOCAB})))

@@ -27,6 +27,7 @@ KINDS = {"control": "control broadcast (TPGroup.send)",
          "all_reduce": "all-reduce (rowwise o_proj, down_proj)",
          "dtensor": "DTensor collectives (embedding, lm_head)"}
 PHASES = ("all", "decode")
+CUDA_KV_GIB = 4  # KV pool per rank on CUDA without --num-kv-blocks (TP=1 and 2 share GPU 0)
 
 
 class CommMeter:
@@ -100,7 +101,7 @@ def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result
         for tp in args.tp:
             llm = LLM(str(path), **h.engine_kwargs(
                 args, tensor_parallel_size=tp, enable_prefix_caching=False,  # repeats reuse
-                kv_cache_memory=int(args.kv_cache_gib * 2**30) if gpu_pool else None))
+                kv_cache_memory=CUDA_KV_GIB << 30 if gpu_pool else None))
             meter = CommMeter(torch.device(args.device))
             c = h.batchgen_contender(
                 llm, prompts, h.greedy, args.output_len, lambda tp=tp, m=meter: (
@@ -152,9 +153,6 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, workload={}, run={}, engine={})
     p.add_argument("--tp", type=h.int_list, default="1,2",
                    help="comma-separated tensor_parallel_size values (at most one > 1)")
-    p.add_argument("--kv-cache-gib", type=float, default=4.0,
-                   help="KV pool GiB per rank on CUDA, without --num-kv-blocks (the TP=1 and "
-                        "TP=2 LLMs share GPU 0)")
     args = h.check_args(p, p.parse_args(argv))
     if sum(k > 1 for k in args.tp) > 1 or len(set(args.tp)) < len(args.tp):
         p.error("--tp takes distinct sizes, at most one of them > 1 (a process holds one "

@@ -50,7 +50,6 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
                                                             "/work/vllm-venv/bin/python"),
                    help="python of a venv with vllm (env BATCHGEN_VLLM_PYTHON)")
-    p.add_argument("--skip-hf", action="store_true")
     args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
                         "hf_batch_size", "kv_cache_gib")
     cpus = sorted(os.sched_getaffinity(0))
@@ -241,9 +240,8 @@ def main(argv: list[str] | None = None) -> dict:
         log = Path(tmp) / "vllm.log"
         child = VllmChild(python, model_dir, workloads, args, log) if python else None
         try:  # the child loads meanwhile
-            systems = [batchgen_contenders(model_dir, workloads, args)]
-            if not args.skip_hf:
-                systems.append(hf_contenders(model_dir, workloads, args))
+            systems = [batchgen_contenders(model_dir, workloads, args),
+                       hf_contenders(model_dir, workloads, args)]
         except BaseException:
             if child:
                 child.close(timeout=0)
