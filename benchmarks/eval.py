@@ -74,19 +74,15 @@ def run(args) -> dict:
 
     from batchgen.eval import BatchgenLM
 
-    folder, systems, load = h.resolve_model(args.model), {}, {}
+    folder, systems = h.resolve_model(args.model), {}
     for name, cache in [("batchgen", True), ("batchgen, no prefix cache", False)][
             :1 + args.no_cache_too]:
-        t0 = time.perf_counter()
         systems[name] = clock(BatchgenLM(str(folder), device="cpu", dtype="float32",
                                          max_length=args.max_length, enable_prefix_caching=cache,
                                          max_num_seqs=256))
-        load[name] = time.perf_counter() - t0
-    t0 = time.perf_counter()
     systems = {"hf": clock(HFLM(pretrained=str(folder), dtype="float32", device="cpu",
                                 batch_size=args.hf_batch_size,
                                 max_length=systems["batchgen"].max_length)), **systems}
-    load["hf"] = time.perf_counter() - t0
     manager = TaskManager(include_path=str(TASKS_DIR))  # indexes lm-eval's tasks: once
     for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
         evaluate(lm, args.tasks[0], args, manager, limit=1)
@@ -97,7 +93,7 @@ def run(args) -> dict:
             evaluate(lm, t, args, manager, args.limit))) for n, lm in systems.items()],
             args.repeats)
         tasks[task] = {n: min(rs, key=lambda r: r["model_s"]) for n, rs in rows.items()}
-    return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
+    return {"max_length": systems["batchgen"].max_length, "tasks": tasks}
 
 
 def report(result: dict, rtol: float) -> bool:
