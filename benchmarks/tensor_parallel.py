@@ -1,10 +1,10 @@
 """Tensor parallelism: the same greedy workload through ``LLM(tensor_parallel_size=k)`` for each
 ``--tp`` size, with the communication of a step measured on rank 0.
 
-Sizes timed in interleaved rounds (greedy, EOS ignored; tokens compared). Each size > 1 runs once
-more with rank 0's calls per step (all steps; decode steps) against the step's ``execute``: the
-control broadcast (bytes: the pickle's), the rowwise all-reduces and DTensor's collectives. On
-CPU a collective's time includes waiting for the other ranks; calls and bytes are device-free.
+Sizes timed in interleaved rounds (greedy, EOS ignored; tokens compared), then run once more
+metered: its steps, and for a size > 1 rank 0's calls per step (all steps; decode steps) against
+the step's ``execute``: the control broadcast (bytes: the pickle's), the rowwise all-reduces and
+DTensor's collectives. On CPU a collective's time includes waiting for the other ranks.
 
     PYTHONPATH=. python benchmarks/tensor_parallel.py --repeats 3
     PYTHONPATH=. python benchmarks/tensor_parallel.py --device cuda --tp 1,2 --dtype bfloat16
@@ -31,48 +31,13 @@ CUDA_KV_GIB = 4  # KV pool per rank on CUDA without --num-kv-blocks (TP=1 and 2 
 
 
 class CommMeter:
-    """Counts steps (``execute`` calls); when ``timing``, adds each step's ``execute`` and rank
-    0's communication calls inside it to ``tallies[phase][kind]`` = [calls, bytes, seconds]."""
+    """On ``llm`` until ``stack`` closes: counts steps (``execute`` calls) and adds each step's
+    ``execute`` and, for tp > 1, rank 0's communication calls inside it to
+    ``tallies[phase][kind]`` = [calls, bytes, seconds] (phase: all steps, decode steps)."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.timing, self.steps, self.in_step = device, False, 0, False
-        self.decoding = False
+    def __init__(self, llm, tp: int, device: torch.device, stack: contextlib.ExitStack):
+        self.device, self.steps, self.in_step, self.decoding = device, 0, False, False
         self.tallies = {ph: {k: [0, 0, 0.0] for k in (*KINDS, "execute")} for ph in PHASES}
-
-    def add(self, kind: str, calls: int, nbytes: int, seconds: float) -> None:
-        for phase in PHASES if self.decoding else PHASES[:1]:
-            for i, v in enumerate((calls, nbytes, seconds)):
-                self.tallies[phase][kind][i] += v
-
-    def wrap(self, kind: str, fn, size):
-        """``fn`` timed into ``kind`` inside a step; ``size(*args)`` its bytes (None: time only,
-        as for ``wait_tensor``, whose collective was counted when issued)."""
-        def timed_call(*args, **kwargs):
-            if not (self.timing and self.in_step):
-                return fn(*args, **kwargs)
-            out, seconds = h.timed(lambda: fn(*args, **kwargs), self.device)
-            self.add(kind, int(size is not None), size(*args, **kwargs) if size else 0, seconds)
-            return out
-        return timed_call
-
-    def count_steps(self, execute):
-        def step(rows):
-            self.steps += 1
-            self.in_step, self.decoding = True, h.step_is_decode(rows)
-            try:
-                if not self.timing:
-                    return execute(rows)
-                out, seconds = h.timed(lambda: execute(rows), self.device)
-                self.add("execute", 1, 0, seconds)
-                return out
-            finally:
-                self.in_step = False
-        return step
-
-
-    def attach(self, llm, tp: int, stack: contextlib.ExitStack) -> None:
-        """Count ``llm``'s steps and, for tp > 1, wrap this process's (rank 0's) communication
-        calls, until ``stack`` closes."""
         runner, group = h.engine_runner(llm), h.tp_group_class()
         patches = [(runner, "execute", self.count_steps(runner.execute))]
         if tp > 1:
@@ -87,37 +52,60 @@ class CommMeter:
         for obj, name, fn in patches:
             stack.enter_context(mock.patch.object(obj, name, fn))
 
+    def add(self, kind: str, calls: int, nbytes: int, seconds: float) -> None:
+        for phase in PHASES if self.decoding else PHASES[:1]:
+            for i, v in enumerate((calls, nbytes, seconds)):
+                self.tallies[phase][kind][i] += v
+
+    def wrap(self, kind: str, fn, size):
+        """``fn`` timed into ``kind`` inside a step; ``size(*args)`` its bytes (None: time only,
+        as for ``wait_tensor``, whose collective was counted when issued)."""
+        def timed_call(*args, **kwargs):
+            if not self.in_step:
+                return fn(*args, **kwargs)
+            out, seconds = h.timed(lambda: fn(*args, **kwargs), self.device)
+            self.add(kind, int(size is not None), size(*args, **kwargs) if size else 0, seconds)
+            return out
+        return timed_call
+
+    def count_steps(self, execute):
+        def step(rows):
+            self.steps += 1
+            self.in_step, self.decoding = True, h.step_is_decode(rows)
+            try:
+                out, seconds = h.timed(lambda: execute(rows), self.device)
+            finally:
+                self.in_step = False
+            self.add("execute", 1, 0, seconds)
+            return out
+        return step
+
 
 def _nbytes(t, *_, **__) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
 def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result, list]]:
-    """Every size loaded and metered, timed in interleaved rounds, then one instrumented run
-    per size > 1 (its tallies in ``extra["comm"]``). The LLMs are gone when this returns."""
+    """Every size loaded, timed in interleaved rounds, then run once more metered (its steps;
+    for a size > 1 its tallies in ``extra["comm"]``). The LLMs are gone when this returns."""
     gpu_pool = args.num_kv_blocks is None and torch.device(args.device).type == "cuda"
-    with contextlib.ExitStack() as stack:
-        loaded = []
-        for tp in args.tp:
-            llm = LLM(str(path), **h.engine_kwargs(
-                args, tensor_parallel_size=tp, enable_prefix_caching=False,  # repeats reuse
-                kv_cache_memory=CUDA_KV_GIB << 30 if gpu_pool else None))
-            meter = CommMeter(torch.device(args.device))
-            c = h.batchgen_contender(
-                llm, prompts, h.greedy, args.output_len, lambda tp=tp, m=meter: (
-                    f"tensor_parallel_size={tp}", {"steps": m.steps // args.repeats}),
-                f"batchgen tp={tp}")
-            meter.attach(llm, tp, stack)  # after the warm-up: steps counts the timed runs'
-            loaded.append((c, meter))
-        runs = h.run_contenders([c for c, _ in loaded], args, sum(map(len, prompts)),
-                                expect=(len(prompts), args.output_len))
-        for tp, (r, _), (c, meter) in zip(args.tp, runs, loaded):
-            r.extra.update(tp=tp, ms_per_step=1000 * r.wall_s / max(r.extra["steps"], 1))
-            if tp > 1:
-                meter.timing = True
-                r.extra["comm_run_wall_s"] = h.timed(c.run, args.device)[1]
-                r.extra["comm"] = meter.tallies
-        del loaded, c, meter, llm  # the last LLM's references
+    loaded = []
+    for tp in args.tp:
+        llm = LLM(str(path), **h.engine_kwargs(
+            args, tensor_parallel_size=tp, enable_prefix_caching=False,  # repeats reuse prompts
+            kv_cache_memory=CUDA_KV_GIB << 30 if gpu_pool else None))
+        loaded.append((tp, llm, h.batchgen_contender(llm, prompts, h.greedy, args.output_len, (
+            lambda tp=tp: (f"tensor_parallel_size={tp}", {})), f"batchgen tp={tp}")))
+    runs = h.run_contenders([c for *_, c in loaded], args, sum(map(len, prompts)),
+                            expect=(len(prompts), args.output_len))
+    for (tp, llm, c), (r, _) in zip(loaded, runs):
+        with contextlib.ExitStack() as stack:
+            meter = CommMeter(llm, tp, torch.device(args.device), stack)
+            r.extra["comm_run_wall_s"] = h.timed(c.run, args.device)[1]
+        r.extra.update(tp=tp, steps=meter.steps, ms_per_step=1000 * r.wall_s / meter.steps)
+        if tp > 1:
+            r.extra["comm"] = meter.tallies
+    del loaded, llm, c  # the last LLM's references
     gc.collect()  # the LLMs' finalizers stop their workers and leave the process group
     if dist.is_initialized():
         raise RuntimeError("the process group outlived its LLM")
