@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_REGULAR_ID = 3  # ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models
@@ -129,9 +133,6 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
     """Logging quieted, --threads, the seed; the machine's facts."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
     import batchgen
 
     hf_logging.set_verbosity_error()
@@ -196,8 +197,6 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
             make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
                             dtype=dtype, eos_boost=eos_boost, with_tokenizer=tokenizer, **shape)
         else:
-            from transformers import AutoModelForCausalLM
-
             torch.manual_seed(args.seed)
             with torch.device(init_device):
                 model = AutoModelForCausalLM.from_config(
@@ -209,8 +208,6 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
 
 def count_params(model_dir: str | os.PathLike) -> int:
     """Parameters stored in a folder's safetensors files (read from their headers)."""
-    from safetensors import safe_open
-
     total = 0
     for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(f, "pt") as st:
@@ -240,8 +237,6 @@ def resolve_model(spec: str) -> Path:
 def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device
                   ) -> torch.nn.Module:
     """The folder's model through plain transformers (sdpa), in eval mode, pad id set."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
                                                  attn_implementation="sdpa").to(device).eval()
     model.generation_config.pad_token_id = PAD_ID
@@ -421,7 +416,6 @@ def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: ar
     every row at once without sharing, plus a page each (its default would claim 60% of RAM on
     CPU); batchgen's token budget and request cap; the manager kept from the warm-up on.
     ``n`` > 1: ``num_return_sequences``, native in transformers 5 (prefill once, fork)."""
-    from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
