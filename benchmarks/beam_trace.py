@@ -1,8 +1,7 @@
 """What beam search's records cost: ``return_trace`` and ``logprobs=5`` against plain beams.
 
-Per ``--beam-widths`` one ``LLM`` runs each of ``--configs`` on the random Llama (EOS ignored),
-in interleaved rounds: min and median wall times, min over plain's, and the trace's records per
-request against steps x width. Every configuration must return plain's hypotheses (asserted).
+Per ``--beam-widths``, each of ``--configs`` in interleaved rounds on the random Llama (EOS
+ignored); every configuration must return plain's hypotheses (asserted).
 
     PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
 """

@@ -1,14 +1,9 @@
 """Dataset jobs: `batchgen generate` (the CLI, Parquet shards) vs `LLM.generate` on the same rows.
 
-Issue 11's bars on the random Llama with the tiny BPE tokenizer (EOS boosted), a JSONL of
-``--rows`` sentences (``prompt``) and a ``topic`` column, n=``--n``, temperature 1. Fresh
-processes, interleaved (CLI, script, timed CLI; again), best of ``--repeats``. 1. Throughput of
-``python -m batchgen generate`` and of a minimal script (one ``llm.generate``, the same row seeds
-and engine flags): the generation phase (the CLI's ``generate_dataset`` timed in a wrapper of
-``batchgen.cli.main``: "timed CLI") and the whole process; every CLI run's shards must hold the
-script's tokens and topics row by row (else exit 1), every engine set-up the same. 2. Time to
-the first shard (bar < 10 s). 3. Peak RSS (``os.wait4``) of a timed CLI over each of
-``--rss-rows`` rows, n=1 (bar: largest < 2x smallest).
+Issue 11's bars (throughput, time to the first shard, peak RSS over ``--rss-rows``) on the
+random Llama with the tiny tokenizer, in fresh processes: the CLI, a minimal ``llm.generate``
+script and the CLI with its ``generate_dataset`` call timed, interleaved. Every CLI run's shards
+must hold the script's tokens row by row (else exit 1), every engine set-up the same.
 
     PYTHONPATH=. python benchmarks/dataset.py --json /tmp/dataset_bench.json
 """

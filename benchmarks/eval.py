@@ -1,11 +1,8 @@
 """lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
 
-The local tasks in ``tests/eval_tasks`` (multiple choice, generation, rolling perplexity) through
-``lm_eval.simple_evaluate`` with ``HFLM`` and ``batchgen.eval.BatchgenLM`` (float32, a cold
-prefix cache each run; ``--no-cache-too``: also without), in interleaved rounds (fastest by model
-time). The metrics side by side (they must agree to ``RTOL``, else exit 1), each task's seconds
-in the backends' request methods and in ``simple_evaluate``, batchgen's prefix-hit and computed
-prompt tokens.
+The local tasks of ``tests/eval_tasks`` through ``HFLM`` and ``batchgen.eval.BatchgenLM`` (a
+cold prefix cache each run; ``--no-cache-too``: also without), in interleaved rounds: the
+metrics (they must agree to ``RTOL``, else exit 1), the model's and lm-eval's seconds.
 
     PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
 """

@@ -1,10 +1,8 @@
 """GPU throughput and decode bandwidth: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-Issue 9's bar: a random Llama-3.2-1B-shaped model in bf16, output lengths uniform in
-[``--min-output-len``, ``--max-output-len``], greedy, EOS ignored: output tok/s of batchgen (eager
-and with CUDA-graph decode), HF generate (static batches, each generating its longest output,
-requested tokens counted) and HF generate_batch; then a decode probe: bytes a step must read
-(weights, every row's K/V) over the step time, against a large device copy's rate.
+Issue 9's bars on a random Llama-3.2-1B-shaped model in bf16 (greedy, EOS ignored, output
+lengths in [``--min-output-len``, ``--max-output-len``]), and a decode probe: bytes a step must
+read (weights, every row's K/V) over the step time, against a large device copy's rate.
 
     PYTHONPATH=. python benchmarks/gpu_bench.py --json $OUT/gpu_bench.json   # gpu_check.sh
     PYTHONPATH=. python benchmarks/gpu_bench.py --device cpu --quick   # the code path, tiny

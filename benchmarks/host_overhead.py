@@ -1,11 +1,9 @@
 """Host overhead per decode step: what batchgen's Python costs around the model forward.
 
-On a model whose forward is nearly free, hooks time every forward; a step's host time is the gap
-between two decode forwards (synchronised on CUDA): the median over the decode steps of tokens
-``--window``, lowest of ``--repeats`` rounds, per scenario and ``--rows``, and for HF ``generate``.
-The growth run (``--long-tokens``, 64 rows) compares the window with the last tokens, and counts
-the host's function calls per step in an untimed rerun. ``--evict-mb``: that much memory written
-after every forward, so every host gap starts with cold CPU caches.
+Hooks time every forward of a near-free model; a step's host time is the gap between two decode
+forwards: the median over the decode steps of tokens ``--window``, lowest of ``--repeats``, and
+in the growth run (64 rows) of the last tokens too, with the host's function calls per step.
+``--evict-mb``: memory written after every forward, so each gap starts with cold CPU caches.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
 """

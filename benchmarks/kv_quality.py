@@ -1,9 +1,7 @@
 """What an fp8 KV cache costs in quality: greedy tokens and logprobs with an fp8 (e4m3, scales
 1.0) pool and a bfloat16 pool, each against a float32 pool, on the same model.
 
-Per pair: identical greedy outputs, mean common prefix, mean and max |Δ logprob| of the chosen
-tokens where the sequences agree. ``--model-dir`` takes a trained model; with a tokenizer the
-prompts are ``common.QUESTIONS`` (random ids would leave it among near-ties).
+``--model-dir`` takes a trained model; with a tokenizer the prompts are ``common.QUESTIONS``.
 
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """

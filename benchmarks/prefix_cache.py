@@ -1,8 +1,5 @@
-"""Prefix caching on a shared-system-prompt workload: batchgen with caching on and off, and HF
-`generate`, on the same random-weight Llama, in one process.
-
-Requests are one system prompt + a question each, greedy (EOS ignored); a fresh ``LLM`` per
-batchgen run (timed: an empty cache each time). Caching on and off must agree (asserted).
+"""Prefix caching on a shared-system-prompt workload: batchgen with caching on and off (a fresh
+``LLM`` per run; their tokens must agree), and HF `generate`, on the random Llama.
 
     PYTHONPATH=. python benchmarks/prefix_cache.py
 """

@@ -1,10 +1,6 @@
-"""Ray Data scale-out: the same dataset job locally (`generate_dataset`, one process) and on a
-local Ray with 1 and 2 actors (`batchgen.ray`), on the same rows, in one run.
-
-Each Ray run starts a fresh Ray and is timed from handing over the dataset until every row is
-back (actor start-up counts; the local figure excludes model load). Issue 12's bar: 2 actors not
-slower than 1 by more than the Ray overhead, (1 actor) - (local). Outputs must be identical, else
-exit 1. An actor gets 1 CPU (1 torch thread), and so does the local run: the same arithmetic.
+"""Ray Data scale-out: the same dataset job locally (`generate_dataset`) and on a local Ray with
+1 and 2 actors (`batchgen.ray`, 1 CPU each; start-up counted): outputs identical (else exit 1),
+and issue 12's bar, 2 actors not slower than 1 by more than the Ray overhead.
 
     PYTHONPATH=. python benchmarks/ray_scaling.py --json /tmp/ray_scaling.json
 """

@@ -1,12 +1,10 @@
 """Parallel sampling (n > 1) and beam search: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-The random Llama, exactly ``--output-len`` (L) tokens per sample / beam (EOS ignored), each
-workload in interleaved rounds. n-way sampling counts every sample; beam search (``--beam-widths``)
-counts the best beam, compared with HF's (mismatches rerun untimed with EOS ordinary in HF too,
-as batchgen's ``ignore_eos`` has it); width 4 also runs with ``CONTROLS`` in both (EOS
-banned in both). KV memory: each batchgen run's peak against a contiguous cache (``sum width *
-(len + L)``) and a paged one without sharing (the vLLM paper's baseline, sec. 6.3), both holding
-the whole workload (* when more rows than ``--max-num-seqs``); no run may preempt (asserted).
+Exactly ``--output-len`` tokens per sample / beam (EOS ignored) on the random Llama, in
+interleaved rounds. Beams: the best beam counts and is compared with HF's (mismatches rerun with
+EOS ordinary in HF, as batchgen's ``ignore_eos`` has it); width 4 also with ``CONTROLS``. KV
+memory: each batchgen peak against a contiguous cache and a paged one without sharing (the vLLM
+paper's baseline), both holding every row at once; no run may preempt (asserted).
 
     PYTHONPATH=. python benchmarks/sampling.py --repeats 3
 """

@@ -1,10 +1,8 @@
 """Structured outputs: what constraints cost, and whether they hold on a real model.
 
-Throughput: the same job (chat prompts asking for JSON, ``--n`` samples at temperature 0.7,
-``--bench-tokens`` tokens) unconstrained and under a JSON schema, in interleaved rounds: tok/s,
-their ratio, the grammar's mask time per step. ``--check``: a JSON schema, a regex and a choice,
-each with ``n=4`` samples and width-4 beams; every finished output must satisfy its constraint
-(else exit 1).
+The same JSON job unconstrained and under a schema in interleaved rounds (tok/s, the mask's time
+per step); ``--check``: every finished sample and beam under a JSON schema, a regex and a choice
+must satisfy it (else exit 1).
 
     PYTHONPATH=. python benchmarks/structured.py --model smollm2 --check
 """

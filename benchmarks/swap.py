@@ -1,10 +1,8 @@
 """Preemption by swap vs by recompute (`swap_space`): n samples and wide beams over long prompts
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
-Per workload, a fresh ``LLM`` per timed run, interleaved: a roomy pool (no preemption: the
-reference tokens), and a tight one (``POOL_FACTOR`` x the largest request's bound) preempting
-by recompute and by swap (a host pool of ``SWAP_FACTOR`` x its blocks). Swap must give the
-reference's tokens (asserted); recompute may flip near ties (counted).
+A roomy pool (the reference tokens), and a tight one preempting by recompute and by swap, a fresh
+``LLM`` per run, interleaved; swap must give the reference's tokens (asserted).
 
     PYTHONPATH=. python benchmarks/swap.py --repeats 2
 """

