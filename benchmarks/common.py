@@ -45,9 +45,8 @@ QUESTIONS = [json.loads(line)["prompt"]  # chat prompts for trained models: the 
 def parser(doc: str, model: dict | None = None, workload: dict | None = None,
            run: dict | None = None, engine: dict | None = None, hf: dict | None = None
            ) -> argparse.ArgumentParser:
-    """A parser described by the docstring's first line, with the harness's flag groups named:
-    each a dict over the group's defaults (``{}``: as they are); a workload or run default of
-    None drops that flag (``output_len``, ``repeats``, ``device``)."""
+    """A parser (the docstring's first line) with the named flag groups, each a dict over its
+    defaults (a workload or run default of None drops that flag)."""
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if model is not None:  # the random-weight Llama
@@ -97,8 +96,7 @@ def add_ints(g: Any, **defaults: int | None) -> None:
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
                ) -> argparse.Namespace:
-    """parser.error() on inconsistent flags (of those the script has; ``positive``: more that
-    must be >= 1 when given)."""
+    """parser.error() on inconsistent flags (``positive``: more that must be >= 1 if given)."""
     for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "num_kv_blocks", "gb_page_size", *positive):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
@@ -156,8 +154,7 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
 
 def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
            note: str | None = NOISE_NOTE) -> dict[str, Any]:
-    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` as
-    JSON to --json if given; return it."""
+    """Print the machine line (and note); write ``{machine, args, **payload}`` to --json."""
     gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
     print(f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
           f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
@@ -177,9 +174,8 @@ def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, An
 @contextlib.contextmanager
 def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = False,
                       eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
-    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags in
-    --dtype (the tiny BPE tokenizer if ``tokenizer``) written there or to a temporary folder.
-    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)."""
+    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags there or
+    in a temporary folder (``init_device``: built there by transformers, fast for 1B on a GPU)."""
     from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
     given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
@@ -298,8 +294,7 @@ def greedy(max_tokens: int, **kwargs: Any) -> Any:
 # ---- systems --------------------------------------------------------------------------------
 @dataclass
 class Contender:
-    """One system, loaded and warmed up: ``run()`` runs the whole workload and returns its
-    output (or a :class:`Measured`); ``describe()`` (config, extra fields) is read after."""
+    """One system, warmed up: ``run()`` gives the whole workload's output (or a Measured)."""
 
     system: str
     run: Callable[[], Any]
@@ -331,8 +326,7 @@ def bg_tokens(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[l
 def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int], Any],
                        n_tokens: int, describe: Callable[[], tuple[str, dict[str, Any]]]
                        | None = None, system: str = "batchgen") -> Contender:
-    """``llm.generate`` on the workload with ``params(max_tokens)``, warmed up; its output:
-    token rows, n per prompt; described by default by :func:`kv_describe`."""
+    """``llm.generate`` with ``params(max_tokens)``, warmed up; output: token rows, n per prompt."""
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         return bg_tokens(llm, ps, params(k))
 
@@ -343,8 +337,7 @@ def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int
 
 def fresh_contender(system: str, model_dir: Path, llm_kwargs: dict[str, Any],
                     go: Callable[[Any], Any], config: str) -> Contender:
-    """A fresh ``LLM`` per run (an empty prefix cache; its start-up timed), ``go(llm)`` its
-    output; described by ``config`` and the last run's :func:`kv_describe` figures."""
+    """A fresh ``LLM`` per run (empty prefix cache; start-up timed); output: ``go(llm)``."""
     from batchgen import LLM
 
     last: list[Any] = []
@@ -367,8 +360,7 @@ def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
 def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
                     n_tokens: int, device: str, rows_per_prompt: int = 1, **gen_kwargs: Any
                     ) -> list[list[int]]:
-    """HF generate over the prompts in input order, ``batch_size`` per left-padded call; the
-    new tokens of every row (``rows_per_prompt`` per prompt), ``n_tokens`` each (asserted)."""
+    """HF generate in left-padded batches; every row's ``n_tokens`` new tokens (asserted)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         ids, mask = left_pad(prompts[start:start + batch_size], device)
@@ -393,8 +385,7 @@ def left_pad(prompts: Sequence[Sequence[int]], device: str | torch.device = "cpu
 def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
                   n_tokens: int, label: str = "", rows_per_prompt: int = 1, width: int = 1,
                   **gen_kwargs: Any) -> list[Contender]:
-    """HF generate at each of --hf-batch-sizes, warmed up, every run seeded with --seed:
-    ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back."""
+    """HF generate at each of --hf-batch-sizes, warmed up, seeded; ``width`` rows per prompt."""
     def go(ps: list[list[int]], k: int, bs: int) -> list[list[int]]:
         torch.manual_seed(args.seed)
         return hf_generate_all(model, ps, bs, k, args.device, rows_per_prompt, **gen_kwargs)
@@ -411,11 +402,9 @@ def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argpar
 
 def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
                              n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
-    """transformers' continuous batching (``generate_batch``, sdpa), warmed up. EOS disabled
-    (``eos_token_id=None``: its CB logits processors have no ``min_new_tokens``); a cache for
-    every row at once without sharing, plus a page each (its default would claim 60% of RAM on
-    CPU); batchgen's token budget and request cap; the manager kept from the warm-up on.
-    ``n`` > 1: ``num_return_sequences``, native in transformers 5 (prefill once, fork)."""
+    """transformers' ``generate_batch``, warmed up: EOS off (no ``min_new_tokens`` in its CB),
+    a cache for every row at once (its default takes 60% of RAM on CPU), batchgen's limits;
+    ``n`` > 1: ``num_return_sequences``, native (prefill once, fork)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
@@ -463,10 +452,8 @@ def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[An
 
 def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
                         device: str | torch.device = "cpu") -> list[tuple[Any, list[float]]]:
-    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...), not all of A's runs
-    first: on a shared machine whose load drifts, every system then samples the same quiet and
-    busy spells, and ``min`` compares like with like. Per contender: its first result and all
-    its wall times."""
+    """Every contender ``repeats`` times in rounds (A B C, A B C...): on a machine whose load
+    drifts, each samples the same spells. Per contender: first result, all wall times."""
     out: list[tuple[Any, list[float]]] = [(None, []) for _ in contenders]
     for r in range(max(1, repeats)):
         for i, c in enumerate(contenders):
@@ -480,10 +467,8 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
                    prompt_tokens: int, count: Callable[[Any], int] | None = None,
                    expect: tuple[int, int] | None = None) -> list[tuple["Result", Any]]:
-    """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
-    contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
-    output (token rows, whose total length ``count`` defaults to; ``expect``: (rows, tokens
-    each), asserted)."""
+    """Interleaved rounds, contenders closed; per contender its Result (fastest run) and first
+    output (token rows; ``expect``: their count and length, asserted)."""
     try:
         timings = interleaved_repeats(contenders, args.repeats, getattr(args, "device", "cpu"))
     finally:
@@ -550,9 +535,8 @@ class Result:
 
 
 def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any], str]:
-    """batchgen (the first result) against the HF baselines of one workload: the results'
-    labels (the fastest of several HF generate batch sizes marked "(best)"), the summary and
-    its line (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
+    """batchgen (first) against the HF baselines: labels (the best HF batch size marked), the
+    summary and its line (batchgen's tok/s over the best HF generate's and generate_batch's)."""
     bg, parts = results[0], []
     hf = [r for r in results if r.system == "HF generate"]
     best = max(hf, key=lambda r: r.output_tok_s) if hf else None
@@ -578,8 +562,7 @@ def wall_head(repeats: int) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; numeric columns (1,234.5, 2.1e-03, 1.00x, 12.5%)
-    right-aligned."""
+    """A GitHub-flavoured markdown table, numeric columns right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     numeric = [bool(cells) and all(re.fullmatch(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?[x%]?", r[i])
@@ -617,8 +600,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Child:
-    """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
-    with ``os.wait4`` (its peak RSS and CPU time); ``own_group``: a kill takes its group down."""
+    """A child process timed launch to exit and reaped by ``os.wait4`` (peak RSS, CPU time)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
                  stdin: Any = subprocess.DEVNULL, stdout: Any = None,
@@ -673,8 +655,7 @@ class Child:
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
     def check(self, timeout: float) -> str:
-        """Its output once it exited with status 0 (killed after ``timeout``); else
-        RuntimeError with the log's tail."""
+        """Its output once it exited with 0 (killed after ``timeout``), else RuntimeError."""
         if self.wait(timeout) != 0:
             raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
                                f"{self.log_tail(40)}")

@@ -49,8 +49,7 @@ def child_minimal(cfg: dict) -> dict:
 
 
 def child_timed_cli(argv: list[str]) -> dict:
-    """``batchgen.cli.main(argv)`` with its generate_dataset call timed, and the peak RSS up to
-    that call's end."""
+    """``batchgen.cli.main(argv)``, its generate_dataset timed, peak RSS up to its end."""
     import resource
 
     import batchgen.data.runner as runner

@@ -19,8 +19,7 @@ METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
 def clock(lm):
-    """``lm`` with its request methods timed into ``lm.model_s`` (the backend's own seconds,
-    without lm-eval's task building and metrics)."""
+    """``lm`` with its request methods timed into ``lm.model_s`` (the model's own seconds)."""
     lm.model_s = 0.0
 
     def timed(method):
@@ -38,9 +37,7 @@ def clock(lm):
 
 
 def evaluate(lm, task: str, args, manager, limit: int | None) -> dict:
-    """One task through lm-eval on ``lm`` (in the tasks' folder: relative data files): its
-    metrics (no stderr), the whole call's seconds and the model's; batchgen's prefix hits and
-    prompt tokens computed (the task's last call: its one request type)."""
+    """One task on ``lm``: its metrics, seconds (lm-eval's, the model's), batchgen's hits."""
     import lm_eval
 
     if hasattr(lm, "llm"):  # batchgen: a cold prefix cache (no hit from an earlier run)

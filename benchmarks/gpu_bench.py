@@ -51,8 +51,7 @@ def run_hf_generate(model, prompts: list[list[int]], lens: list[int], args) -> f
 
 
 def run_generate_batch(model, prompts: list[list[int]], lens: list[int], device: str) -> float:
-    """transformers' continuous batching, each request its own max_new_tokens; the manager (its
-    cache sized for the workload, its CUDA graphs) built and warmed up by an untimed run."""
+    """Continuous batching, per-request lengths; manager built by an untimed run."""
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -80,8 +79,7 @@ def run_generate_batch(model, prompts: list[list[int]], lens: list[int], device:
 
 
 def decode_probe(llm, args, n_params: int) -> dict[str, float]:
-    """Decode step time at batch ``--probe-batch``: (T(1 + steps tokens) - T(1 token)) / steps;
-    bytes read per step (bf16 weights once, every row's K/V) against a device copy's rate."""
+    """Decode step time at ``--probe-batch`` against the bytes a step reads and a copy's rate."""
     prompts = h.make_prompts(args.probe_batch, args.probe_len, args.probe_len, args.vocab_size,
                              args.seed + 1)
 

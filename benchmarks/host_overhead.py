@@ -29,8 +29,7 @@ SCENARIOS = {  # name -> (n, SamplingParams kwargs); the stop strings never matc
 
 
 class ForwardClock:
-    """Times every forward of a model with hooks: (start, end, query tokens) per call; with
-    ``count_calls``, also counts the host's function calls in the gap before each forward."""
+    """Times every forward (start, end, tokens); counts calls between them (``count_calls``)."""
 
     def __init__(self, model: torch.nn.Module, device: str, evict_mb: int) -> None:
         self.calls, self.counts, self.device = [], [], device
@@ -61,8 +60,7 @@ class ForwardClock:
             self._count += 1
 
     def measure(self, fn, rows: int) -> tuple[list[float], list[float], list[float]]:
-        """Run ``fn()``; per decode forward whose predecessor was a decode forward too: the host
-        gap before it and its own time (ms), and the function calls in that gap (if counted)."""
+        """Run ``fn()``: per decode forward after a decode forward, host gap, forward, calls."""
         self.calls, self.counts = [], []
         try:
             with torch.inference_mode():
@@ -81,8 +79,7 @@ class ForwardClock:
 
 
 def window(values: list[float], first: int, last: int) -> float:
-    """Median over the decode steps that sample tokens first..last: token 1 comes from the
-    prefill, and gap j (before decode forward j + 2) holds the sampling of token j + 2."""
+    """Median over the decode steps sampling tokens first..last (token 1: the prefill's)."""
     picked = values[max(first - 2, 0):max(last - 1, 1)]
     if not picked:
         raise RuntimeError(f"no decode steps measured in tokens {first}..{last}")

@@ -74,8 +74,7 @@ def hf_beams(width: int, controls: bool) -> dict:
 
 def run_beams(llm, hf, prompts: list[list[int]], width: int, args, controls: bool
               ) -> list[h.Result]:
-    """One beam workload, interleaved; HF's best beams compared with batchgen's (and rechecked
-    with EOS ordinary if they differ without the controls, which ban EOS alike in both)."""
+    """One beam workload; HF's best beams against batchgen's (EOS recheck without controls)."""
     label, outs, L = f"W={width}" + (", +ngram3+rep1.2" if controls else ""), [], args.output_len
 
     def go(ps: list[list[int]], k: int) -> list[list[int]]:

@@ -58,8 +58,7 @@ def valid(kind: str, text: str) -> bool:
 
 
 def throughput(llm, args) -> dict:
-    """Output tok/s of the same job unconstrained and under the JSON schema, and the grammar's
-    milliseconds per step (from its timers, in the fastest run)."""
+    """The same job unconstrained and under the schema: tok/s and mask ms per step."""
     ps, masks = prompts(llm, "json", args.num_prompts), {}
 
     def job(name: str, so) -> h.Contender:

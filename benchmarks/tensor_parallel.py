@@ -30,9 +30,8 @@ CUDA_KV_GIB = 4  # KV pool per rank on CUDA without --num-kv-blocks (TP=1 and 2 
 
 
 class CommMeter:
-    """On ``llm`` until ``stack`` closes: counts steps (``execute`` calls) and adds each step's
-    ``execute`` and, for tp > 1, rank 0's communication calls inside it to
-    ``tallies[phase][kind]`` = [calls, bytes, seconds] (phase: all steps, decode steps)."""
+    """Until ``stack`` closes: ``llm``'s steps, and ``tallies[phase][kind]`` = [calls, bytes,
+    seconds] of each ``execute`` and, for tp > 1, of rank 0's communication inside it."""
 
     def __init__(self, llm, tp: int, device: torch.device, stack: contextlib.ExitStack):
         self.device, self.steps, self.in_step, self.decoding = device, 0, False, False
@@ -57,8 +56,7 @@ class CommMeter:
                 self.tallies[phase][kind][i] += v
 
     def wrap(self, kind: str, fn, size):
-        """``fn`` timed into ``kind`` inside a step; ``size(*args)`` its bytes (None: time only,
-        as for ``wait_tensor``, whose collective was counted when issued)."""
+        """``fn`` timed into ``kind`` inside a step; ``size``: its bytes (None: time only)."""
         def timed_call(*args, **kwargs):
             if not self.in_step:
                 return fn(*args, **kwargs)
@@ -85,8 +83,7 @@ def _nbytes(t, *_, **__) -> int:
 
 
 def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result, list]]:
-    """Every size loaded, timed in interleaved rounds, then run once more metered (its steps;
-    for a size > 1 its tallies in ``extra["comm"]``). The LLMs are gone when this returns."""
+    """Every size timed in interleaved rounds, then once more metered; the LLMs gone after."""
     gpu_pool = args.num_kv_blocks is None and torch.device(args.device).type == "cuda"
     loaded = []
     for tp in args.tp:
@@ -112,8 +109,7 @@ def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result
 
 
 def comm_report(r: h.Result) -> None:
-    """Rank 0's communication per step of the instrumented run (all steps; decode steps alone)
-    against the step's ``execute``, and its share of it."""
+    """Rank 0's communication per step (all; decode) against ``execute``, and its share."""
     comm, rows = r.extra["comm"], []
     for phase in PHASES:
         comm[phase]["total"] = [sum(comm[phase][k][i] for k in KINDS) for i in range(3)]

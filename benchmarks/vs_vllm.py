@@ -92,8 +92,7 @@ class VllmError(RuntimeError):
 
 
 class VllmChild(h.Child):
-    """The vLLM child process, started at once (it loads while this process sets up the
-    others): JSON command lines in on stdin, JSON reply lines out."""
+    """The vLLM child, started at once: JSON commands on stdin, JSON replies on stdout."""
 
     def __init__(self, python: str, model_dir: Path, workloads: list[dict], args, log: Path):
         spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
@@ -107,8 +106,7 @@ class VllmChild(h.Child):
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, own_group=True)
 
     def ask(self, msg: dict | None = None) -> dict:
-        """Send ``msg`` (if any), then the reply line; VllmError if the child is gone or gave
-        no answer in VLLM_TIMEOUT_S (then killed), with its log's tail."""
+        """Send ``msg``, read the reply; VllmError if the child is gone or silent (then killed)."""
         timer = threading.Timer(VLLM_TIMEOUT_S, self.kill)
         timer.start()
         try:
@@ -135,8 +133,7 @@ class VllmChild(h.Child):
             self.wait(timeout)
 
     def contenders(self, workloads: list[dict], args) -> tuple[list[h.Contender], dict]:
-        """Once loaded, a contender per workload (its output None once vLLM failed); or none,
-        and why (import failed, crashed)."""
+        """Once loaded, a contender per workload (None once vLLM failed); or none, and why."""
         try:
             msg = self.ask()
         except VllmError as e:
@@ -167,8 +164,7 @@ class VllmChild(h.Child):
 
 
 def child_main(spec: dict) -> int:
-    """``--child SPEC`` (under the vLLM venv): load vLLM once, warm up, then serve run commands
-    from stdin."""
+    """``--child SPEC`` under the vLLM venv: load, warm up, serve run commands from stdin."""
     proto = os.fdopen(os.dup(1), "w")  # replies; fd 1 becomes stderr for vLLM's own prints
     os.dup2(2, 1)
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
