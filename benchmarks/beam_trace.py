@@ -1,6 +1,6 @@
 """What beam search's records cost: ``return_trace`` and ``logprobs=5`` against plain beams.
 
-Per ``--beam-widths``, each of ``--configs`` in interleaved rounds on the random Llama (EOS
+Per ``--beam-widths``, each of ``CONFIGS`` in interleaved rounds on the random Llama (EOS
 ignored); every configuration must return plain's hypotheses (asserted).
 
     PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
@@ -17,7 +17,6 @@ CONFIGS = {"plain": {}, "trace": {"return_trace": True}, "logprobs": {"logprobs"
 
 def contender(llm, prompts: list[list[int]], width: int, config: str, n_tokens: int
               ) -> h.Contender:
-    """One configuration on ``llm``, warmed up; its output: the RequestOutputs."""
     def go(ps: list[list[int]], k: int):
         bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **CONFIGS[config])
         return llm.beam_search(h.token_prompts(ps), bp, use_tqdm=False)
@@ -27,7 +26,6 @@ def contender(llm, prompts: list[list[int]], width: int, config: str, n_tokens: 
 
 
 def trace_sizes(outs, width: int) -> dict[str, float]:
-    """Mean live and finished-buffer records per request, and steps x width."""
     traces = [o.trace for o in outs if getattr(o, "trace", None) is not None]
 
     def mean(size) -> float:
@@ -42,13 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, run={}, workload={
         "num_prompts": 16, "min_prompt_len": 16, "max_prompt_len": 128, "output_len": 32})
     p.add_argument("--beam-widths", type=h.int_list, default="4,16", help="comma-separated")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="comma-separated subset, plain first (plain alone also runs on a "
-                        "batchgen without these parameters: the off path across versions)")
     args = h.check_args(p, p.parse_args(argv))
-    args.configs = [c for c in args.configs.split(",") if c]
-    if not args.configs or not set(args.configs) <= set(CONFIGS) or args.configs[0] != "plain":
-        p.error(f"--configs must start with plain and name only {', '.join(CONFIGS)}")
     info = h.start(args)
     prompts, rows = h.workload_prompts(args), []
 
@@ -59,8 +51,8 @@ def main(argv: list[str] | None = None) -> dict:
         for width in args.beam_widths:
             llm = LLM(str(model_dir), device=args.device, max_num_seqs=max(256, width))
             timings = h.interleaved_repeats([contender(llm, prompts, width, c, args.output_len)
-                                             for c in args.configs], args.repeats, args.device)
-            for config, (outs, walls) in zip(args.configs, timings):
+                                             for c in CONFIGS], args.repeats, args.device)
+            for config, (outs, walls) in zip(CONFIGS, timings):
                 assert beams(outs) == beams(timings[0][0]), f"{config} changed the beams"
                 rows.append({"width": width, "config": config, "min_s": min(walls),
                              "median_s": statistics.median(walls), "walls": walls,

@@ -36,7 +36,6 @@ FIRST_REGULAR_ID = 3  # ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny mode
 PAD_ID = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
-NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
 QUESTIONS = [json.loads(line)["prompt"]  # chat prompts for trained models: the examples' 20
              for line in (ROOT / "examples" / "data" / "prompts.jsonl").read_text().splitlines()]
 
@@ -152,15 +151,13 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
-           note: str | None = NOISE_NOTE) -> dict[str, Any]:
-    """Print the machine line (and note); write ``{machine, args, **payload}`` to --json."""
+def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any]
+           ) -> dict[str, Any]:
+    """Print the machine line; write ``{machine, args, **payload}`` to --json; return it."""
     gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
     print(f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
           f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
           f"device {info['device']}{gpu}, {info['date']}")
-    if note:
-        print(note)
     payload = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                          for k, v in vars(args).items()}, **payload}
     if getattr(args, "json", None):
@@ -578,7 +575,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    """Print a blank line and :func:`markdown_table`."""
     print("\n" + markdown_table(headers, rows), flush=True)
 
 

@@ -82,15 +82,11 @@ def launch(args, root: Path, name: str, argv: list[str]) -> h.Child:
 
 
 def cli_argv(args, data: Path, out: Path, n: int, max_tokens: int) -> list[str]:
-    argv = ["generate", "--model", str(args.model), "--input", str(data), "--n", str(n),
-            "--max-tokens", str(max_tokens), "--temperature", "1.0", "--output", str(out),
-            "--quiet", "--block-size", str(args.block_size), "--max-num-seqs",
-            str(args.max_num_seqs), "--dtype", args.dtype, "--device", args.device,
-            "--seed", str(args.seed)]
-    for flag in ("max_num_batched_tokens", "num_kv_blocks"):
-        if getattr(args, flag) is not None:
-            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
-    return argv
+    flags = {"model": args.model, "input": data, "n": n, "max-tokens": max_tokens,
+             "temperature": 1.0, "output": out, **{k.replace("_", "-"): v for k, v in
+                                                   h.engine_kwargs(args).items()}}
+    return ["generate", "--quiet"] + [x for k, v in flags.items() if v is not None
+                                      for x in (f"--{k}", str(v))]
 
 
 def run_child(args, root: Path, name: str, kind: str, argv: list[str]) -> dict:
@@ -182,7 +178,6 @@ def run_rss(args, root: Path) -> list[dict]:
 
 
 def write_jsonl(path: Path, rows: int, seed: int) -> None:
-    """``rows`` lines of {"prompt": a sentence, "topic": a word}; seeded."""
     rng = random.Random(seed)
     with open(path, "w") as f:
         for text in h.sentences(rows, 4, 16, seed):
@@ -202,7 +197,6 @@ def parse_args(argv: list[str] | None):
 
 
 def report(args, runs: dict, checks: list[dict], rss: list[dict]) -> dict:
-    """The tables, ratios and bars; the summary."""
     cli, mini, timed = runs["cli"], runs["minimal"], runs["timed_cli"]
     tokens = mini[0]["output_tokens"]
     best = {"timed_cli_gen_s": min(x["gen_s"] for x in timed),
@@ -286,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
         rss = run_rss(args, root)
     summary = report(args, runs, checks, rss)
     payload = h.finish(args, info, {"summary": summary, "runs": runs, "token_checks": checks,
-                                    "rss": rss, "cli_command": cli_command}, note=None)
+                                    "rss": rss, "cli_command": cli_command})
     if not (summary["tokens_identical"] and summary["token_counts_equal"]):
         raise SystemExit(1)
     return payload

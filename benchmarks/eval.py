@@ -62,7 +62,6 @@ def evaluate(lm, task: str, args, manager, limit: int | None) -> dict:
 
 
 def run(args) -> dict:
-    """Every task on every system (hf first), the fastest round by model time."""
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
@@ -91,7 +90,6 @@ def run(args) -> dict:
 
 
 def report(result: dict, rtol: float) -> bool:
-    """The metrics side by side, then the times; whether every metric agrees."""
     rows, ok = [], True
     names = list(next(iter(result["tasks"].values())))
     for task, r in result["tasks"].items():
@@ -130,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     info = h.start(args)
     result = run(args)
     ok = report(result, RTOL)
-    h.finish(args, info, {**result, "agree": ok}, note=None)
+    h.finish(args, info, {**result, "agree": ok})
     return 0 if ok else 1
 
 

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = [{"system": s, "config": c, "wall_s": w, "output_tokens": n, "output_tok_s": n / w}
                for s, c, w, n in systems]
     return h.finish(args, info, {"results": results, "probe": probe, "bars": bars,
-                                 "n_params": n_params}, note=None)
+                                 "n_params": n_params})
 
 
 if __name__ == "__main__":

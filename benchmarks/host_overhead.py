@@ -3,7 +3,6 @@
 Hooks time every forward of a near-free model; a step's host time is the gap between two decode
 forwards: the median over the decode steps of tokens ``--window``, lowest of ``--repeats``, and
 in the growth run (64 rows) of the last tokens too, with the host's function calls per step.
-``--evict-mb``: memory written after every forward, so each gap starts with cold CPU caches.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
 """
@@ -31,9 +30,8 @@ SCENARIOS = {  # name -> (n, SamplingParams kwargs); the stop strings never matc
 class ForwardClock:
     """Times every forward (start, end, tokens); counts calls between them (``count_calls``)."""
 
-    def __init__(self, model: torch.nn.Module, device: str, evict_mb: int) -> None:
+    def __init__(self, model: torch.nn.Module, device: str) -> None:
         self.calls, self.counts, self.device = [], [], device
-        self._evict = torch.ones(evict_mb << 18) if evict_mb else None  # written as forward
         self._start, self._count, self.count_calls = 0.0, 0, False
         self._handles = [model.register_forward_pre_hook(self._pre, with_kwargs=True),
                          model.register_forward_hook(self._post, with_kwargs=True)]
@@ -47,8 +45,6 @@ class ForwardClock:
 
     def _post(self, module, args, kwargs, out) -> None:
         h.sync(self.device)
-        if self._evict is not None:
-            self._evict.add_(1.0)
         ids = kwargs.get("input_ids", args[0] if args else None)
         self.calls.append((self._start, time.perf_counter(), int(ids.shape[-1] * ids.shape[0])))
         if self.count_calls:
@@ -93,7 +89,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--rows", type=h.int_list, default="64,256", help="decode rows per step")
     p.add_argument("--window", type=h.int_list, default="9,72",
                    help="first,last generated token whose decode steps are measured")
-    h.add_ints(p, long_tokens=1024, evict_mb=0)  # long tokens 0: no growth run
+    h.add_ints(p, long_tokens=1024)  # 0: no growth run
     p.add_argument("--scenarios", type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
                    default=",".join(SCENARIOS), help=f"a subset of {', '.join(SCENARIOS)}")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
@@ -132,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
     with h.prepare_model_dir(args, max(2048, long + 64), tokenizer=True) as model_dir:
         llm = LLM(str(model_dir), max_num_seqs=max_rows, max_model_len=max(long, last) + 64,
                   enable_prefix_caching=False, seed=0, device=args.device)
-        clock = ForwardClock(h.engine_model(llm), args.device, args.evict_mb)
+        clock = ForwardClock(h.engine_model(llm), args.device)
         bg_run("greedy", 16, 8)  # warm-up
         for _ in range(args.repeats):
             for scenario in args.scenarios:
@@ -149,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
         clock.close()
         if not args.skip_hf:
             hf = h.load_hf_model(model_dir, torch.float32, args.device)
-            clock = ForwardClock(hf, args.device, args.evict_mb)
+            clock = ForwardClock(hf, args.device)
 
             def hf_run(rows: int, tokens: int) -> tuple:
                 return clock.measure(lambda: h.hf_generate_all(

@@ -15,7 +15,6 @@ KV_DTYPES = ("float32", "bfloat16", "fp8")
 
 
 def run(model_dir: Path, prompts: list[list[int]], args, kv: str) -> list[tuple[list, list]]:
-    """Greedy tokens and their logprobs with a ``kv`` pool."""
     llm = LLM(str(model_dir), kv_cache_dtype=kv, dtype=args.dtype, device=args.device,
               enable_prefix_caching=False)
     outs = llm.generate(h.token_prompts(prompts), h.greedy(args.output_len, logprobs=0),
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{args.output_len} greedy tokens, model {args.dtype}")
     h.table(["KV cache", "identical greedy outputs", "mean common prefix",
              "mean |Δ logprob| (agreeing positions)", "max |Δ logprob|"], rows)
-    return h.finish(args, info, {"results": results}, note=None)
+    return h.finish(args, info, {"results": results})
 
 
 if __name__ == "__main__":

@@ -13,17 +13,6 @@ from pathlib import Path
 from benchmarks import common as h
 
 
-def run_local(model: str, data, params) -> tuple[float, float, list[dict]]:
-    from batchgen import LLM
-    from batchgen.data import generate_dataset
-
-    t0 = time.perf_counter()
-    llm = LLM(model, device="cpu")
-    t1 = time.perf_counter()
-    out = generate_dataset(llm, data, params, seed=0, use_tqdm=False).to_list()
-    return time.perf_counter() - t1, t1 - t0, out
-
-
 def run_ray(model: str, data, params, actors: int, args) -> tuple[float, float, list[dict]]:
     import ray
 
@@ -48,8 +37,9 @@ def run_ray(model: str, data, params, actors: int, args) -> tuple[float, float, 
 def main(argv: list[str] | None = None) -> dict:
     import datasets
 
-    from batchgen import SamplingParams
+    from batchgen import LLM, SamplingParams
     from batchgen.cli.bench import RANDOM_MODEL, RANDOM_VOCAB
+    from batchgen.data import generate_dataset
     from batchgen.tools.make_tiny_model import make_tiny_model
 
     p = h.parser(__doc__, run={"repeats": None, "device": None})
@@ -68,7 +58,11 @@ def main(argv: list[str] | None = None) -> dict:
     data = datasets.Dataset.from_list([{"prompt": s, "k": i} for i, s in enumerate(
         h.sentences(args.rows, 4, 16, seed=0))])
     params = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.max_tokens)
-    local_s, local_load_s, local = run_local(model, data, params)
+    t0 = time.perf_counter()
+    llm = LLM(model, device="cpu")
+    local_load_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    local = generate_dataset(llm, data, params, seed=0, use_tqdm=False).to_list()
+    local_s = time.perf_counter() - t0
     tokens = sum(len(s["token_ids"]) for r in local for s in r["outputs"])
     results = [{"system": "local generate_dataset", "actors": 0, "wall_s": local_s,
                 "startup_s": local_load_s, "identical": True}]
@@ -91,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{extra:+.2f} s; bar (2 actors not slower than 1 by more than the overhead): "
               f"{'met' if extra <= overhead else 'NOT met'}")
     payload = h.finish(args, info, {"output_tokens": tokens, "results": results,
-                                    "ray_overhead_s": overhead}, note=None)
+                                    "ray_overhead_s": overhead})
     if not all(r["identical"] for r in results):
         print("ERROR: Ray outputs differ from the local runner's", file=sys.stderr)
         sys.exit(1)

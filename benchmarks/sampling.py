@@ -28,8 +28,6 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
     p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)",
                    type=lambda v: [] if v.strip() in ("", "0") else h.int_list(v))
-    p.add_argument("--controls-first", action="store_true",
-                   help="run the controls variant before the plain one")
     args = h.check_args(p, p.parse_args(argv))
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
@@ -116,7 +114,6 @@ def run_beams(llm, hf, prompts: list[list[int]], width: int, args, controls: boo
 
 
 def run_all(model_dir, prompts: list[list[int]], kv_blocks: int, args) -> dict:
-    """Every workload on one batchgen LLM: {name: [batchgen, HF ...]}."""
     hf = None if args.skip_hf else h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device)
     llm = LLM(str(model_dir), **h.engine_kwargs(args, num_kv_blocks=kv_blocks))
     runs, L = {}, args.output_len
@@ -126,8 +123,7 @@ def run_all(model_dir, prompts: list[list[int]], kv_blocks: int, args) -> dict:
                                sum(map(len, prompts)), expect=(len(prompts) * args.n, L))
         runs[f"sampling n={args.n}"] = [r for r, _ in out]
     for width in args.beam_widths:
-        variants = [False, True] if width == CONTROLS_WIDTH else [False]
-        for controls in variants[::-1] if args.controls_first else variants:
+        for controls in [False, True] if width == CONTROLS_WIDTH else [False]:
             name = f"beam W={width}" + (" +ngram3+rep1.2" if controls else "")
             print(f"  {name}", flush=True)
             runs[name] = run_beams(llm, hf, prompts, width, args, controls)
@@ -136,7 +132,6 @@ def run_all(model_dir, prompts: list[list[int]], kv_blocks: int, args) -> dict:
 
 
 def report(runs: dict[str, list[h.Result]], args) -> dict:
-    """The throughput table, agreement and controls lines, the KV table; the summary."""
     rows, summary = [], {}
     for name, rs in runs.items():
         labels, summary[name], line = h.versus(rs)

@@ -31,7 +31,6 @@ ASK = {"json": ("Describe {} as a JSON object with the keys name, age and city."
 
 
 def prompts(llm, kind: str, count: int) -> list[dict[str, list[int]]]:
-    """``count`` chat prompts asking for the constraint's kind of answer."""
     ask, names = ASK[kind]
     texts = [ask.format(names[i % len(names)]) + ("" if i < len(names) else f" ({i})")
              for i in range(count)]
@@ -45,7 +44,6 @@ def constraint(kind: str, max_whitespace: int):
 
 
 def valid(kind: str, text: str) -> bool:
-    """Whether a finished output satisfies its constraint."""
     if kind == "json":
         import jsonschema
 
@@ -88,7 +86,6 @@ def throughput(llm, args) -> dict:
 
 
 def check(llm, args) -> dict:
-    """Every finished sample and beam of each constraint satisfies it; finish rates."""
     report = {}
     for kind in ASK:
         ps, so = prompts(llm, kind, args.num_prompts), constraint(kind, args.max_whitespace)
@@ -131,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: e.g. {r['examples'][:1]}"
                   + (f"; VIOLATING {r['violating']}" if r["violations"] else ""))
         ok = all(r["violations"] == 0 for r in c.values())
-    h.finish(args, info, result, note=None)
+    h.finish(args, info, result)
     return 0 if ok else 1
 
 

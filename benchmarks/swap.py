@@ -16,7 +16,6 @@ POOL_FACTOR, SWAP_FACTOR = 1.5, 4.0  # device pool / the largest bound, host poo
 
 
 def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> list[dict]:
-    """Roomy, recompute and swap engines on one workload (samples or beams), interleaved."""
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     width = args.n if kind == "samples" else args.beam_width

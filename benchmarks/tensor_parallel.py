@@ -83,7 +83,6 @@ def _nbytes(t, *_, **__) -> int:
 
 
 def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result, list]]:
-    """Every size timed in interleaved rounds, then once more metered; the LLMs gone after."""
     gpu_pool = args.num_kv_blocks is None and torch.device(args.device).type == "cuda"
     loaded = []
     for tp in args.tp:
@@ -109,7 +108,6 @@ def run_sizes(path: Path, prompts: list[list[int]], args) -> list[tuple[h.Result
 
 
 def comm_report(r: h.Result) -> None:
-    """Rank 0's communication per step (all; decode) against ``execute``, and its share."""
     comm, rows = r.extra["comm"], []
     for phase in PHASES:
         comm[phase]["total"] = [sum(comm[phase][k][i] for k in KINDS) for i in range(3)]

@@ -31,8 +31,7 @@ import torch
 from benchmarks import common as h
 
 SYSTEMS = ("batchgen", "vLLM", "HF generate")
-STYLES = ["", " Please answer in detail.", " Keep it simple and use an example.",
-          " Answer in one paragraph."]
+STYLES = ["", " Please answer in detail.", " Keep it simple.", " Answer in one paragraph."]
 VLLM_TIMEOUT_S = 1800.0  # for vLLM's load or one call
 
 
@@ -57,7 +56,6 @@ def parse_args(argv: list[str] | None):
 
 
 def batchgen_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Contender]:
-    """batchgen with the shared settings, warmed up on every workload."""
     from batchgen import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=args.max_num_seqs,
@@ -87,10 +85,6 @@ def hf_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Conten
     return out
 
 
-class VllmError(RuntimeError):
-    """The vLLM child failed, timed out or answered something unexpected."""
-
-
 class VllmChild(h.Child):
     """The vLLM child, started at once: JSON commands on stdin, JSON replies on stdout."""
 
@@ -106,7 +100,7 @@ class VllmChild(h.Child):
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, own_group=True)
 
     def ask(self, msg: dict | None = None) -> dict:
-        """Send ``msg``, read the reply; VllmError if the child is gone or silent (then killed)."""
+        """Send ``msg``, read the reply; ChildProcessError if the child is gone or silent."""
         timer = threading.Timer(VLLM_TIMEOUT_S, self.kill)
         timer.start()
         try:
@@ -115,17 +109,17 @@ class VllmChild(h.Child):
                 self.proc.stdin.flush()
             line = self.proc.stdout.readline()
         except OSError as e:
-            raise VllmError(f"the vLLM child is gone ({e}){self.log_tail()}") from None
+            raise ChildProcessError(f"the vLLM child is gone ({e}){self.log_tail()}") from None
         finally:
             timer.cancel()
         if not line:
             status = self.wait(60)
             why = f" (killed: no answer in {VLLM_TIMEOUT_S:.0f} s)" if status == -9 else ""
-            raise VllmError(f"the vLLM child exited with status {status}{why}{self.log_tail()}")
+            raise ChildProcessError(f"the vLLM child exited with status {status}{why}"
+                                    f"{self.log_tail()}")
         return json.loads(line)
 
     def close(self, timeout: float = 60.0) -> None:
-        """Ask the child to quit; past ``timeout`` kill its process group (vLLM's workers too)."""
         if not self.poll():
             with contextlib.suppress(OSError):
                 self.proc.stdin.write(b'{"cmd": "quit"}\n')
@@ -136,7 +130,7 @@ class VllmChild(h.Child):
         """Once loaded, a contender per workload (None once vLLM failed); or none, and why."""
         try:
             msg = self.ask()
-        except VllmError as e:
+        except ChildProcessError as e:
             self.close(timeout=0)
             return [], {"status": "failed", "reason": str(e)}
         if msg.get("event") != "ready":
@@ -150,9 +144,9 @@ class VllmChild(h.Child):
                 try:
                     reply = self.ask({"cmd": "run", "workload": w["name"]})
                     if reply.get("event") != "done":
-                        raise VllmError(f"vLLM failed on {w['name']}: {reply.get('error')}")
+                        raise ChildProcessError(f"vLLM failed on {w['name']}: {reply.get('error')}")
                     return h.Measured(reply["tokens"], reply["wall_s"])
-                except VllmError as e:
+                except ChildProcessError as e:
                     info.update(status="failed", reason=str(e))
                     print(f"vLLM: failed ({e})", flush=True)
             info.setdefault("incomplete", []).append(w["name"])  # left out of the results
