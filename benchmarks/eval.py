@@ -15,7 +15,6 @@ from benchmarks import common as h
 
 TASKS, FEWSHOT_TASKS, RTOL = ["bg_mc", "bg_gen", "bg_ppl"], ("bg_mc", "bg_gen"), 1e-3
 TASKS_DIR = h.ROOT / "tests" / "eval_tasks"
-METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
 def clock(lm):
@@ -31,7 +30,7 @@ def clock(lm):
                 lm.model_s += time.perf_counter() - start
         return call
 
-    for name in METHODS:
+    for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
         setattr(lm, name, timed(getattr(lm, name)))
     return lm
 

@@ -42,9 +42,9 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> 
     engines = [("roomy pool (no preemption)", {"num_kv_blocks": roomy}),
                ("recompute", {"num_kv_blocks": tight, "preemption_mode": "recompute"}),
                ("swap", {"num_kv_blocks": tight, "swap_space": gib})]
-    runs = h.run_contenders([h.fresh_contender(name, model_dir, h.engine_kwargs(
-        args, **kw), go, ", ".join(
-            f"{k}={v:.4g}" for k, v in kw.items() if k != "preemption_mode"))
+    runs = h.run_contenders([h.fresh_contender(
+        name, model_dir, h.engine_kwargs(args, **kw), go,
+        ", ".join(f"{k}={v:.4g}" for k, v in kw.items() if k != "preemption_mode"))
         for name, kw in engines], args, sum(map(len, prompts)))
     ref, rows = runs[0][1], []
     for r, tokens in runs:
@@ -60,8 +60,7 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> 
 def main(argv: list[str] | None = None) -> dict:
     p = h.parser(__doc__, model={}, run={}, workload={
         "num_prompts": 8, "min_prompt_len": 256, "max_prompt_len": 384, "output_len": 64})
-    g = p.add_argument_group("swap")
-    h.add_ints(g, n=8, beam_width=8, block_size=16)
+    h.add_ints(p, n=8, beam_width=8, block_size=16)
     args = h.check_args(p, p.parse_args(argv), "n", "beam_width")
     info = h.start(args)
     prompts = h.workload_prompts(args)
