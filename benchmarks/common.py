@@ -50,12 +50,13 @@ def parser(doc: str, model: dict | None = None, workload: dict | None = None,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     if model is not None:  # the random-weight Llama
         g = p.add_argument_group("model (random weights, Llama family)")
+        ints = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
+                "intermediate_size": 688, "vocab_size": 4096, **model}
         g.add_argument("--model-dir", type=Path, default=None,
                        help="existing model folder to use, or where to write the random one "
                             "(default: a temporary folder, deleted at exit)")
-        g.add_argument("--dtype", default=model.pop("dtype", "float32"), choices=sorted(DTYPES))
-        add_ints(g, **{"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
-                       "intermediate_size": 688, "vocab_size": 4096, **model})
+        g.add_argument("--dtype", default=ints.pop("dtype", "float32"), choices=sorted(DTYPES))
+        add_ints(g, **ints)
     if workload is not None:  # token-id prompts of uniform random length; --seed: weights too
         w = {"num_prompts": 32, "min_prompt_len": 16, "max_prompt_len": 384, "output_len": 64,
              "seed": 0, **workload}
@@ -102,8 +103,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: 
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if hasattr(args, "vocab_size") and (args.vocab_size <= FIRST_REGULAR_ID or args.hidden_size
-                                        % args.num_heads or args.num_heads % args.num_kv_heads):
+    if hasattr(args, "vocab_size") and (args.vocab_size <= FIRST_REGULAR_ID
+                                        or args.hidden_size % args.num_heads
+                                        or args.num_heads % args.num_kv_heads):
         p.error(f"need --vocab-size > {FIRST_REGULAR_ID}, --hidden-size a multiple of "
                 "--num-heads, and --num-heads of --num-kv-heads")
     return args

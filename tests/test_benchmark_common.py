@@ -61,6 +61,21 @@ def test_run_contenders_closes_them_when_a_run_fails():
     assert closed == ["a", "b"]
 
 
+def test_run_contenders_asserts_the_expected_token_counts():
+    ok = h.Contender("ok", lambda: [[1, 2], [3, 4]])
+    short = h.Contender("short", lambda: [[1, 2], [3]], lambda: ("cfg", {}))
+    assert h.run_contenders([ok], run_args(1), 0, expect=(2, 2))[0][1] == [[1, 2], [3, 4]]
+    with pytest.raises(AssertionError, match=r"short \(cfg\): 2 rows of \[1, 2\] tokens"):
+        h.run_contenders([short], run_args(1), 0, expect=(2, 2))
+
+
+def test_sentences_and_questions_are_fixed_english_prompts():
+    a = h.sentences(5, 4, 8, seed=1)
+    assert a == h.sentences(5, 4, 8, seed=1) != h.sentences(5, 4, 8, seed=2)
+    assert all(4 <= len(s.split()) <= 8 and s[0].isupper() and s[-1] in ".?!" for s in a)
+    assert len(h.QUESTIONS) == 20 and all(isinstance(q, str) and q for q in h.QUESTIONS)
+
+
 def result(system, wall, tokens=100, **extra):
     return h.Result(system, "", wall, tokens, 0, extra)
 
