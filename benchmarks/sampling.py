@@ -192,7 +192,6 @@ def main(argv: list[str] | None = None) -> dict:
         print(h.model_line(args, n_params))
         print(h.workload_line(args, prompts, f"{L} new tokens per sample/beam, EOS ignored; "
                               f"n={args.n or '-'}, beam widths {args.beam_widths or '-'}"))
-        print(f"batchgen KV pool: num_kv_blocks={kv_blocks} x {args.block_size}", flush=True)
         runs = run_all(model_dir, prompts, kv_blocks, args)
         gc.collect()
     return h.finish(args, info, {
