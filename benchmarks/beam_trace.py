@@ -1,113 +1,69 @@
-"""What beam search's records cost: ``return_trace`` and ``logprobs=k`` against plain beams.
+"""What beam search's records cost: ``return_trace`` and ``logprobs=5`` against plain beams.
 
-The random Llama and prompt mix of ``sampling.py`` (``--output-len`` new tokens, EOS ignored).
-Per ``--beam-widths`` one ``LLM`` runs ``BeamSearchParams(beam_width=W, ignore_eos=True)``
-plain, with ``return_trace=True``, ``logprobs=--logprobs`` and both, warmed up and timed in
-``--repeats`` interleaved rounds: min and median wall times and each min over plain's. Every
-configuration must return plain's hypotheses (asserted). Trace size per request: live records,
-finished-buffer records, against steps x width.
+Per ``--beam-widths``, each of ``CONFIGS`` in interleaved rounds on the random Llama (EOS
+ignored); every configuration must return plain's hypotheses (asserted).
 
     PYTHONPATH=. python benchmarks/beam_trace.py --beam-widths 4,16 --repeats 9 --threads 1
 """
 
-from __future__ import annotations
-
 import statistics
-import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from batchgen import LLM, BeamSearchParams
+from benchmarks import common as h
 
-from benchmarks import common as h  # noqa: E402
-
-CONFIGS = ("plain", "trace", "logprobs", "trace+logprobs")
+CONFIGS = {"plain": {}, "trace": {"return_trace": True}, "logprobs": {"logprobs": 5},
+           "trace+logprobs": {"return_trace": True, "logprobs": 5}}
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Any:
-    p = h.parser(__doc__)
-    h.add_model_args(p)
-    h.add_workload_args(p, num_prompts=16, min_prompt_len=16, max_prompt_len=128, output_len=32)
-    h.add_run_args(p)
-    p.add_argument("--beam-widths", default="4,16", help="comma-separated beam widths")
-    p.add_argument("--logprobs", type=int, default=5, help="k of the logprobs configurations")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated subset of {', '.join(CONFIGS)} (plain alone also "
-                        "runs on a batchgen without these parameters, e.g. the previous "
-                        "commit, to compare the off path across versions)")
-    args = h.check_args(p, p.parse_args(argv))
-    args.beam_widths = h.parse_int_list(p, args.beam_widths, "--beam-widths")
-    args.configs = [c for c in args.configs.split(",") if c]
-    if not args.configs or not set(args.configs) <= set(CONFIGS) or args.configs[0] != "plain":
-        p.error(f"--configs must start with plain and name only {', '.join(CONFIGS)}")
-    return args
-
-
-def contender(llm: Any, prompts: list[list[int]], width: int, config: str, args: Any
+def contender(llm, prompts: list[list[int]], width: int, config: str, n_tokens: int
               ) -> h.Contender:
-    """One configuration on ``llm``, warmed up; its output: the RequestOutputs."""
-    from batchgen import BeamSearchParams
-
-    extra: dict[str, Any] = {}  # plain passes neither, so it runs on older versions too
-    if "trace" in config:
-        extra["return_trace"] = True
-    if "logprobs" in config:
-        extra["logprobs"] = args.logprobs
-
-    def go(ps: list[list[int]], k: int) -> Any:
-        bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **extra)
+    def go(ps: list[list[int]], k: int):
+        bp = BeamSearchParams(beam_width=width, max_tokens=k, ignore_eos=True, **CONFIGS[config])
         return llm.beam_search(h.token_prompts(ps), bp, use_tqdm=False)
 
-    h.warm_up(go, prompts, args.output_len)
-    return h.Contender(config, lambda: go(prompts, args.output_len))
+    h.warm_up(go, prompts, n_tokens)
+    return h.Contender(config, lambda: go(prompts, n_tokens))
 
 
-def summarize(width: int, results: list[tuple[Any, list[float]]], args: Any
-              ) -> list[dict[str, Any]]:
-    """Rows of the report; asserts every configuration found the same hypotheses."""
-    def beams(outs: Any) -> list[list[list[int]]]:
+def trace_sizes(outs, width: int) -> dict[str, float]:
+    traces = [o.trace for o in outs if getattr(o, "trace", None) is not None]
+
+    def mean(size) -> float:
+        return statistics.mean(map(size, traces)) if traces else 0.0
+
+    return {"live_records": mean(lambda t: len(t.live)),
+            "finished_records": mean(lambda t: len(t.finished)),
+            "steps_x_width": mean(lambda t: t.num_steps * width)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = h.parser(__doc__, model={}, run={}, workload={
+        "num_prompts": 16, "min_prompt_len": 16, "max_prompt_len": 128, "output_len": 32})
+    p.add_argument("--beam-widths", type=h.int_list, default="4,16", help="comma-separated")
+    args = h.check_args(p, p.parse_args(argv))
+    info = h.start(args)
+    prompts, rows = h.workload_prompts(args), []
+
+    def beams(outs) -> list[list[list[int]]]:
         return [[list(s.token_ids) for s in o.sequences] for o in outs]
 
-    def mean(values: list[int]) -> float:
-        return statistics.mean(values) if values else 0.0
-
-    rows = []
-    for config, (outs, walls) in zip(args.configs, results):
-        assert beams(outs) == beams(results[0][0]), f"{config} changed the beams"
-        traces = [o.trace for o in outs if getattr(o, "trace", None) is not None]
-        rows.append({"width": width, "config": config, "min_s": min(walls),
-                     "median_s": statistics.median(walls), "walls": walls,
-                     "vs_plain": min(walls) / min(results[0][1]),
-                     "live_records": mean([len(t.live) for t in traces]),
-                     "finished_records": mean([len(t.finished) for t in traces]),
-                     "steps_x_width": mean([t.num_steps * width for t in traces])})
-    return rows
-
-
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    from batchgen import LLM
-
-    args = parse_args(argv)
-    info = h.start(args)
-    prompts = h.workload_prompts(args)
-    rows: list[dict[str, Any]] = []
     with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         for width in args.beam_widths:
-            llm = LLM(str(model_dir), device=args.device, block_size=args.block_size,
-                      max_num_seqs=max(256, width))
-            contenders = [contender(llm, prompts, width, c, args) for c in args.configs]
-            rows += summarize(width, h.interleaved_repeats(contenders, args.repeats,
-                                                           args.device), args)
-            del llm, contenders
-    print(h.markdown_table(
-        ["W", "config", "min s", "median s", "min / plain", "live records / request",
-         "finished records / request", "steps x W"],
-        [[r["width"], r["config"], f"{r['min_s']:.3f}", f"{r['median_s']:.3f}",
-          f"{r['vs_plain']:.3f}x", f"{r['live_records']:.1f}",
-          f"{r['finished_records']:.1f}", f"{r['steps_x_width']:.0f}"] for r in rows]))
+            llm = LLM(str(model_dir), device=args.device, max_num_seqs=max(256, width))
+            timings = h.interleaved_repeats([contender(llm, prompts, width, c, args.output_len)
+                                             for c in CONFIGS], args.repeats, args.device)
+            for config, (outs, walls) in zip(CONFIGS, timings):
+                assert beams(outs) == beams(timings[0][0]), f"{config} changed the beams"
+                rows.append({"width": width, "config": config, "min_s": min(walls),
+                             "median_s": statistics.median(walls), "walls": walls,
+                             "vs_plain": min(walls) / min(timings[0][1]),
+                             **trace_sizes(outs, width)})
+            del llm
+    h.table(["W", "config", "min s", "median s", "min / plain", "live records / request",
+             "finished records / request", "steps x W"],
+            [[r["width"], r["config"], f"{r['min_s']:.3f}", f"{r['median_s']:.3f}",
+              f"{r['vs_plain']:.3f}x", f"{r['live_records']:.1f}",
+              f"{r['finished_records']:.1f}", f"{r['steps_x_width']:.0f}"] for r in rows])
     return h.finish(args, info, {"results": rows})
 
 

@@ -1,16 +1,9 @@
-"""The benchmarks' shared harness: everything a script needs besides its workload and its table.
-
-Flags (``add_*_args``, ``check_args``), the run's start and end (``start``: logging, threads,
-seed, machine info; ``finish``: machine line, JSON), the random-weight Llama folder
-(``prepare_model_dir``), prompts, systems as ``Contender`` s (batchgen, HF ``generate``, HF
-``generate_batch``) timed in interleaved rounds (``run_contenders``), checks (``agreement``),
-results and tables, child processes (``Child``), and, last, the few engine internals some
-scripts read, one function each, so a refactor of batchgen's engine is adapted here alone.
+"""The benchmarks' shared harness: flags, the run's start and end (machine line, JSON), the
+random-weight Llama, prompts, systems timed in interleaved rounds, checks, tables, child
+processes, and last the engine internals some scripts read, one function each.
 
 Run benchmarks from the repository root: ``PYTHONPATH=. python benchmarks/throughput.py``.
 """
-
-from __future__ import annotations
 
 import argparse
 import contextlib
@@ -21,6 +14,7 @@ import math
 import os
 import platform
 import random
+import re
 import signal
 import subprocess
 import tempfile
@@ -32,120 +26,99 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.utils import logging as hf_logging
 
 ROOT = Path(__file__).resolve().parents[1]
 FIRST_REGULAR_ID = 3  # ids 0, 1, 2 are <pad>, <s>, </s> in batchgen's tiny models
 PAD_ID = 0
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WARMUP_PROMPTS, WARMUP_TOKENS = 2, 8  # every system's untimed warm-up run
-NOISE_NOTE = "note: timings are wall-clock on a possibly shared machine; rerun to check noise."
+QUESTIONS = [json.loads(line)["prompt"]  # chat prompts for trained models: the examples' 20
+             for line in (ROOT / "examples" / "data" / "prompts.jsonl").read_text().splitlines()]
 
 
 # ---- command line ---------------------------------------------------------------------------
-def parser(doc: str) -> argparse.ArgumentParser:
-    """A parser described by the first line of the script's docstring, defaults in --help."""
-    return argparse.ArgumentParser(description=doc.strip().splitlines()[0],
-                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def parser(doc: str, model: dict | None = None, workload: dict | None = None,
+           run: dict | None = None, engine: dict | None = None, hf: dict | None = None
+           ) -> argparse.ArgumentParser:
+    """A parser (the docstring's first line) with the named flag groups, each a dict over its
+    defaults (a workload or run default of None drops that flag)."""
+    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    if model is not None:  # the random-weight Llama
+        g = p.add_argument_group("model (random weights, Llama family)")
+        ints = {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 2,
+                "intermediate_size": 688, "vocab_size": 4096, **model}
+        g.add_argument("--model-dir", type=Path, default=None,
+                       help="existing model folder to use, or where to write the random one "
+                            "(default: a temporary folder, deleted at exit)")
+        g.add_argument("--dtype", default=ints.pop("dtype", "float32"), choices=sorted(DTYPES))
+        add_ints(g, **ints)
+    if workload is not None:  # token-id prompts of uniform random length; --seed: weights too
+        w = {"num_prompts": 32, "min_prompt_len": 16, "max_prompt_len": 384, "output_len": 64,
+             "seed": 0, **workload}
+        add_ints(p.add_argument_group("workload"), **{k: v for k, v in w.items() if v is not None})
+    if run is not None:
+        g, run = p.add_argument_group("run"), {"device": "cpu", "repeats": 1, **run}
+        if run["device"] is not None:
+            g.add_argument("--device", default=run["device"], help="cpu, cuda or cuda:N")
+        if run["repeats"] is not None:
+            g.add_argument("--repeats", type=int, default=run["repeats"],
+                           help="timed runs per system, in interleaved rounds; the fastest counts")
+        g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        g.add_argument("--json", type=Path, default=None, metavar="PATH",
+                       help="also write the results as JSON to PATH")
+    if engine is not None:
+        add_ints(p.add_argument_group("batchgen engine (generate_batch: the same limits)"), **{
+            "block_size": 16, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
+            "num_kv_blocks": None, **engine})
+    if hf is not None:  # HF generate at several batch sizes (the best counts), generate_batch
+        g = p.add_argument_group("HF baselines")
+        g.add_argument("--hf-batch-sizes", type=int_list, default=hf.get("batch_sizes", "8,32"),
+                       help="comma-separated HF generate batch sizes (prompts)")
+        g.add_argument("--skip-hf", action="store_true")
+        if hf.get("generate_batch", True):
+            g.add_argument("--gb-page-size", type=int, default=256,
+                           help="generate_batch page size in tokens (transformers' default)")
+            g.add_argument("--skip-generate-batch", action="store_true")
+    return p
 
 
-def add_model_args(p: argparse.ArgumentParser, **defaults: Any) -> None:
-    """The random-weight Llama (``defaults`` override the flags' defaults)."""
-    g = p.add_argument_group("model (random weights, Llama family)")
-    for flag, default in (("--hidden-size", 256), ("--num-layers", 4), ("--num-heads", 8),
-                          ("--num-kv-heads", 2), ("--intermediate-size", 688),
-                          ("--vocab-size", 4096)):
-        g.add_argument(flag, type=int, default=default)
-    g.add_argument("--model-dir", type=Path, default=None,
-                   help="existing model folder to use, or where to write the random one "
-                        "(default: a temporary folder, deleted at exit)")
-    g.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.set_defaults(**defaults)
-
-
-def add_workload_args(p: argparse.ArgumentParser, num_prompts: int = 32, min_prompt_len: int = 16,
-                      max_prompt_len: int = 384, output_len: int | None = 64) -> None:
-    """N token-id prompts of uniform random length, a fixed output length (unless None)."""
-    g = p.add_argument_group("workload")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
-    g.add_argument("--min-prompt-len", type=int, default=min_prompt_len)
-    g.add_argument("--max-prompt-len", type=int, default=max_prompt_len)
-    if output_len is not None:
-        g.add_argument("--output-len", type=int, default=output_len)
-    g.add_argument("--seed", type=int, default=0, help="seeds the weights and the prompts")
-
-
-def add_run_args(p: argparse.ArgumentParser, repeats: int | None = 1,
-                 device: str | None = "cpu", verbose: bool = False) -> None:
-    """--device (unless None), --repeats (unless None), --threads, --verbose (if asked), --json."""
-    g = p.add_argument_group("run")
-    if device is not None:
-        g.add_argument("--device", default=device, help="cpu, cuda or cuda:N")
-    if repeats is not None:
-        g.add_argument("--repeats", type=int, default=repeats,
-                       help="timed runs per system, in interleaved rounds; the fastest counts")
-    g.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    if verbose:
-        g.add_argument("--verbose", action="store_true", help="keep the libraries' logging")
-    g.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="also write the results as JSON to PATH")
-
-
-def add_engine_args(p: argparse.ArgumentParser, max_num_batched_tokens: int | None = 8192,
-                    num_kv_blocks_help: str = "KV pool size (default: batchgen's sizing)"
-                    ) -> None:
-    """batchgen's engine flags (generate_batch gets the same limits)."""
-    g = p.add_argument_group("batchgen engine")
-    g.add_argument("--block-size", type=int, default=16, help="KV block size")
-    g.add_argument("--max-num-seqs", type=int, default=256,
-                   help="max running sequences (generate_batch's max_requests_per_batch)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens,
-                   help="per-step token budget (generate_batch's max_batch_tokens)")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help=num_kv_blocks_help)
-
-
-def add_hf_args(p: argparse.ArgumentParser, batch_sizes: str = "8,32",
-                generate_batch: bool = True) -> None:
-    """HF generate at several batch sizes (the best is reported) and generate_batch."""
-    g = p.add_argument_group("HF baselines")
-    g.add_argument("--hf-batch-sizes", default=batch_sizes,
-                   help="comma-separated HF generate batch sizes (prompts); the best counts")
-    g.add_argument("--skip-hf", action="store_true", help="skip HF generate")
-    if generate_batch:
-        g.add_argument("--gb-page-size", type=int, default=256,
-                       help="generate_batch page size in tokens (transformers' default)")
-        g.add_argument("--skip-generate-batch", action="store_true",
-                       help="skip HF generate_batch")
+def add_ints(g: Any, **defaults: int | None) -> None:
+    """An integer flag per keyword (``max_tokens=16``: ``--max-tokens``, default 16)."""
+    for name, default in defaults.items():
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help="(default: %(default)s)")
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace, *positive: str
                ) -> argparse.Namespace:
-    """parser.error() on inconsistent flags (of those the script has; ``positive``: more that
-    must be >= 1 when given); --hf-batch-sizes parsed."""
+    """parser.error() on inconsistent flags (``positive``: more that must be >= 1 if given)."""
     for flag in ("num_prompts", "output_len", "repeats", "threads", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "num_kv_blocks", "gb_page_size", *positive):
         if getattr(args, flag, None) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1")
     if hasattr(args, "min_prompt_len") and not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
-    if hasattr(args, "vocab_size"):
-        if args.vocab_size <= FIRST_REGULAR_ID:
-            p.error(f"--vocab-size must be > {FIRST_REGULAR_ID}")
-        if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
-            p.error("--hidden-size must be a multiple of --num-heads, and --num-heads of "
-                    "--num-kv-heads")
-    if isinstance(getattr(args, "hf_batch_sizes", None), str):
-        args.hf_batch_sizes = parse_int_list(p, args.hf_batch_sizes, "--hf-batch-sizes")
+    if hasattr(args, "vocab_size") and (args.vocab_size <= FIRST_REGULAR_ID
+                                        or args.hidden_size % args.num_heads
+                                        or args.num_heads % args.num_kv_heads):
+        p.error(f"need --vocab-size > {FIRST_REGULAR_ID}, --hidden-size a multiple of "
+                "--num-heads, and --num-heads of --num-kv-heads")
     return args
 
 
-def parse_int_list(p: argparse.ArgumentParser, value: str, flag: str) -> list[int]:
-    """Comma-separated integers >= 1, or parser.error() naming ``flag``."""
+def int_list(value: str) -> list[int]:
+    """An argparse type: comma-separated integers >= 1 (e.g. 1,2,4)."""
     try:
-        out = [int(v) for v in str(value).split(",") if v.strip()]
+        out = [int(v) for v in value.split(",") if v.strip()]
     except ValueError:
-        p.error(f"{flag} must be comma-separated integers, e.g. 1,2,4")
+        out = []
     if not out or min(out) < 1:
-        p.error(f"{flag} needs at least one value, each >= 1")
+        raise argparse.ArgumentTypeError(f"{value!r} is not comma-separated integers >= 1")
     return out
 
 
@@ -158,18 +131,13 @@ def engine_kwargs(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
 
 # ---- the run's start and end ----------------------------------------------------------------
 def start(args: argparse.Namespace) -> dict[str, Any]:
-    """Logging quieted (unless --verbose), --threads, the seed; what the numbers depend on
-    (CPUs, threads, versions, device, date)."""
-    import transformers
-    from transformers.utils import logging as hf_logging
-
+    """Logging quieted, --threads, the seed; the machine's facts."""
     import batchgen
 
-    if not getattr(args, "verbose", False):
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-        logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-        logging.getLogger("batchgen").setLevel(logging.WARNING)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    logging.getLogger("batchgen").setLevel(logging.WARNING)
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     torch.manual_seed(getattr(args, "seed", 0))
@@ -185,16 +153,13 @@ def start(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any],
-           note: str | None = NOISE_NOTE) -> dict[str, Any]:
-    """Print the machine line (and the noise note); write ``{machine, args, **payload}`` as
-    JSON to --json if given; return it."""
+def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, Any]
+           ) -> dict[str, Any]:
+    """Print the machine line; write ``{machine, args, **payload}`` to --json; return it."""
     gpu = f", gpu {info['gpu']}" if "gpu" in info else ""
     print(f"machine: {info['host_cpus']} CPUs ({info['torch_threads']} torch threads), "
           f"{info['processor']}, torch {info['torch']}, transformers {info['transformers']}, "
           f"device {info['device']}{gpu}, {info['date']}")
-    if note:
-        print(note)
     payload = {"machine": info, "args": {k: str(v) if isinstance(v, Path) else v
                                          for k, v in vars(args).items()}, **payload}
     if getattr(args, "json", None):
@@ -208,10 +173,8 @@ def finish(args: argparse.Namespace, info: dict[str, Any], payload: dict[str, An
 @contextlib.contextmanager
 def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = False,
                       eos_boost: float = 0.0, init_device: str | None = None) -> Iterator[Path]:
-    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags in
-    --dtype (the tiny BPE tokenizer if ``tokenizer``) written there or to a temporary folder.
-    ``init_device``: built there with transformers' own init (a 1B model in seconds on a GPU)
-    instead of make_tiny_model's."""
+    """``--model-dir`` if it holds a config.json, else a random Llama of the model flags there or
+    in a temporary folder (``init_device``: built there by transformers, fast for 1B on a GPU)."""
     from batchgen.tools.make_tiny_model import make_config, make_tiny_model
 
     given, dtype = getattr(args, "model_dir", None), DTYPES[args.dtype]
@@ -229,8 +192,6 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
             make_tiny_model(out, family="llama", vocab_size=args.vocab_size, seed=args.seed,
                             dtype=dtype, eos_boost=eos_boost, with_tokenizer=tokenizer, **shape)
         else:
-            from transformers import AutoModelForCausalLM
-
             torch.manual_seed(args.seed)
             with torch.device(init_device):
                 model = AutoModelForCausalLM.from_config(
@@ -242,8 +203,6 @@ def prepare_model_dir(args: argparse.Namespace, max_len: int, tokenizer: bool = 
 
 def count_params(model_dir: str | os.PathLike) -> int:
     """Parameters stored in a folder's safetensors files (read from their headers)."""
-    from safetensors import safe_open
-
     total = 0
     for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(f, "pt") as st:
@@ -260,14 +219,11 @@ def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
 
 def resolve_model(spec: str) -> Path:
     """--model of the real-model benchmarks: a folder, or 'smollm2' / 'tiny' (made once)."""
-    if spec == "smollm2":
-        from batchgen.tools import smollm2
+    from batchgen.tools import demo_model, smollm2
 
-        return smollm2.smollm2_folder(smollm2.default_folder())
-    if spec == "tiny":
-        from batchgen.tools.demo_model import tiny_model
-
-        return tiny_model()
+    if spec in ("smollm2", "tiny"):
+        return (smollm2.smollm2_folder(smollm2.default_folder()) if spec == "smollm2"
+                else demo_model.tiny_model())
     if not (Path(spec).expanduser() / "config.json").is_file():
         raise SystemExit(f"error: --model {spec}: no config.json there")
     return Path(spec).expanduser()
@@ -276,11 +232,8 @@ def resolve_model(spec: str) -> Path:
 def load_hf_model(model_dir: str | os.PathLike, dtype: torch.dtype, device: str | torch.device
                   ) -> torch.nn.Module:
     """The folder's model through plain transformers (sdpa), in eval mode, pad id set."""
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
-                                                 attn_implementation="sdpa")
-    model = model.to(device).eval()
+                                                 attn_implementation="sdpa").to(device).eval()
     model.generation_config.pad_token_id = PAD_ID
     return model
 
@@ -296,6 +249,21 @@ def make_prompts(num_prompts: int, min_len: int, max_len: int, vocab_size: int,
 def workload_prompts(args: argparse.Namespace) -> list[list[int]]:
     return make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len,
                         args.vocab_size, args.seed)
+
+
+def workload_line(args: argparse.Namespace, prompts: Sequence[Sequence[int]], rest: str) -> str:
+    n = sum(map(len, prompts))
+    return (f"workload: {len(prompts)} prompts, lengths {args.min_prompt_len}-"
+            f"{args.max_prompt_len} (mean {n / len(prompts):.0f}, {n} prompt tokens), {rest}")
+
+
+def sentences(count: int, min_words: int, max_words: int, seed: int) -> list[str]:
+    """Seeded English-like sentences of the tiny models' corpus words."""
+    from batchgen.tools.make_tiny_model import CORPUS
+
+    words, rng = sorted(set(re.findall(r"[a-z]{2,}", CORPUS.lower()))), random.Random(seed)
+    return [" ".join(rng.choices(words, k=rng.randint(min_words, max_words))).capitalize()
+            + rng.choice(".?!.") for _ in range(count)]
 
 
 def chat_prompts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
@@ -315,11 +283,17 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def greedy(max_tokens: int, **kwargs: Any) -> Any:
+    """Greedy ``SamplingParams`` producing exactly ``max_tokens`` tokens (EOS ignored)."""
+    from batchgen import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
 # ---- systems --------------------------------------------------------------------------------
 @dataclass
 class Contender:
-    """One system, loaded and warmed up: ``run()`` runs the whole workload and returns its
-    output (or a :class:`Measured`); ``describe()`` (config, extra fields) is read after."""
+    """One system, warmed up: ``run()`` gives the whole workload's output (or a Measured)."""
 
     system: str
     run: Callable[[], Any]
@@ -351,8 +325,7 @@ def bg_tokens(llm: Any, prompts: Sequence[Sequence[int]], params: Any) -> list[l
 def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int], Any],
                        n_tokens: int, describe: Callable[[], tuple[str, dict[str, Any]]]
                        | None = None, system: str = "batchgen") -> Contender:
-    """``llm.generate`` on the workload with ``params(max_tokens)``, warmed up; its output:
-    token rows, n per prompt; described by default by :func:`kv_describe`."""
+    """``llm.generate`` with ``params(max_tokens)``, warmed up; output: token rows, n per prompt."""
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         return bg_tokens(llm, ps, params(k))
 
@@ -361,33 +334,40 @@ def batchgen_contender(llm: Any, prompts: list[list[int]], params: Callable[[int
                      describe or (lambda: kv_describe(llm)))
 
 
+def fresh_contender(system: str, model_dir: Path, llm_kwargs: dict[str, Any],
+                    go: Callable[[Any], Any], config: str) -> Contender:
+    """A fresh ``LLM`` per run (empty prefix cache; start-up timed); output: ``go(llm)``."""
+    from batchgen import LLM
+
+    last: list[Any] = []
+
+    def run() -> Any:
+        last[:] = [LLM(str(model_dir), **llm_kwargs)]
+        return go(last[0])
+
+    return Contender(system, run, lambda: (config, kv_describe(last[0])[1]))
+
+
 def kv_describe(llm: Any) -> tuple[str, dict[str, Any]]:
-    """batchgen's config string and extra fields: its KV figures of the last call."""
+    """batchgen's config string and extra fields: the KV figures of its last call."""
     st = llm.kv_stats()
     return (f"block {st.block_size}, peak {st.peak_blocks_in_use}/{st.num_blocks} blocks, "
             f"{st.preemptions} preempt"), {
-        "kv_num_blocks": st.num_blocks, "kv_block_size": st.block_size,
-        "kv_peak_blocks": st.peak_blocks_in_use,
-        "kv_peak_tokens": st.peak_blocks_in_use * st.block_size, "preemptions": st.preemptions,
-        "cow_copies": st.cow_copies, "prefix_hit_tokens": st.prefix_hit_tokens,
-        "prompt_tokens_computed": st.prompt_tokens_computed, **engine_facts(llm)}
+        **asdict(st), "peak_tokens": st.peak_blocks_in_use * st.block_size, **engine_facts(llm)}
 
 
 def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size: int,
                     n_tokens: int, device: str, rows_per_prompt: int = 1, **gen_kwargs: Any
                     ) -> list[list[int]]:
-    """HF generate over the prompts in input order, ``batch_size`` per left-padded call; the
-    new tokens of every row (``rows_per_prompt`` per prompt), ``n_tokens`` each (asserted)."""
+    """HF generate in left-padded batches; every row's ``n_tokens`` new tokens (asserted)."""
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start:start + batch_size]
-        ids, mask = left_pad(chunk, device)
-        seqs = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
-                              min_new_tokens=n_tokens, pad_token_id=PAD_ID, **gen_kwargs)
-        new = seqs[:, ids.shape[1]:]
-        assert new.shape == (len(chunk) * rows_per_prompt, n_tokens), (
-            f"HF generate returned {tuple(new.shape)} new tokens, expected "
-            f"{(len(chunk) * rows_per_prompt, n_tokens)}")
+        ids, mask = left_pad(prompts[start:start + batch_size], device)
+        new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_tokens,
+                             min_new_tokens=n_tokens, pad_token_id=PAD_ID,
+                             **gen_kwargs)[:, ids.shape[1]:]
+        want = (len(ids) * rows_per_prompt, n_tokens)
+        assert new.shape == want, f"HF generate: {tuple(new.shape)} new tokens, not {want}"
         out.extend(new.tolist())
     return out
 
@@ -395,21 +375,16 @@ def hf_generate_all(model: torch.nn.Module, prompts: list[list[int]], batch_size
 def left_pad(prompts: Sequence[Sequence[int]], device: str | torch.device = "cpu"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``input_ids`` and the matching ``attention_mask`` (0 on padding)."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        if p:
-            ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-            mask[i, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
+    width = max(map(len, prompts))
+    ids = [[PAD_ID] * (width - len(p)) + list(p) for p in prompts]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompts]
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argparse.Namespace,
                   n_tokens: int, label: str = "", rows_per_prompt: int = 1, width: int = 1,
                   **gen_kwargs: Any) -> list[Contender]:
-    """HF generate at each of --hf-batch-sizes, warmed up, every run seeded with --seed:
-    ``width`` rows per prompt decode (n samples, W beams), ``rows_per_prompt`` come back."""
+    """HF generate at each of --hf-batch-sizes, warmed up, seeded; ``width`` rows per prompt."""
     def go(ps: list[list[int]], k: int, bs: int) -> list[list[int]]:
         torch.manual_seed(args.seed)
         return hf_generate_all(model, ps, bs, k, args.device, rows_per_prompt, **gen_kwargs)
@@ -426,18 +401,14 @@ def hf_contenders(model: torch.nn.Module, prompts: list[list[int]], args: argpar
 
 def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: argparse.Namespace,
                              n_tokens: int, n: int = 1, **gen_kwargs: Any) -> Contender:
-    """transformers' continuous batching (``generate_batch``, sdpa), warmed up. EOS disabled
-    (``eos_token_id=None`` becomes -1; its CB logits processors have no ``min_new_tokens``); a
-    cache for every row at once without sharing, plus a page each (its default would claim
-    60% of RAM on CPU); batchgen's token budget and request cap; the manager kept from the
-    warm-up on (allocation untimed). ``n`` > 1: ``num_return_sequences``, native in
-    transformers 5 (prefill once, fork)."""
-    from transformers import GenerationConfig
+    """transformers' ``generate_batch``, warmed up: EOS off (no ``min_new_tokens`` in its CB),
+    a cache for every row at once (its default takes 60% of RAM on CPU), batchgen's limits;
+    ``n`` > 1: ``num_return_sequences``, native (prefill once, fork)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     model = load_hf_model(model_dir, DTYPES[args.dtype], args.device)
     page = args.gb_page_size
-    cb_config = ContinuousBatchingConfig(
+    cb = ContinuousBatchingConfig(
         page_size=page, max_batch_tokens=args.max_num_batched_tokens,
         num_blocks=sum(n * (math.ceil((len(p) + n_tokens) / page) + 1) for p in prompts),
         max_requests_per_batch=args.max_num_seqs, seed=args.seed)
@@ -446,26 +417,18 @@ def generate_batch_contender(model_dir: Path, prompts: list[list[int]], args: ar
 
     def go(ps: list[list[int]], k: int) -> list[list[int]]:
         results = model.generate_batch(inputs=ps, generation_config=gen_config,
-                                       continuous_batching_config=cb_config,
-                                       max_new_tokens=k, persistent_manager=True)
+                                       continuous_batching_config=cb, max_new_tokens=k,
+                                       persistent_manager=True)
         assert len(results) == len(ps) * n, f"generate_batch: {len(results)} of {len(ps)} x {n}"
         bad = [rid for rid, r in results.items() if r.error is not None]
         assert not bad, f"generate_batch failed requests {bad}"
         return [list(r.generated_tokens) for r in results.values()]
 
-    def describe() -> tuple[str, dict[str, Any]]:
-        manager = getattr(model, "_cached_continuous_batching_manager", None)
-        cb = getattr(manager, "continuous_batching_config", cb_config)
-        fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
-        return f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok" \
-               f"{fork}", {"page_size": page, "num_blocks": cb.num_blocks,
-                           "max_batch_tokens": cb.max_batch_tokens, "num_return_sequences": n,
-                           "max_requests_per_batch": cb.max_requests_per_batch,
-                           "allow_block_sharing": cb.allow_block_sharing,
-                           "attn_implementation": model.config._attn_implementation}
-
+    fork = f", num_return_sequences={n} (native fork)" if n > 1 else ""
+    config = f"sdpa, page {page}, {cb.num_blocks} blocks, {cb.max_batch_tokens} batch tok{fork}"
     warm_up(go, prompts, n_tokens)
-    return Contender("HF generate_batch", lambda: go(prompts, n_tokens), describe,
+    return Contender("HF generate_batch", lambda: go(prompts, n_tokens),
+                     lambda: (config, {"page_size": page, "num_blocks": cb.num_blocks}),
                      close=model.destroy_cached_continuous_batching_manager)
 
 
@@ -487,13 +450,9 @@ def timed(fn: Callable[[], Any], device: str | torch.device = "cpu") -> tuple[An
 
 
 def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
-                        device: str | torch.device = "cpu",
-                        on_round: Callable[[int], None] | None = None
-                        ) -> list[tuple[Any, list[float]]]:
-    """Time every contender ``repeats`` times in rounds (A B C, A B C, ...), not all of A's runs
-    first: on a shared machine whose load drifts, every system then samples the same quiet and
-    busy spells, and ``min`` compares like with like. Per contender: its first result and all
-    its wall times."""
+                        device: str | torch.device = "cpu") -> list[tuple[Any, list[float]]]:
+    """Every contender ``repeats`` times in rounds (A B C, A B C...): on a machine whose load
+    drifts, each samples the same spells. Per contender: first result, all wall times."""
     out: list[tuple[Any, list[float]]] = [(None, []) for _ in contenders]
     for r in range(max(1, repeats)):
         for i, c in enumerate(contenders):
@@ -501,27 +460,24 @@ def interleaved_repeats(contenders: Sequence[Contender], repeats: int,
             if isinstance(res, Measured):
                 res, wall = res.value, res.wall_s
             out[i] = (res if r == 0 else out[i][0], out[i][1] + [wall])
-        if on_round is not None:
-            on_round(r)
     return out
 
 
 def run_contenders(contenders: Sequence[Contender], args: argparse.Namespace,
-                   prompt_tokens: int, count: Callable[[Any], int] | None = None
-                   ) -> list[tuple[Result, Any]]:
-    """:func:`interleaved_repeats` over --repeats rounds, then close the contenders; per
-    contender its :class:`Result` (fastest run; all in ``extra["wall_s_all"]``) and first
-    output (token rows, whose total length ``count`` defaults to)."""
+                   prompt_tokens: int, count: Callable[[Any], int] | None = None,
+                   expect: tuple[int, int] | None = None) -> list[tuple["Result", Any]]:
+    """Interleaved rounds, contenders closed; per contender its Result (fastest run) and first
+    output (token rows; ``expect``: their count and length, asserted)."""
     try:
-        timings = interleaved_repeats(
-            contenders, args.repeats, getattr(args, "device", "cpu"),
-            on_round=lambda r: print(f"  round {r + 1}/{args.repeats} done", flush=True))
+        timings = interleaved_repeats(contenders, args.repeats, getattr(args, "device", "cpu"))
     finally:
         for c in contenders:
             c.close()
     out = []
     for c, (value, walls) in zip(contenders, timings):
         config, extra = c.describe()
+        if expect is not None:
+            check_lengths(f"{c.system} ({config})", value, *expect)
         tokens = count(value) if count else sum(map(len, value))
         out.append((Result(c.system, config, min(walls), tokens, prompt_tokens,
                            {**extra, "wall_s_all": walls}), value))
@@ -577,11 +533,10 @@ class Result:
                 "total_tok_s": total / self.wall_s if self.wall_s > 0 else float("inf")}
 
 
-def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
-    """batchgen (the first result) against the HF baselines of one workload: the results'
-    labels (the fastest of several HF generate batch sizes marked "(best)") and the summary
-    (batchgen's output tok/s over the best HF generate's and over generate_batch's)."""
-    bg = results[0]
+def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any], str]:
+    """batchgen (first) against the HF baselines: labels (the best HF batch size marked), the
+    summary and its line (batchgen's tok/s over the best HF generate's and generate_batch's)."""
+    bg, parts = results[0], []
     hf = [r for r in results if r.system == "HF generate"]
     best = max(hf, key=lambda r: r.output_tok_s) if hf else None
     gb = next((r for r in results if r.system == "HF generate_batch"), None)
@@ -590,22 +545,15 @@ def versus(results: Sequence[Result]) -> tuple[list[str], dict[str, Any]]:
         summary.update(batchgen_over_hf_generate=bg.output_tok_s / best.output_tok_s,
                        hf_generate_best_batch_size=best.extra["batch_size"],
                        hf_generate_output_tok_s=best.output_tok_s)
+        parts.append(f"batchgen / HF generate (best, batch {best.extra['batch_size']}): "
+                     f"{summary['batchgen_over_hf_generate']:.2f}x")
     if gb is not None:
         summary.update(batchgen_over_generate_batch=bg.output_tok_s / gb.output_tok_s,
                        generate_batch_output_tok_s=gb.output_tok_s)
-    return [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results], summary
-
-
-def versus_line(summary: dict[str, Any]) -> str:
-    parts = []
-    if "batchgen_over_hf_generate" in summary:
-        parts.append(f"batchgen / HF generate (best, batch "
-                     f"{summary['hf_generate_best_batch_size']}): "
-                     f"{summary['batchgen_over_hf_generate']:.2f}x")
-    if "batchgen_over_generate_batch" in summary:
         parts.append(f"batchgen / HF generate_batch: "
                      f"{summary['batchgen_over_generate_batch']:.2f}x")
-    return ", ".join(parts)
+    labels = [r.system + (" (best)" if r is best and len(hf) > 1 else "") for r in results]
+    return labels, summary, ", ".join(parts)
 
 
 def wall_head(repeats: int) -> str:
@@ -613,17 +561,11 @@ def wall_head(repeats: int) -> str:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured markdown table; numeric columns right-aligned."""
-    def number(s: str) -> bool:
-        try:
-            float(s.rstrip("x%").replace(",", ""))
-        except ValueError:
-            return False
-        return True
-
+    """A GitHub-flavoured markdown table, numeric columns right-aligned."""
     cells = [[str(c) for c in r] for r in rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    numeric = [bool(cells) and all(number(r[i]) for r in cells) for i in range(len(headers))]
+    numeric = [bool(cells) and all(re.fullmatch(r"[-+]?[\d,]*\.?\d+(e[-+]?\d+)?[x%]?", r[i])
+                                   for r in cells) for i in range(len(headers))]
 
     def line(vals: Sequence[str]) -> str:
         out = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)]
@@ -632,6 +574,10 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     sep = "|" + "|".join(("-" * (w + 1) + ":") if num else ("-" * (w + 2))
                          for w, num in zip(widths, numeric)) + "|"
     return "\n".join([line(headers), sep, *(line(r) for r in cells)])
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    print("\n" + markdown_table(headers, rows), flush=True)
 
 
 def fmt_ratio(num: float, den: float) -> str:
@@ -652,9 +598,7 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 class Child:
-    """A child process, its output in ``log`` (or pipes), timed from launch to exit and reaped
-    with ``os.wait4`` (its own peak RSS and CPU time). ``own_group``: in a process group of its
-    own, which a kill takes down with it."""
+    """A child process timed launch to exit and reaped by ``os.wait4`` (peak RSS, CPU time)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None,
                  stdin: Any = subprocess.DEVNULL, stdout: Any = None,
@@ -666,45 +610,35 @@ class Child:
                                      stdout=stdout or self._log, stderr=self._log,
                                      start_new_session=own_group)
         self.wall_s: float | None = None
-        self.maxrss_kib: int | None = None
-        self.cpu_s: float | None = None  # wall >> cpu / threads: machine load
+        self.maxrss_kib = self.cpu_s = None  # KiB; user + system seconds
 
-    def poll(self) -> bool:
-        """Whether the child has exited (reaped if so); does not block."""
+    def poll(self, block: bool = False) -> bool:
+        """Whether the child has exited (reaped if so: its wall time, peak RSS, CPU time)."""
         if self.wall_s is None:
-            pid, status, usage = os.wait4(self.proc.pid, os.WNOHANG)
+            pid, status, usage = os.wait4(self.proc.pid, 0 if block else os.WNOHANG)
             if pid:
-                self._reaped(status, usage)
+                self.wall_s = time.perf_counter() - self.t0
+                self.maxrss_kib, self.cpu_s = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
+                self.proc.returncode = os.waitstatus_to_exitcode(status)
+                if self._log is not None:
+                    self._log.close()
         return self.wall_s is not None
 
-    def wait(self, timeout: float | None = None) -> int:
+    def wait(self, timeout: float) -> int:
         """Its exit status, once exited; killed after ``timeout`` seconds."""
-        if self.wall_s is None:
-            timer = threading.Timer(timeout, self.kill) if timeout is not None else None
-            if timer is not None:
-                timer.start()
-            try:
-                _, status, usage = os.wait4(self.proc.pid, 0)
-                self._reaped(status, usage)
-            finally:
-                if timer is not None:
-                    timer.cancel()
+        timer = threading.Timer(timeout, self.kill)
+        timer.start()
+        try:
+            self.poll(block=True)
+        finally:
+            timer.cancel()
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL (its group with ``own_group``) unless reaped (not Popen.kill, whose poll()
-        would reap the child behind os.wait4's back)."""
+        """SIGKILL unless reaped (not Popen.kill, whose poll() would reap behind os.wait4)."""
         if self.wall_s is None:
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if self.own_group else os.kill)(self.proc.pid, signal.SIGKILL)
-
-    def _reaped(self, status: int, usage: Any) -> None:
-        self.wall_s = time.perf_counter() - self.t0
-        self.maxrss_kib = usage.ru_maxrss  # KiB on Linux
-        self.cpu_s = usage.ru_utime + usage.ru_stime
-        self.proc.returncode = os.waitstatus_to_exitcode(status)
-        if self._log is not None:
-            self._log.close()
 
     @property
     def output(self) -> str:
@@ -718,11 +652,12 @@ class Child:
         first = f"; first error: {cause.strip()}" if cause else ""
         return f"{first}; last lines of {self.log}:\n  " + "\n  ".join(text[-lines:])
 
-    def check(self) -> None:
-        """RuntimeError (with the log's tail) unless it exited with status 0."""
-        if self.wait() != 0:
+    def check(self, timeout: float) -> str:
+        """Its output once it exited with 0 (killed after ``timeout``), else RuntimeError."""
+        if self.wait(timeout) != 0:
             raise RuntimeError(f"{' '.join(self.argv)} exited with {self.proc.returncode}"
                                f"{self.log_tail(40)}")
+        return self.output
 
 
 # ---- engine internals: the only reads past batchgen's public API, one function each ---------
@@ -734,23 +669,19 @@ def engine_facts(llm: Any) -> dict[str, Any]:
             "cuda_graphs": getattr(engine_runner(llm), "graphs", None) is not None}
 
 
-def engine_runner(llm: Any) -> Any:
-    """The model runner; ``execute(rows)`` runs one step's forward (tensor_parallel wraps it)."""
+def engine_runner(llm: Any) -> Any:  # its execute(rows) runs one step's forward
     return llm.engine.runner
 
 
-def step_is_decode(rows: Any) -> bool:
-    """Whether a step's rows (``execute``'s argument) are one new token each."""
+def step_is_decode(rows: Any) -> bool:  # execute's rows: one new token each
     return len(rows.token_ids) == rows.num_rows
 
 
-def engine_model(llm: Any) -> torch.nn.Module:
-    """The transformers module batchgen runs (host_overhead hooks its forward)."""
+def engine_model(llm: Any) -> torch.nn.Module:  # the transformers module batchgen runs
     return llm.model
 
 
-def kv_bytes_per_token(llm: Any) -> int:
-    """KV-cache bytes per token (all layers, K and V)."""
+def kv_bytes_per_token(llm: Any) -> int:  # all layers, K and V
     return llm.cache_config.bytes_per_token
 
 
@@ -763,8 +694,7 @@ def request_peak_blocks(prompt_len: int, width: int, max_tokens: int, block_size
 
 def grammar_timers(llm: Any) -> tuple[float, int]:
     """Structured outputs: seconds spent filling and applying token bitmasks, and steps."""
-    grammars = llm.requests.grammars
-    return grammars.mask_seconds, grammars.mask_steps
+    return llm.requests.grammars.mask_seconds, llm.requests.grammars.mask_steps
 
 
 def tp_group_class() -> Any:

@@ -1,510 +1,296 @@
 """Dataset jobs: `batchgen generate` (the CLI, Parquet shards) vs `LLM.generate` on the same rows.
 
-Issue 11's bars, on the benchmarks' random Llama with the tiny BPE tokenizer and
-``--eos-boost``, over a JSONL of English-like sentences (``prompt``) and a ``topic`` column:
-
-1. **Throughput**: ``python -m batchgen generate --n N --max-tokens T`` over ``--rows`` rows vs a
-   minimal script (load ``LLM``, read the JSONL, one ``llm.generate`` with the same per-row
-   seeded params, model and engine flags; both processes' KV-pool and backend log lines checked
-   equal). Fresh processes, interleaved (CLI, script, timed CLI; again), best of ``--repeats``:
-   (a) generation phase: the CLI's ``generate_dataset`` call timed in a wrapper around
-   ``batchgen.cli.main`` ("timed CLI"; the CLI's own 0.1 s summary alongside) vs the script's
-   ``llm.generate``; (b) whole process, launch to exit (a fresh ``datasets`` cache each). Every
-   CLI run's shards must hold the script's tokens row by row and sample by sample, else exit 1.
-2. **Time to first shard**: launch until ``part-00000.parquet`` appears (polled every 50 ms).
-   Bar: < 10 s.
-3. **Peak RSS** over each of ``--rss-rows`` rows (n=1, ``--rss-max-tokens``), a fresh process
-   each: ``ru_maxrss`` from ``os.wait4``, and up to the end of ``generate_dataset``. Bar: the
-   largest row count's peak < 2x the smallest's.
+Issue 11's bars (throughput, time to the first shard, peak RSS over ``--rss-rows``) on the
+random Llama with the tiny tokenizer, in fresh processes: the CLI, a minimal ``llm.generate``
+script and the CLI with its ``generate_dataset`` call timed, interleaved. Every CLI run's shards
+must hold the script's tokens row by row (else exit 1), every engine set-up the same.
 
     PYTHONPATH=. python benchmarks/dataset.py --json /tmp/dataset_bench.json
-    PYTHONPATH=. python benchmarks/dataset.py --rows 200 --rss-rows 100,1000 --repeats 1
-    PYTHONPATH=. python benchmarks/dataset.py --skip-rss --profile /tmp/cli.prof
 """
 
-from __future__ import annotations
-
-import io
 import json
 import random
 import re
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common as h
 
-from benchmarks import common as h  # noqa: E402
-
-POLL_S = 0.05
-FIRST_SHARD = "part-00000.parquet"
-FIRST_SHARD_BAR_S = 10.0
-RSS_BAR = 2.0
-GEN_SLOWDOWN_TOLERANCE = 0.10  # the CLI may be this much slower than LLM.generate
+FIRST_SHARD, FIRST_SHARD_BAR_S, RSS_BAR = "part-00000.parquet", 10.0, 2.0
+GEN_TOLERANCE = 0.10  # the CLI's generation phase may be this much slower than LLM.generate
+EOS_BOOST, TIMEOUT_S = 0.06, 3600.0  # EOS ends some samples early; any one child's limit
+TOPICS = ["travel", "history", "science", "cooking", "sports", "music", "nature", "letters"]
 SUMMARY = re.compile(r"batchgen: (\d+) rows, (\d+) samples, (\d+) output tokens in .* "
                      r"\(([\d.]+) s this run\)")
+RESULT = "\nbenchmark result: "  # a child's last line: its figures as JSON
 
-# The user's side of the comparison: load, read the JSONL, one llm.generate call, exit.
-MINIMAL_SCRIPT = '''\
-import json, sys, time
-from batchgen import LLM, SamplingParams
-from batchgen.data.rows import row_params
 
-cfg = json.loads(sys.argv[1])
-llm = LLM(cfg["model"], **cfg["llm"])
-with open(cfg["input"]) as f:
-    rows = [json.loads(line) for line in f]
-params = SamplingParams(**cfg["params"])
-per_row = [row_params(params, cfg["seed"], i) for i in range(len(rows))]
-t0 = time.perf_counter()
-outs = llm.generate([r[cfg["column"]] for r in rows], per_row, use_tqdm=False)
-gen_s = time.perf_counter() - t0
-result = {"gen_s": gen_s, "rows": len(outs),
-          "samples": sum(len(o.outputs) for o in outs),
-          "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
-          "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
-if cfg["dump"]:
-    result["token_ids"] = [[list(c.token_ids) for c in o.outputs] for o in outs]
-with open(cfg["result"], "w") as f:
-    json.dump(result, f)
-'''
+# ---- the children: this file with --child KIND CFG [CLI ARGS] ------------------------------
+def child_minimal(cfg: dict) -> dict:
+    """What a user would write: load, read the JSONL, one llm.generate call (timed), exit."""
+    from batchgen import LLM, SamplingParams
+    from batchgen.data.rows import row_params
 
-# `batchgen.cli.main` with its generate_dataset call timed (and optionally profiled); also the
-# peak RSS up to the end of that call.
-TIMED_CLI_SCRIPT = '''\
-import json, resource, sys, time
-import batchgen.data.runner as runner
-import batchgen.cli.generate as cli_generate
-from batchgen.cli import main
-
-cfg = json.loads(sys.argv[1])
-inner = runner.generate_dataset
-timing = {"calls": 0}
-
-def timed_generate_dataset(*args, **kwargs):
-    profiler = None
-    if cfg["profile"]:
-        import cProfile
-        profiler = cProfile.Profile()
-        profiler.enable()
+    llm = LLM(cfg["model"], **cfg["llm"])
+    with open(cfg["input"]) as f:
+        rows = [json.loads(line) for line in f]
+    params = SamplingParams(**cfg["params"])
+    per_row = [row_params(params, cfg["seed"], i) for i in range(len(rows))]
     t0 = time.perf_counter()
-    try:
-        return inner(*args, **kwargs)
-    finally:
-        timing["gen_s"] = time.perf_counter() - t0
-        timing["calls"] += 1
-        timing["rss_after_gen_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        if profiler is not None:
-            profiler.disable()
-            profiler.dump_stats(cfg["profile"])
-
-runner.generate_dataset = timed_generate_dataset
-if hasattr(cli_generate, "generate_dataset"):  # in case the CLI imports it at module level
-    cli_generate.generate_dataset = timed_generate_dataset
-rc = main(sys.argv[2:])
-with open(cfg["result"], "w") as f:
-    json.dump(timing, f)
-sys.exit(rc)
-'''
-
-WORDS = """the of and a to in is was that for it with as his on be at by this had not are but from
-or have an they which one you were her all she there would their we him been has when who will
-more no if out so said what up its about into than them can only other new some could time
-these two may then do first any my now such like our over man me even most made after also did
-many before must through back years where much your way well down should because each just
-those people how too little state good very make world still own see men work long get here
-between both life being under never day same another know while last might us great old year
-off come since against go came right used take three river garden morning letter window
-village forest mountain water light house city road children story music evening question
-answer small large early late quiet bright cold warm green blue red white black simple strange
-happy careful quick slow ancient modern open close walk read write sing build carry remember
-follow begin""".split()
-TOPICS = ["travel", "history", "science", "cooking", "sports", "music", "nature", "letters"]
+    outs = llm.generate([r["prompt"] for r in rows], per_row, use_tqdm=False)
+    result = {"gen_s": time.perf_counter() - t0, "samples": sum(len(o.outputs) for o in outs),
+              "output_tokens": sum(len(c.token_ids) for o in outs for c in o.outputs),
+              "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs)}
+    if cfg["dump"]:
+        result["token_ids"] = [[list(c.token_ids) for c in o.outputs] for o in outs]
+    return result
 
 
-def parse_args(argv: list[str] | None = None) -> Any:
-    p = h.parser(__doc__)
-    h.add_model_args(p)
-    p.add_argument("--eos-boost", type=float, default=0.06,
-                   help="make_tiny_model's eos_boost: EOS ends some samples early")
-    h.add_run_args(p, repeats=3, verbose=True)
-    w = p.add_argument_group("workload (part 1: throughput, part 2: first shard)")
-    w.add_argument("--rows", type=int, default=2000, help="rows of the JSONL input")
-    w.add_argument("--n", type=int, default=4, help="samples per row")
-    w.add_argument("--max-tokens", type=int, default=16)
-    w.add_argument("--temperature", type=float, default=1.0)
-    w.add_argument("--min-words", type=int, default=4, help="words per prompt, at least")
-    w.add_argument("--max-words", type=int, default=16, help="words per prompt, at most")
-    w.add_argument("--seed", type=int, default=0,
-                   help="seeds the weights, the prompts and the job (row seeds derive from it)")
-    w.add_argument("--rows-per-shard", type=int, default=None,
-                   help="pass --rows-per-shard to the CLI (default: the CLI's own, 256)")
-    h.add_engine_args(p, max_num_batched_tokens=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    r = p.add_argument_group("part 3: peak RSS")
-    r.add_argument("--rss-rows", default="1000,100000",
-                   help="comma-separated row counts, one fresh CLI process each; the bar "
-                        "compares the largest with the smallest")
-    r.add_argument("--rss-n", type=int, default=1)
-    r.add_argument("--rss-max-tokens", type=int, default=4)
-    r.add_argument("--skip-rss", action="store_true")
-    o = p.add_argument_group("other")
-    o.add_argument("--profile", type=Path, default=None, metavar="PATH",
-                   help="after the timed runs, one more timed-CLI run with cProfile around "
-                        "generate_dataset; stats to PATH, top functions printed")
-    o.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds any one child process may run")
-    args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "min_words", "rss_n",
-                        "rss_max_tokens", "rows_per_shard")
-    if args.min_words > args.max_words:
-        p.error("need --min-words <= --max-words")
-    if args.device != "cpu":
-        print("note: this benchmark was written for CPU; the figures on "
-              f"{args.device} also include the device's own start-up", file=sys.stderr)
-    args.rss_rows = h.parse_int_list(p, args.rss_rows, "--rss-rows")
-    return args
+def child_timed_cli(argv: list[str]) -> dict:
+    """``batchgen.cli.main(argv)``, its generate_dataset timed, peak RSS up to its end."""
+    import resource
+
+    import batchgen.data.runner as runner
+    from batchgen.cli import main
+
+    inner, timing = runner.generate_dataset, {"calls": 0}
+
+    def timed_generate_dataset(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            timing.update(gen_s=time.perf_counter() - t0, calls=timing["calls"] + 1,
+                          rss_after_gen_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+    runner.generate_dataset = timed_generate_dataset
+    if main(argv) != 0 or timing["calls"] != 1:
+        raise SystemExit("the CLI failed or did not go through batchgen.data.runner."
+                         "generate_dataset (update child_timed_cli)")
+    return timing
 
 
-def write_jsonl(path: Path, rows: int, args: Any, seed: int) -> None:
-    """``rows`` lines of {"prompt": an English-like sentence, "topic": a word}; seeded."""
-    rng = random.Random(seed)
-    with open(path, "w") as f:
-        for _ in range(rows):
-            words = [rng.choice(WORDS) for _ in range(rng.randint(args.min_words, args.max_words))]
-            text = " ".join(words).capitalize() + rng.choice([".", ".", ".", "?", "!"])
-            f.write(json.dumps({"prompt": text, "topic": rng.choice(TOPICS)}) + "\n")
+# ---- the parent -----------------------------------------------------------------------------
+def launch(args, root: Path, name: str, argv: list[str]) -> h.Child:
+    """A fresh process: offline, its own datasets cache, the torch threads of --threads."""
+    env = {"HF_DATASETS_CACHE": str(root / f"hf-datasets-{name}")}
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return h.Child([sys.executable, *argv], h.child_env(**env), root / f"{name}.log")
 
 
-class Runner:
-    """Launches the three kinds of children with the same model, input and engine flags."""
-
-    def __init__(self, args: Any, root: Path, model: Path) -> None:
-        self.args, self.root, self.model, self.count = args, root, model, 0
-        (root / "logs").mkdir()
-        (root / "minimal_generate.py").write_text(MINIMAL_SCRIPT)
-        (root / "timed_cli.py").write_text(TIMED_CLI_SCRIPT)
-
-    def child(self, argv: list[str], name: str) -> h.Child:
-        """A fresh process: offline, its own datasets cache, the torch threads of --threads."""
-        self.count += 1
-        env = {"HF_DATASETS_CACHE": str(self.root / f"hf-datasets-{self.count}")}
-        if self.args.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.args.threads)
-        return h.Child(argv, h.child_env(**env), self.root / "logs" / f"{name}.log")
-
-    def finish(self, child: h.Child) -> str:
-        """Wait for the child (killed after --timeout), check it; its output."""
-        child.wait(self.args.timeout)
-        if self.args.verbose:
-            print(f"  [{' '.join(child.argv[:3])} output]\n{child.output.rstrip()}", flush=True)
-        child.check()
-        return child.output
-
-    def drop_caches(self) -> None:
-        for d in self.root.glob("hf-datasets-*"):
-            shutil.rmtree(d, ignore_errors=True)
-
-    def cli_argv(self, data: Path, out: Path, n: int, max_tokens: int) -> list[str]:
-        a = self.args
-        argv = ["generate", "--model", str(self.model), "--input", str(data), "--n", str(n),
-                "--max-tokens", str(max_tokens), "--temperature", repr(a.temperature),
-                "--output", str(out), "--quiet", "--block-size", str(a.block_size),
-                "--max-num-seqs", str(a.max_num_seqs), "--dtype", a.dtype, "--device", a.device,
-                "--seed", str(a.seed)]
-        for flag in ("max_num_batched_tokens", "num_kv_blocks", "rows_per_shard"):
-            if getattr(a, flag) is not None:
-                argv += [f"--{flag.replace('_', '-')}", str(getattr(a, flag))]
-        return argv + ["--no-prefix-caching"] * a.no_prefix_caching
-
-    def launch_cli(self, data: Path, out: Path, name: str) -> h.Child:
-        """The real thing: ``python -m batchgen generate ...``."""
-        return self.child([sys.executable, "-m", "batchgen", *self.cli_argv(
-            data, out, self.args.n, self.args.max_tokens)], name)
-
-    def timed_cli(self, data: Path, out: Path, name: str, n: int, max_tokens: int,
-                  profile: Path | None = None) -> tuple[h.Child, str, dict[str, Any]]:
-        """The timed CLI, run to its end: its process, output and the figures it wrote."""
-        result = self.root / f"{name}.json"
-        cfg = {"result": str(result), "profile": None if profile is None else str(profile)}
-        child = self.child([sys.executable, str(self.root / "timed_cli.py"), json.dumps(cfg),
-                            *self.cli_argv(data, out, n, max_tokens)], name)
-        return child, self.finish(child), json.loads(result.read_text())
-
-    def minimal(self, data: Path, name: str, dump: bool) -> tuple[h.Child, str, dict[str, Any]]:
-        """The LLM.generate script (what the CLI passes to LLM(...) for its flags), run."""
-        a, result = self.args, self.root / f"{name}.json"
-        cfg = {"model": str(self.model), "input": str(data), "column": "prompt", "seed": a.seed,
-               "dump": dump, "result": str(result), "llm": h.engine_kwargs(
-                   a, enable_prefix_caching=not a.no_prefix_caching),
-               "params": {"n": a.n, "temperature": a.temperature, "max_tokens": a.max_tokens,
-                          "seed": a.seed}}
-        child = self.child([sys.executable, str(self.root / "minimal_generate.py"),
-                            json.dumps(cfg)], name)
-        return child, self.finish(child), json.loads(result.read_text())
+def cli_argv(args, data: Path, out: Path, n: int, max_tokens: int) -> list[str]:
+    flags = {"model": args.model, "input": data, "n": n, "max-tokens": max_tokens,
+             "temperature": 1.0, "output": out, **{k.replace("_", "-"): v for k, v in
+                                                   h.engine_kwargs(args).items()}}
+    return ["generate", "--quiet"] + [x for k, v in flags.items() if v is not None
+                                      for x in (f"--{k}", str(v))]
 
 
-def parse_summary(output: str) -> dict[str, Any]:
-    m = SUMMARY.search(output)
-    if m is None:
-        raise RuntimeError(f"no summary line in the CLI's output:\n{output[-2000:]}")
-    rows, samples, tokens, secs = m.groups()
-    return {"rows": int(rows), "samples": int(samples), "output_tokens": int(tokens),
-            "gen_s": float(secs)}
+def run_child(args, root: Path, name: str, kind: str, argv: list[str]) -> dict:
+    """This file as a ``kind`` child, run to its end: its figures, process and log facts."""
+    child = launch(args, root, name, [__file__, "--child", kind, *argv])
+    output = child.check(TIMEOUT_S)
+    figures = json.loads(output.rsplit(RESULT, 1)[1].split("\n", 1)[0])
+    return {**figures, "process_s": child.wall_s, "cpu_s": child.cpu_s,
+            "maxrss_kib": child.maxrss_kib, **facts(output, cli=kind != "minimal")}
 
 
-def engine_lines(output: str) -> list[str]:
-    """The engine's set-up log lines (KV pool, attention backend): equal for a fair race."""
-    return [ln.strip() for ln in output.splitlines()
-            if "KV cache:" in ln or "attention backend:" in ln]
-
-
-def compare(label: str, out: Path, want: list[list[list[int]]], topics: list[str]
-            ) -> dict[str, Any]:
-    """Row-by-row comparison of a CLI run's shards with LLM.generate's tokens."""
-    import pyarrow.parquet as pq
-
-    got: dict[int, dict[str, Any]] = {}
-    for f in sorted(out.glob("part-*.parquet")):
-        t = pq.read_table(f, columns=["row_id", "topic", "num_prompt_tokens", "outputs"])
-        for rid, topic, npt, outs in zip(*(t.column(c).to_pylist() for c in t.column_names)):
-            assert rid not in got, f"{out}: row {rid} is in two shards"
-            got[rid] = {"topic": topic, "num_prompt_tokens": npt, "tokens": [
-                s["token_ids"] for s in sorted(outs, key=lambda s: s["index"])]}
-    missing = sorted(set(range(len(want))) - set(got))
-    extra = sorted(set(got) - set(range(len(want))))
-    differ = [i for i in range(len(want)) if i in got and got[i]["tokens"] != want[i]]
-    bad_topic = [i for i in range(len(want)) if i in got and got[i]["topic"] != topics[i]]
-    res = {"run": label, "rows_checked": len(want), "identical_rows": len(want) - len(missing)
-           - len(differ), "missing_rows": missing[:20], "extra_rows": extra[:20],
-           "differing_rows": differ[:20], "num_differing_rows": len(differ),
-           "extra_column_mismatch": bad_topic[:20],
-           "output_tokens": sum(len(s) for r in got.values() for s in r["tokens"]),
-           "prompt_tokens": sum(r["num_prompt_tokens"] for r in got.values()),
-           "ok": not (missing or extra or differ or bad_topic)}
-    if differ:
-        i = differ[0]
-        res["first_difference"] = {"row": i, "cli": got[i]["tokens"], "llm_generate": want[i]}
-    shutil.rmtree(out)
-    return res
-
-
-# ---- the three parts ------------------------------------------------------------------------
-def run_throughput(args: Any, runner: Runner, data: Path
-                   ) -> tuple[dict[str, list[dict[str, Any]]], list[dict[str, Any]]]:
-    """Parts 1 and 2: interleaved rounds of CLI / minimal script / timed CLI, fresh processes."""
-    topics = [json.loads(line)["topic"] for line in data.open()]
-    runs: dict[str, list[dict[str, Any]]] = {"cli": [], "minimal": [], "timed_cli": []}
-    checks: list[dict[str, Any]] = []
-    reference: list[list[list[int]]] = []
-    for r in range(args.repeats):
-        # 1. python -m batchgen generate: whole process, first shard, summary line
-        out = runner.root / f"out-cli-{r}"
-        child, first_shard_s = runner.launch_cli(data, out, f"cli-{r}"), None
-        while first_shard_s is None and not child.poll():
-            if (out / FIRST_SHARD).exists():
-                first_shard_s = time.perf_counter() - child.t0
-            elif time.perf_counter() - child.t0 > args.timeout:
-                child.kill()
-            time.sleep(POLL_S)
-        output = runner.finish(child)
-        if first_shard_s is None and (out / FIRST_SHARD).exists():
-            first_shard_s = child.wall_s  # appeared between the last poll and the exit
-        summary = parse_summary(output)
-        runs["cli"].append({"process_s": child.wall_s, "cpu_s": child.cpu_s,
-                            "summary_gen_s": summary["gen_s"], "first_shard_s": first_shard_s,
-                            "maxrss_kib": child.maxrss_kib, "summary": summary,
-                            "engine": engine_lines(output)})
-        # 2. the minimal LLM.generate script (dumps its tokens in the first round only)
-        mchild, output, m = runner.minimal(data, f"minimal-{r}", dump=r == 0)
-        if r == 0:
-            reference = m.pop("token_ids")
-        runs["minimal"].append({"process_s": mchild.wall_s, "cpu_s": mchild.cpu_s,
-                                "maxrss_kib": mchild.maxrss_kib, "dumped_tokens": r == 0,
-                                "engine": engine_lines(output), **m})
-        # 3. the CLI's main() with generate_dataset timed precisely
-        tout = runner.root / f"out-timed-{r}"
-        tchild, output, t = runner.timed_cli(data, tout, f"timed-cli-{r}", args.n,
-                                             args.max_tokens)
-        if t.get("calls") != 1:
-            raise RuntimeError("the timed CLI did not go through batchgen.data.runner."
-                               "generate_dataset: update TIMED_CLI_SCRIPT")
-        runs["timed_cli"].append({"process_s": tchild.wall_s, "cpu_s": tchild.cpu_s,
-                                  "gen_s": t["gen_s"], "summary": parse_summary(output),
-                                  "engine": engine_lines(output)})
-        checks += [compare(f"cli-{r}", out, reference, topics),
-                   compare(f"timed-cli-{r}", tout, reference, topics)]
-        runner.drop_caches()
-        c, mm, tt = runs["cli"][-1], runs["minimal"][-1], runs["timed_cli"][-1]
-        fs = "-" if c["first_shard_s"] is None else f"{c['first_shard_s']:.2f}"
-        print(f"  round {r + 1}/{args.repeats}: CLI process {c['process_s']:.2f} s (cpu "
-              f"{c['cpu_s']:.1f} s; summary {c['summary_gen_s']:.1f} s, first shard {fs} s); "
-              f"script process {mm['process_s']:.2f} s (cpu {mm['cpu_s']:.1f} s; llm.generate "
-              f"{mm['gen_s']:.2f} s); timed CLI generate_dataset {tt['gen_s']:.2f} s", flush=True)
-    return runs, checks
-
-
-def run_rss(args: Any, runner: Runner) -> list[dict[str, Any]]:
-    """Part 3: one fresh timed-CLI process per row count; os.wait4's ru_maxrss."""
-    out: list[dict[str, Any]] = []
-    for rows in args.rss_rows:
-        data, dest = runner.root / f"rss-{rows}.jsonl", runner.root / f"out-rss-{rows}"
-        write_jsonl(data, rows, args, args.seed + 1)
-        child, output, t = runner.timed_cli(data, dest, f"rss-{rows}", args.rss_n,
-                                            args.rss_max_tokens)
-        summary = parse_summary(output)
-        assert summary["rows"] == rows, f"RSS run over {rows} rows reported {summary['rows']}"
-        out.append({"rows": rows, "peak_rss_kib": child.maxrss_kib,
-                    "peak_rss_through_generate_dataset_kib": t["rss_after_gen_kib"],
-                    "process_s": child.wall_s, "cpu_s": child.cpu_s, "gen_s": t["gen_s"],
-                    "shards": len(list(dest.glob("part-*.parquet"))), "summary": summary})
-        shutil.rmtree(dest)
-        data.unlink()
-        runner.drop_caches()
-        print(f"  {rows:,} rows: peak RSS {child.maxrss_kib / 1024:,.0f} MiB (through "
-              f"generate_dataset {t['rss_after_gen_kib'] / 1024:,.0f} MiB), "
-              f"{child.wall_s:.1f} s, {out[-1]['shards']} shards", flush=True)
+def facts(output: str, cli: bool = True) -> dict:
+    """The engine's set-up log lines (equal for a fair race) and the CLI's summary line."""
+    out = {"engine": [ln.strip() for ln in output.splitlines()
+                      if "KV cache:" in ln or "attention backend:" in ln]}
+    if cli:
+        if (m := SUMMARY.search(output)) is None:
+            raise RuntimeError(f"no summary line in the CLI's output:\n{output[-2000:]}")
+        out["summary"] = dict(zip(("rows", "samples", "output_tokens"), map(int, m.groups()[:3])),
+                              gen_s=float(m.group(4)))
     return out
 
 
-def run_profile(args: Any, runner: Runner, data: Path) -> list[str]:
-    """One more timed-CLI run with cProfile around generate_dataset; the top functions."""
-    import pstats
+def compare(label: str, out: Path, want: list[list[list[int]]], topics: list[str]) -> dict:
+    """A CLI run's shards against LLM.generate's tokens and the input's topics, row by row."""
+    import pyarrow.parquet as pq
 
-    dest = runner.root / "out-profile"
-    runner.timed_cli(data, dest, "profile", args.n, args.max_tokens,
-                     profile=args.profile.resolve())
-    shutil.rmtree(dest)
-    buf = io.StringIO()
-    pstats.Stats(str(args.profile), stream=buf).sort_stats("cumulative").print_stats(30)
-    return buf.getvalue().splitlines()
+    got = {}
+    for f in sorted(out.glob("part-*.parquet")):
+        for row in pq.read_table(f, columns=["row_id", "topic", "outputs"]).to_pylist():
+            assert row["row_id"] not in got, f"{out}: row {row['row_id']} is in two shards"
+            got[row["row_id"]] = (row["topic"], [s["token_ids"] for s in sorted(
+                row["outputs"], key=lambda s: s["index"])])
+    ref = dict(enumerate(zip(topics, want)))
+    differ = sorted(i for i in set(got) | set(ref) if got.get(i) != ref.get(i))
+    first = {"row": differ[0], "cli": got.get(differ[0]),
+             "llm_generate": ref.get(differ[0])} if differ else None
+    return {"run": label, "rows_checked": len(ref), "num_differing_rows": len(differ),
+            "differing_rows": differ[:20], "ok": not differ, "first_difference": first}
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    info = h.start(args)  # its --threads: the children's, through OMP_NUM_THREADS
-    with tempfile.TemporaryDirectory(prefix="batchgen-dataset-bench-") as tmp, \
-            h.prepare_model_dir(args, 1024, tokenizer=True, eos_boost=args.eos_boost) as model:
-        runner, data = Runner(args, Path(tmp), model), Path(tmp) / "input.jsonl"
-        write_jsonl(data, args.rows, args, args.seed)
-        print(h.model_line(args) + f", eos_boost {args.eos_boost}")
-        print(f"workload: {args.rows} rows of {args.min_words}-{args.max_words} words (+ a "
-              f"topic column), n={args.n}, max_tokens {args.max_tokens}, temperature "
-              f"{args.temperature}, seed {args.seed}; CLI flags: "
-              f"{' '.join(runner.cli_argv(Path('IN'), Path('OUT'), args.n, args.max_tokens))}",
-              flush=True)
-        runs, checks = run_throughput(args, runner, data)
-        rss: list[dict[str, Any]] = []
-        if not args.skip_rss:
-            print("peak RSS:", flush=True)
-            rss = run_rss(args, runner)
-        profile = run_profile(args, runner, data) if args.profile is not None else None
-        cli_command = ["python", "-m", "batchgen", *runner.cli_argv(
-            Path("INPUT.jsonl"), Path("OUT"), args.n, args.max_tokens)]
+def run_round(args, root: Path, data: Path, r: int, runs: dict, checks: list, ref: list) -> None:
+    """CLI (polled for its first shard), minimal script, timed CLI; the shards checked."""
+    out, tout = root / f"out-cli-{r}", root / f"out-timed-cli-{r}"
+    child, first = launch(args, root, f"cli-{r}", ["-m", "batchgen", *cli_argv(
+        args, data, out, args.n, args.max_tokens)]), None
+    while first is None and not child.poll():
+        if (out / FIRST_SHARD).exists():
+            first = time.perf_counter() - child.t0
+        elif time.perf_counter() - child.t0 > TIMEOUT_S:
+            child.kill()
+        time.sleep(0.05)
+    output = child.check(TIMEOUT_S)
+    if first is None and (out / FIRST_SHARD).exists():
+        first = child.wall_s  # appeared between the last poll and the exit
+    runs["cli"].append({"process_s": child.wall_s, "cpu_s": child.cpu_s, "first_shard_s": first,
+                        "maxrss_kib": child.maxrss_kib, **facts(output)})
+    cfg = {"model": str(args.model), "input": str(data), "seed": args.seed, "dump": r == 0,
+           "llm": h.engine_kwargs(args),
+           "params": {"n": args.n, "temperature": 1.0, "max_tokens": args.max_tokens,
+                      "seed": args.seed}}
+    m = run_child(args, root, f"minimal-{r}", "minimal", [json.dumps(cfg)])
+    ref[:] = m.pop("token_ids", ref)  # the first round's tokens: the reference
+    t = run_child(args, root, f"timed-cli-{r}", "timed-cli",
+                  cli_argv(args, data, tout, args.n, args.max_tokens))
+    runs["minimal"].append(m)
+    runs["timed_cli"].append(t)
+    topics = [json.loads(line)["topic"] for line in data.open()]
+    checks += [compare(f"cli-{r}", out, ref, topics), compare(f"timed-cli-{r}", tout, ref, topics)]
+    print(f"  round {r + 1}/{args.repeats}: CLI process {child.wall_s:.2f} s (summary "
+          f"{runs['cli'][-1]['summary']['gen_s']:.1f} s, first shard "
+          f"{'-' if first is None else f'{first:.2f}'} s); script process {m['process_s']:.2f} s"
+          f" (llm.generate {m['gen_s']:.2f} s); timed CLI generate_dataset {t['gen_s']:.2f} s",
+          flush=True)
 
-    # ---- figures
+
+def run_rss(args, root: Path) -> list[dict]:
+    """Part 3: one fresh timed-CLI process per row count; os.wait4's ru_maxrss."""
+    out = []
+    for rows in args.rss_rows:
+        data, dest = root / f"rss-{rows}.jsonl", root / f"out-rss-{rows}"
+        write_jsonl(data, rows, args.seed + 1)
+        t = run_child(args, root, f"rss-{rows}", "timed-cli",
+                      cli_argv(args, data, dest, 1, args.rss_max_tokens))
+        assert t["summary"]["rows"] == rows, f"RSS run over {rows} rows: {t['summary']}"
+        out.append({"rows": rows, **t, "shards": len(list(dest.glob("part-*.parquet")))})
+        print(f"  {rows:,} rows: peak RSS {t['maxrss_kib'] / 1024:,.0f} MiB", flush=True)
+    return out
+
+
+def write_jsonl(path: Path, rows: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for text in h.sentences(rows, 4, 16, seed):
+            f.write(json.dumps({"prompt": text, "topic": rng.choice(TOPICS)}) + "\n")
+
+
+def parse_args(argv: list[str] | None):
+    p = h.parser(__doc__, model={}, run={"repeats": 3},
+                 engine={"max_num_batched_tokens": None})
+    h.add_ints(p, rows=2000, n=4, max_tokens=16, seed=0, rss_max_tokens=4)
+    p.add_argument("--rss-rows", type=h.int_list, default="1000,100000",
+                   help="comma-separated row counts of part 3, one fresh CLI process each")
+    p.add_argument("--skip-rss", action="store_true")
+    args = h.check_args(p, p.parse_args(argv), "rows", "n", "max_tokens", "rss_max_tokens")
+    args.rss_rows = [] if args.skip_rss else args.rss_rows
+    return args
+
+
+def report(args, runs: dict, checks: list[dict], rss: list[dict]) -> dict:
     cli, mini, timed = runs["cli"], runs["minimal"], runs["timed_cli"]
     tokens = mini[0]["output_tokens"]
     best = {"timed_cli_gen_s": min(x["gen_s"] for x in timed),
-            "cli_summary_gen_s": min(x["summary_gen_s"] for x in cli),
             "llm_generate_s": min(x["gen_s"] for x in mini),
+            "cli_summary_gen_s": min(x["summary"]["gen_s"] for x in cli),
             "cli_process_s": min(x["process_s"] for x in cli),
             "minimal_process_s": min(x["process_s"] for x in mini)}
     first = [x["first_shard_s"] for x in cli if x["first_shard_s"] is not None]
-    gen_ratio = best["llm_generate_s"] / best["timed_cli_gen_s"]  # CLI tok/s over generate's
-    proc_ratio = best["minimal_process_s"] / best["cli_process_s"]
-    mismatched = [c for c in checks if not c["ok"]]
-    summary: dict[str, Any] = {
-        "output_tokens": tokens, "prompt_tokens": mini[0]["prompt_tokens"],
-        "samples": mini[0]["samples"], **best,
-        # the summary line rounds to 0.1 s: may be 0.0
-        **{k.removesuffix("_s") + "_output_tok_s": tokens / v if v > 0 else None
-           for k, v in best.items()},
-        "generation_phase_cli_over_llm_generate": gen_ratio,
-        "generation_phase_cli_slowdown_pct": 100 * (1 / gen_ratio - 1),
-        "whole_process_cli_over_script": proc_ratio,
-        "whole_process_cli_slowdown_pct": 100 * (1 / proc_ratio - 1),
-        "first_shard_s": min(first) if first else None, "first_shard_bar_s": FIRST_SHARD_BAR_S,
-        "first_shard_bar_met": bool(first) and min(first) < FIRST_SHARD_BAR_S,
-        "generation_phase_within_10pct": 1 / gen_ratio - 1 <= GEN_SLOWDOWN_TOLERANCE,
-        "tokens_identical": not mismatched,
-        "token_counts_equal": all(x["summary"]["output_tokens"] == tokens for x in cli + timed)
-        and all(x["output_tokens"] == tokens for x in mini),
-        "engine_setup_equal": all(x["engine"] == mini[0]["engine"] for x in cli + mini + timed)}
-    if rss:
-        lo, hi = min(rss, key=lambda x: x["rows"]), max(rss, key=lambda x: x["rows"])
-        summary.update(rss_ratio=hi["peak_rss_kib"] / lo["peak_rss_kib"], rss_bar=RSS_BAR,
-                       rss_ratio_through_generate_dataset=(
-                           hi["peak_rss_through_generate_dataset_kib"]
-                           / lo["peak_rss_through_generate_dataset_kib"]))
-        summary["rss_bar_met"] = summary["rss_ratio"] < RSS_BAR
-
-    # ---- report
+    slow_gen = best["timed_cli_gen_s"] / best["llm_generate_s"] - 1  # the CLI's extra time
+    slow_proc = best["cli_process_s"] / best["minimal_process_s"] - 1
+    s = {"output_tokens": tokens, **best, "cli_slowdown_pct": {
+        "generation_phase": 100 * slow_gen, "whole_process": 100 * slow_proc},
+         "first_shard_s": min(first, default=None),
+         "first_shard_bar_met": bool(first) and min(first) < FIRST_SHARD_BAR_S,
+         "tokens_identical": all(c["ok"] for c in checks),
+         "token_counts_equal": all(x["summary"]["output_tokens"] == tokens for x in cli + timed)
+         and all(x["output_tokens"] == tokens for x in mini),
+         "engine_setup_equal": all(x["engine"] == mini[0]["engine"] for x in cli + mini + timed)}
     rep = f" (best of {args.repeats})" if args.repeats > 1 else ""
-    print()
-    print(h.markdown_table(
-        ["system", f"generation s{rep}", "output tok/s", f"whole process s{rep}",
-         "output tok/s (process)"],
-        [[name, f"{best[gen]:.2f}", f"{tokens / best[gen]:.0f}", f"{best[proc]:.2f}",
-          f"{tokens / best[proc]:.0f}"] for name, gen, proc in (
-            ("batchgen generate (CLI)", "timed_cli_gen_s", "cli_process_s"),
-            ("LLM.generate script", "llm_generate_s", "minimal_process_s"))]))
-    print(f"CLI / LLM.generate output tok/s: generation phase "
-          f"{h.fmt_ratio(best['llm_generate_s'], best['timed_cli_gen_s'])}, whole process "
-          f"{h.fmt_ratio(best['minimal_process_s'], best['cli_process_s'])}")
+    h.table(["system", f"generation s{rep}", "output tok/s", f"whole process s{rep}",
+             "output tok/s (process)"],
+            [[name, f"{best[gen]:.2f}", f"{tokens / best[gen]:.0f}", f"{best[proc]:.2f}",
+              f"{tokens / best[proc]:.0f}"] for name, gen, proc in (
+                 ("batchgen generate (CLI)", "timed_cli_gen_s", "cli_process_s"),
+                 ("LLM.generate script", "llm_generate_s", "minimal_process_s"))])
+    print(f"CLI / LLM.generate output tok/s: generation phase {1 / (1 + slow_gen):.2f}x, whole "
+          f"process {1 / (1 + slow_proc):.2f}x")
     print(f"{tokens} output tokens, {mini[0]['samples']} samples, {mini[0]['prompt_tokens']} "
-          f"prompt tokens; CLI's own summary line: best {best['cli_summary_gen_s']:.1f} s "
-          f"generation")
-    print(f"CLI time vs LLM.generate: generation phase "
-          f"{summary['generation_phase_cli_slowdown_pct']:+.1f}% "
-          f"({'within' if summary['generation_phase_within_10pct'] else 'OVER'} the "
-          f"+{GEN_SLOWDOWN_TOLERANCE:.0%} allowed), whole process "
-          f"{summary['whole_process_cli_slowdown_pct']:+.1f}%")
-    fs = summary["first_shard_s"]
+          f"prompt tokens; CLI's own summary line: best {best['cli_summary_gen_s']:.1f} s")
+    print(f"CLI time vs LLM.generate: generation phase {100 * slow_gen:+.1f}% "
+          f"({'within' if slow_gen <= GEN_TOLERANCE else 'OVER'} the +{GEN_TOLERANCE:.0%} "
+          f"allowed), whole process {100 * slow_proc:+.1f}%")
     all_fs = ", ".join("-" if x["first_shard_s"] is None else f"{x['first_shard_s']:.2f}"
                        for x in cli)
-    print("time to first shard: " + ("never appeared" if fs is None else f"{fs:.2f} s")
+    print("time to first shard: " + (f"{min(first):.2f} s" if first else "never appeared")
           + f" (all runs: {all_fs}); bar < {FIRST_SHARD_BAR_S:.0f} s: "
-          + ("met" if summary["first_shard_bar_met"] else "NOT met"))
+          + ("met" if s["first_shard_bar_met"] else "NOT met"))
     if rss:
-        print(h.markdown_table(
-            ["rows", "peak RSS MiB (process)", "peak RSS MiB (through generate_dataset)",
-             "process s", "shards"],
-            [[f"{x['rows']}", f"{x['peak_rss_kib'] / 1024:.0f}",
-              f"{x['peak_rss_through_generate_dataset_kib'] / 1024:.0f}",
-              f"{x['process_s']:.1f}", f"{x['shards']}"] for x in rss]))
-        print(f"peak RSS {hi['rows']:,} / {lo['rows']:,} rows: {summary['rss_ratio']:.2f}x "
-              f"(through generate_dataset {summary['rss_ratio_through_generate_dataset']:.2f}x);"
-              f" bar < {RSS_BAR:.0f}x: {'met' if summary['rss_bar_met'] else 'NOT met'}")
-    print(f"tokens: {len(checks) - len(mismatched)}/{len(checks)} CLI runs identical to "
-          f"LLM.generate row by row; token counts equal: {summary['token_counts_equal']}; "
-          f"engine set-up equal: {summary['engine_setup_equal']}")
-    if mismatched:
-        print(f"\n{'!' * 78}\nMISMATCH: the CLI's tokens differ from LLM.generate's with the "
-              "same row seeds (a bug):", file=sys.stderr)
-        for c in mismatched:
-            print(f"  {c['run']}: {c['num_differing_rows']} rows differ (first "
-                  f"{c['differing_rows'][:5]}), missing {c['missing_rows'][:5]}, extra "
-                  f"{c['extra_rows'][:5]}, extra column wrong {c['extra_column_mismatch'][:5]}; "
-                  f"first difference {c.get('first_difference')}", file=sys.stderr)
-        print("!" * 78, file=sys.stderr)
-    if not summary["engine_setup_equal"]:
-        print("WARNING: the processes set the engine up differently:", file=sys.stderr)
-        for x in cli + mini + timed:
-            print(f"  {x['engine']}", file=sys.stderr)
-    if profile is not None:
-        print(f"\ncProfile of one CLI generate_dataset call ({args.profile}):")
-        print("\n".join(profile))
-    payload = h.finish(args, info, {"command": [sys.executable, *sys.argv], "summary": summary,
-                                    "runs": runs, "token_checks": checks, "rss": rss,
-                                    "cli_command": cli_command}, note=None)
-    if mismatched or not summary["token_counts_equal"]:
+        lo, hi = min(rss, key=lambda x: x["rows"]), max(rss, key=lambda x: x["rows"])
+        s["rss_ratio"] = hi["maxrss_kib"] / lo["maxrss_kib"]
+        s["rss_ratio_through_generate_dataset"] = hi["rss_after_gen_kib"] / lo[
+            "rss_after_gen_kib"]
+        h.table(["rows", "peak RSS MiB (process)", "peak RSS MiB (through generate_dataset)",
+                 "process s", "shards"],
+                [[x["rows"], f"{x['maxrss_kib'] / 1024:.0f}",
+                  f"{x['rss_after_gen_kib'] / 1024:.0f}", f"{x['process_s']:.1f}",
+                  x["shards"]] for x in rss])
+        print(f"peak RSS {hi['rows']:,} / {lo['rows']:,} rows: {s['rss_ratio']:.2f}x (through "
+              f"generate_dataset {s['rss_ratio_through_generate_dataset']:.2f}x); bar < "
+              f"{RSS_BAR:.0f}x: {'met' if s['rss_ratio'] < RSS_BAR else 'NOT met'}")
+    print(f"tokens: {sum(c['ok'] for c in checks)}/{len(checks)} CLI runs identical to "
+          f"LLM.generate row by row; token counts equal: {s['token_counts_equal']}; "
+          f"engine set-up equal: {s['engine_setup_equal']}")
+    for c in checks:
+        if not c["ok"]:
+            print(f"MISMATCH (a bug): {c['run']}: {c['num_differing_rows']} rows differ from "
+                  f"LLM.generate's with the same row seeds; first {c['first_difference']}",
+                  file=sys.stderr)
+    if not s["engine_setup_equal"]:
+        print("WARNING: the processes set the engine up differently: "
+              f"{[x['engine'] for x in cli + mini + timed]}", file=sys.stderr)
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    info = h.start(args)  # its --threads: the children's, through OMP_NUM_THREADS
+    runs, checks, ref = {"cli": [], "minimal": [], "timed_cli": []}, [], []
+    with tempfile.TemporaryDirectory(prefix="batchgen-dataset-bench-") as tmp, \
+            h.prepare_model_dir(args, 1024, tokenizer=True, eos_boost=EOS_BOOST) as model:
+        root, args.model = Path(tmp), model
+        write_jsonl(root / "input.jsonl", args.rows, args.seed)
+        print(h.model_line(args) + f", eos_boost {EOS_BOOST}")
+        cli_command = ["python", "-m", "batchgen", *cli_argv(
+            args, Path("INPUT.jsonl"), Path("OUT"), args.n, args.max_tokens)]
+        print(f"workload: {args.rows} rows of 4-16 words (+ a topic column), n={args.n}, "
+              f"max_tokens {args.max_tokens}, temperature 1.0, seed {args.seed}; CLI: "
+              f"{' '.join(cli_command)}", flush=True)
+        for r in range(args.repeats):
+            run_round(args, root, root / "input.jsonl", r, runs, checks, ref)
+        rss = run_rss(args, root)
+    summary = report(args, runs, checks, rss)
+    payload = h.finish(args, info, {"summary": summary, "runs": runs, "token_checks": checks,
+                                    "rss": rss, "cli_command": cli_command})
+    if not (summary["tokens_identical"] and summary["token_counts_equal"]):
         raise SystemExit(1)
     return payload
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--child"]:
+        kind, argv = sys.argv[2], sys.argv[3:]
+        result = child_minimal(json.loads(argv[0])) if kind == "minimal" else child_timed_cli(
+            argv)
+        print(RESULT + json.dumps(result), flush=True)
+    else:
+        main()

@@ -1,44 +1,28 @@
 """lm-evaluation-harness on batchgen against lm-eval's own `hf` backend, same weights, one run.
 
-The local tasks in ``tests/eval_tasks`` (``bg_mc``: acc, acc_norm; ``bg_gen`` with ``until``:
-exact_match; ``bg_ppl`` rolling: word / byte perplexity, bits per byte) through
-``lm_eval.simple_evaluate`` with ``HFLM`` (float32, ``--hf-batch-size``) and
-``batchgen.eval.BatchgenLM`` (float32, prefix cache on, cold for every run; ``--no-cache-too``:
-also off), loaded and warmed up first, one ``max_length``, ``--repeats`` interleaved rounds
-(fastest kept). Printed: the metrics side by side (they must agree to ``--rtol``, else exit 1),
-each task's seconds inside the backends' request methods (the model's work) and their ratio,
-the whole ``simple_evaluate`` call's, and batchgen's prefix-hit and computed prompt tokens.
+The local tasks of ``tests/eval_tasks`` through ``HFLM`` and ``batchgen.eval.BatchgenLM`` (a
+cold prefix cache each run; ``--no-cache-too``: also without), in interleaved rounds: the
+metrics (they must agree to ``RTOL``, else exit 1), the model's and lm-eval's seconds.
 
     PYTHONPATH=. python benchmarks/eval.py --model smollm2 --no-cache-too --repeats 3
-    PYTHONPATH=. python benchmarks/eval.py --model tiny --limit 4 --json out.json
 """
 
-from __future__ import annotations
-
-import argparse
 import os
 import sys
 import time
-from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common as h
 
-from benchmarks import common as h  # noqa: E402
-
+TASKS, FEWSHOT_TASKS, RTOL = ["bg_mc", "bg_gen", "bg_ppl"], ("bg_mc", "bg_gen"), 1e-3
 TASKS_DIR = h.ROOT / "tests" / "eval_tasks"
-TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
-METHODS = ("loglikelihood", "loglikelihood_rolling", "generate_until")
 
 
-def clock(lm: Any) -> Any:
-    """``lm`` with its request methods timed: ``lm.model_s``, the backend's own seconds
-    (without lm-eval's task building and metrics)."""
+def clock(lm):
+    """``lm`` with its request methods timed into ``lm.model_s`` (the model's own seconds)."""
     lm.model_s = 0.0
 
-    def timed(method: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
+    def timed(method):
+        def call(*args, **kwargs):
             start = time.perf_counter()
             try:
                 return method(*args, **kwargs)
@@ -46,27 +30,24 @@ def clock(lm: Any) -> Any:
                 lm.model_s += time.perf_counter() - start
         return call
 
-    for name in METHODS:
+    for name in ("loglikelihood", "loglikelihood_rolling", "generate_until"):
         setattr(lm, name, timed(getattr(lm, name)))
     return lm
 
 
-def evaluate(lm: Any, task: str, args: argparse.Namespace, manager: Any, limit: int | None
-             ) -> dict[str, Any]:
-    """One task through lm-eval on ``lm`` (run in the tasks' folder: relative data files): its
-    metrics (stderr left out), the whole call's seconds and the model's; batchgen's prefix hits
-    and prompt tokens computed (the task's last call: its one request type)."""
+def evaluate(lm, task: str, args, manager, limit: int | None) -> dict:
+    """One task on ``lm``: its metrics, seconds (lm-eval's, the model's), batchgen's hits."""
     import lm_eval
 
     if hasattr(lm, "llm"):  # batchgen: a cold prefix cache (no hit from an earlier run)
         lm.llm.reset_prefix_cache()
     before, old = lm.model_s, os.getcwd()
-    os.chdir(args.tasks_dir)
+    os.chdir(TASKS_DIR)
     try:
         start = time.perf_counter()
         out = lm_eval.simple_evaluate(
             model=lm, tasks=[task], limit=limit, task_manager=manager,
-            num_fewshot=args.num_fewshot if task in args.fewshot_tasks else None)
+            num_fewshot=args.num_fewshot if task in FEWSHOT_TASKS else None)
         row = {"lm_eval_s": time.perf_counter() - start, "model_s": lm.model_s - before}
     finally:
         os.chdir(old)
@@ -79,44 +60,35 @@ def evaluate(lm: Any, task: str, args: argparse.Namespace, manager: Any, limit: 
     return row
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every task on every system (hf first), fastest of the rounds by model time."""
+def run(args) -> dict:
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
 
     from batchgen.eval import BatchgenLM
 
-    folder, systems, load = h.resolve_model(args.model), {}, {}
-    for name, cache in [("batchgen", True)] + [("batchgen, no prefix cache", False)] * bool(
-            args.no_cache_too):
-        t0 = time.perf_counter()
+    folder, systems = h.resolve_model(args.model), {}
+    for name, cache in [("batchgen", True), ("batchgen, no prefix cache", False)][
+            :1 + args.no_cache_too]:
         systems[name] = clock(BatchgenLM(str(folder), device="cpu", dtype="float32",
                                          max_length=args.max_length, enable_prefix_caching=cache,
-                                         max_num_seqs=args.max_num_seqs))
-        load[name] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+                                         max_num_seqs=256))
     systems = {"hf": clock(HFLM(pretrained=str(folder), dtype="float32", device="cpu",
                                 batch_size=args.hf_batch_size,
                                 max_length=systems["batchgen"].max_length)), **systems}
-    load["hf"] = time.perf_counter() - t0
-    manager = TaskManager(include_path=str(args.tasks_dir))  # indexes lm-eval's tasks: once
+    manager = TaskManager(include_path=str(TASKS_DIR))  # indexes lm-eval's tasks: once
     for lm in systems.values():  # warm-up, untimed: first forwards, lazy initialisation
         evaluate(lm, args.tasks[0], args, manager, limit=1)
-    def contender(name: str, lm: Any, task: str, rows: list[dict[str, Any]]) -> h.Contender:
-        return h.Contender(name, lambda: rows.append(evaluate(lm, task, args, manager,
-                                                              args.limit)))
-
     tasks = {}
     for task in args.tasks:
-        rows: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
-        h.interleaved_repeats([contender(n, lm, task, rows[n]) for n, lm in systems.items()],
-                              args.repeats)
+        rows = {name: [] for name in systems}
+        h.interleaved_repeats([h.Contender(n, lambda lm=lm, t=task, out=rows[n]: out.append(
+            evaluate(lm, t, args, manager, args.limit))) for n, lm in systems.items()],
+            args.repeats)
         tasks[task] = {n: min(rs, key=lambda r: r["model_s"]) for n, rs in rows.items()}
-    return {"load_s": load, "max_length": systems["batchgen"].max_length, "tasks": tasks}
+    return {"max_length": systems["batchgen"].max_length, "tasks": tasks}
 
 
-def report(result: dict[str, Any], rtol: float) -> bool:
-    """The metrics side by side, then the times; whether every metric agrees."""
+def report(result: dict, rtol: float) -> bool:
     rows, ok = [], True
     names = list(next(iter(result["tasks"].values())))
     for task, r in result["tasks"].items():
@@ -130,49 +102,32 @@ def report(result: dict[str, Any], rtol: float) -> bool:
             ok &= good
             rows.append([task, metric, *(f"{v:.6g}" if v is not None else "-" for v in [a, *bs]),
                          f"{rel:.1e}" if rel is not None else "-", "yes" if good else "NO"])
-    print(h.markdown_table(["task", "metric", *names, "rel. diff", f"<= {rtol:g}"], rows))
+    h.table(["task", "metric", *names, "rel. diff", f"<= {rtol:g}"], rows)
     totals = {n: {k: sum(r[n][k] for r in result["tasks"].values())
                   for k in ("model_s", "lm_eval_s")} for n in names}
-    print(h.markdown_table(
-        ["task", "system", "model s", "hf / system", "lm-eval s", "prefix-hit tokens",
-         "prompt tokens computed"],
-        [[task, n, f"{r[n]['model_s']:.2f}", h.fmt_ratio(r["hf"]["model_s"], r[n]["model_s"]),
-          f"{r[n]['lm_eval_s']:.2f}", r[n].get("prefix_hit_tokens", "-"),
-          r[n].get("prompt_tokens_computed", "-")]
-         for task, r in [*result["tasks"].items(), ("all", totals)] for n in names]))
-    load = ", ".join(f"{k} {v:.1f} s" for k, v in result["load_s"].items())
-    print(f"load (not timed above): {load}; max_length {result['max_length']}")
+    h.table(["task", "system", "model s", "hf / system", "lm-eval s", "prefix-hit tokens",
+             "prompt tokens computed"],
+            [[task, n, f"{r[n]['model_s']:.2f}", h.fmt_ratio(r["hf"]["model_s"], r[n]["model_s"]),
+              f"{r[n]['lm_eval_s']:.2f}", r[n].get("prefix_hit_tokens", "-"),
+              r[n].get("prompt_tokens_computed", "-")]
+             for task, r in [*result["tasks"].items(), ("all", totals)] for n in names])
     print("metrics agree" if ok else "METRICS DISAGREE")
     return ok
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = h.parser(__doc__)
+    p = h.parser(__doc__, run={"device": None})
     p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
     p.add_argument("--tasks", default=",".join(TASKS), help="comma-separated task names")
-    p.add_argument("--tasks-dir", type=Path, default=TASKS_DIR,
-                   help="folder of the task YAMLs and their data (lm-eval's --include_path)")
-    p.add_argument("--limit", type=int, default=None, help="documents per task (lm-eval's)")
-    p.add_argument("--num-fewshot", type=int, default=None,
-                   help="few-shot examples per question (lm-eval's; longer shared contexts)")
-    p.add_argument("--fewshot-tasks", default="bg_mc,bg_gen",
-                   help="the tasks --num-fewshot applies to (not rolling perplexity)")
-    p.add_argument("--max-length", type=int, default=None,
-                   help="both backends' max_length (default: batchgen's max_model_len - 2)")
-    p.add_argument("--hf-batch-size", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    h.add_ints(p, limit=None, num_fewshot=None, max_length=None, hf_batch_size=8)
     p.add_argument("--no-cache-too", action="store_true",
                    help="also run batchgen with its prefix cache off (what the cache saves)")
-    p.add_argument("--rtol", type=float, default=1e-3)
-    h.add_run_args(p, device=None)
     args = h.check_args(p, p.parse_args(argv), "limit")
     args.tasks = [t for t in args.tasks.split(",") if t]
-    args.fewshot_tasks = [t for t in args.fewshot_tasks.split(",") if t]
-    args.tasks_dir = args.tasks_dir.resolve()
     info = h.start(args)
     result = run(args)
-    ok = report(result, args.rtol)
-    h.finish(args, info, {**result, "agree": ok}, note=None)
+    ok = report(result, RTOL)
+    h.finish(args, info, {**result, "agree": ok})
     return 0 if ok else 1
 
 

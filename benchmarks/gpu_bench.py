@@ -1,75 +1,33 @@
 """GPU throughput and decode bandwidth: batchgen vs HF ``generate`` vs HF ``generate_batch``.
 
-Issue 9's bar: a random Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32/8 heads, ffn
-8192, vocab 128256) in bf16; ``--num-prompts`` prompts of ``--min/max-prompt-len`` tokens,
-output lengths uniform in [``--min-output-len``, ``--max-output-len``], greedy, EOS ignored.
-Output tok/s of batchgen (one ``generate`` call, each request its own ``max_tokens``; eager and
-with CUDA-graph decode, ``--graphs``), HF generate (sdpa, static left-padded batches of
-``--hf-batch-size`` each generating its longest output, only the requested tokens counted, over
-the first ``--hf-prompts``) and HF generate_batch (each request its own ``max_new_tokens``,
-first ``--gb-prompts``). Then a decode probe at batch ``--probe-batch`` (prompts of
-``--probe-len``): bytes a step must read (weights once, every row's K/V) over the step time,
-against the device's copy bandwidth (one large device-to-device copy).
+Issue 9's bars on a random Llama-3.2-1B-shaped model in bf16 (greedy, EOS ignored, output
+lengths in [``--min-output-len``, ``--max-output-len``]), and a decode probe: bytes a step must
+read (weights, every row's K/V) over the step time, against a large device copy's rate.
 
     PYTHONPATH=. python benchmarks/gpu_bench.py --json $OUT/gpu_bench.json   # gpu_check.sh
     PYTHONPATH=. python benchmarks/gpu_bench.py --device cpu --quick   # the code path, tiny
 """
 
-from __future__ import annotations
-
 import random
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import common as h  # noqa: E402
+from batchgen import LLM
+from benchmarks import common as h
 
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
                 intermediate_size=8192, vocab_size=128256)
+BARS = {"HF generate": 10.0, "HF generate_batch": 2.0}  # batchgen's output tok/s over theirs
 QUICK = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
-             vocab_size=1024)
+             vocab_size=1024, num_prompts=6, min_prompt_len=4, max_prompt_len=24,
+             min_output_len=2, max_output_len=6, hf_prompts=4, gb_prompts=4, hf_batch_size=2,
+             probe_batch=4, probe_len=16, probe_steps=4)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Any:
-    p = h.parser(__doc__)
-    h.add_model_args(p, **LLAMA_1B, dtype="bfloat16")
-    h.add_workload_args(p, num_prompts=1024, min_prompt_len=128, max_prompt_len=1024,
-                        output_len=None)
-    h.add_run_args(p, repeats=None, device="cuda")
-    p.add_argument("--quick", action="store_true", help="a tiny model and workload (CI)")
-    p.add_argument("--min-output-len", type=int, default=128)
-    p.add_argument("--max-output-len", type=int, default=512)
-    p.add_argument("--hf-prompts", type=int, default=128)
-    p.add_argument("--hf-batch-size", type=int, default=64)
-    p.add_argument("--gb-prompts", type=int, default=512)
-    p.add_argument("--graphs", choices=["off", "on", "both"], default="both",
-                   help="batchgen with CUDA-graph decode (enforce_eager=False), eager, or both")
-    p.add_argument("--probe-batch", type=int, default=128)
-    p.add_argument("--probe-len", type=int, default=512)
-    p.add_argument("--probe-steps", type=int, default=64)
-    p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-generate-batch", action="store_true")
-    args = h.check_args(p, p.parse_args(argv))
-    if args.quick:
-        vars(args).update(QUICK, num_prompts=6, min_prompt_len=4, max_prompt_len=24,
-                          min_output_len=2, max_output_len=6, hf_prompts=4, gb_prompts=4,
-                          hf_batch_size=2, probe_batch=4, probe_len=16, probe_steps=4)
-    return args
-
-
-def run_batchgen(model_dir: Path, prompts: list[list[int]], lens: list[int], args: Any,
-                 eager: bool) -> tuple[float, str, Any]:
-    from batchgen import LLM, SamplingParams
-
+def run_batchgen(model_dir: Path, prompts: list[list[int]], lens: list[int], args, eager: bool):
     llm = LLM(str(model_dir), device=args.device, enforce_eager=eager, enable_prefix_caching=False)
-    reqs = h.token_prompts(prompts)
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
+    reqs, params = h.token_prompts(prompts), [h.greedy(n) for n in lens]
     llm.generate(reqs[:8], params[:8], use_tqdm=False)  # warm-up: kernels built, graphs hot
     outs, wall = h.timed(lambda: llm.generate(reqs, params, use_tqdm=False), args.device)
     h.check_lengths("batchgen", [o.outputs[0].token_ids for o in outs], len(lens), lens)
@@ -78,23 +36,22 @@ def run_batchgen(model_dir: Path, prompts: list[list[int]], lens: list[int], arg
     return wall, f"{facts['attention_backend']}, {mode}, block 16", llm
 
 
-def run_hf_generate(model: Any, prompts: list[list[int]], lens: list[int], args: Any) -> float:
+def run_hf_generate(model, prompts: list[list[int]], lens: list[int], args) -> float:
     """Static batches, each generating its longest output."""
+    bs = args.hf_batch_size
+
     def go() -> None:
-        for i in range(0, len(prompts), args.hf_batch_size):
-            h.hf_generate_all(model, prompts[i:i + args.hf_batch_size], args.hf_batch_size,
-                              max(lens[i:i + args.hf_batch_size]), args.device, do_sample=False)
+        for i in range(0, len(prompts), bs):
+            h.hf_generate_all(model, prompts[i:i + bs], bs, max(lens[i:i + bs]), args.device,
+                              do_sample=False)
 
     h.warm_up(lambda ps, k: h.hf_generate_all(model, ps, len(ps), k, args.device,
                                               do_sample=False), prompts, 4)
     return h.timed(go, args.device)[1]
 
 
-def run_generate_batch(model: Any, prompts: list[list[int]], lens: list[int], device: str
-                       ) -> float:
-    """transformers' continuous batching, each request with its own max_new_tokens. The
-    manager (its cache sized for the whole workload, its CUDA graphs) is built and warmed up by
-    an untimed run first, as batchgen's engine is."""
+def run_generate_batch(model, prompts: list[list[int]], lens: list[int], device: str) -> float:
+    """Continuous batching, per-request lengths; manager built by an untimed run."""
     from transformers import GenerationConfig
     from transformers.generation.continuous_batching.utils import WorkloadHints
 
@@ -121,21 +78,17 @@ def run_generate_batch(model: Any, prompts: list[list[int]], lens: list[int], de
         model.destroy_cached_continuous_batching_manager()
 
 
-def decode_probe(llm: Any, args: Any, n_params: int) -> dict[str, float]:
-    """Time decode steps at batch `probe_batch`: (T(1 + steps tokens) - T(1 token)) / steps;
-    bytes read per step (bf16 weights once, every row's K/V) against a device copy's rate."""
-    from batchgen import SamplingParams
-
+def decode_probe(llm, args, n_params: int) -> dict[str, float]:
+    """Decode step time at ``--probe-batch`` against the bytes a step reads and a copy's rate."""
     prompts = h.make_prompts(args.probe_batch, args.probe_len, args.probe_len, args.vocab_size,
                              args.seed + 1)
 
     def run(n: int) -> float:
-        sp = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return h.timed(lambda: h.bg_tokens(llm, prompts, sp), args.device)[1]
+        return min(h.timed(lambda: h.bg_tokens(llm, prompts, h.greedy(n)), args.device)[1]
+                   for _ in range(2))
 
     run(2)
-    step = (min(run(1 + args.probe_steps) for _ in range(2)) - min(run(1) for _ in range(2)))
-    step /= args.probe_steps
+    step = (run(1 + args.probe_steps) - run(1)) / args.probe_steps
     mean_ctx = args.probe_len + args.probe_steps / 2
     read = 2 * n_params + args.probe_batch * mean_ctx * h.kv_bytes_per_token(llm)
     x = torch.empty(1 << 29, dtype=torch.bfloat16, device=args.device)  # 1 GiB
@@ -146,59 +99,55 @@ def decode_probe(llm: Any, args: Any, n_params: int) -> dict[str, float]:
             "copy_bytes_s": bw, "fraction_of_copy": read / step / bw}
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> dict:
+    p = h.parser(__doc__, model={**LLAMA_1B, "dtype": "bfloat16"},
+                 run={"repeats": None, "device": "cuda"}, workload={
+                     "num_prompts": 1024, "min_prompt_len": 128, "max_prompt_len": 1024,
+                     "output_len": None})
+    p.add_argument("--quick", action="store_true", help="a tiny model and workload (CI)")
+    h.add_ints(p, min_output_len=128, max_output_len=512, hf_prompts=128, hf_batch_size=64,
+               gb_prompts=512, probe_batch=128, probe_len=512, probe_steps=64)
+    args = h.check_args(p, p.parse_args(argv))
+    if args.quick:
+        vars(args).update(QUICK)
     info = h.start(args)
     max_len = args.max_prompt_len + args.max_output_len + args.probe_len + args.probe_steps
-    rng = random.Random(args.seed)
-    prompts = h.workload_prompts(args)
+    rng, prompts = random.Random(args.seed), h.workload_prompts(args)
     lens = [rng.randint(args.min_output_len, args.max_output_len) for _ in prompts]
-    rows, results = [], {}
+    systems = []  # (system, config, wall s, output tokens)
     with h.prepare_model_dir(args, max_len, init_device=args.device) as model_dir:
         n_params = h.count_params(model_dir)
         print(f"model: random Llama, {n_params / 1e9:.2f}B params, {args.dtype}; workload: "
               f"{len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(lens)} output tokens", flush=True)
-        for eager in {"off": [True], "on": [False], "both": [True, False]}[args.graphs]:
+        for eager in (True, False):  # eager, and with CUDA-graph decode where there is one
             wall, config, llm = run_batchgen(model_dir, prompts, lens, args, eager)
-            results[config] = sum(lens) / wall
-            rows.append(["batchgen", config, f"{wall:.2f}", f"{results[config]:.0f}"])
+            systems.append(("batchgen", config, wall, sum(lens)))
             print(f"  batchgen {config}: {wall:.2f} s", flush=True)
-        best = max(results.values())
-        if not (args.skip_hf and args.skip_generate_batch):
-            hf = h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device)
-        if not args.skip_hf:
-            k = args.hf_prompts
-            wall = run_hf_generate(hf, prompts[:k], lens[:k], args)
-            results["hf_generate"] = sum(lens[:k]) / wall
-            rows.append(["HF generate", f"sdpa, batch {args.hf_batch_size}, first {k} prompts",
-                         f"{wall:.2f}", f"{results['hf_generate']:.0f}"])
-        if not args.skip_generate_batch:
-            k = args.gb_prompts
-            wall = run_generate_batch(hf, prompts[:k], lens[:k], args.device)
-            results["hf_generate_batch"] = sum(lens[:k]) / wall
-            rows.append(["HF generate_batch", f"first {k} prompts", f"{wall:.2f}",
-                         f"{results['hf_generate_batch']:.0f}"])
+        hf, k = h.load_hf_model(model_dir, h.DTYPES[args.dtype], args.device), args.hf_prompts
+        systems.append(("HF generate", f"sdpa, batch {args.hf_batch_size}, first {k} prompts",
+                        run_hf_generate(hf, prompts[:k], lens[:k], args), sum(lens[:k])))
+        k = args.gb_prompts
+        systems.append(("HF generate_batch", f"first {k} prompts",
+                        run_generate_batch(hf, prompts[:k], lens[:k], args.device), sum(lens[:k])))
         hf = None
         probe = decode_probe(llm, args, n_params)
-    print()
-    print(h.markdown_table(["system", "config", "wall s", "output tok/s"], rows))
-    bars = []
-    for name, key, bar in (("HF generate", "hf_generate", 10.0),
-                           ("HF generate_batch", "hf_generate_batch", 2.0)):
-        if key in results:
-            ratio = best / results[key]
-            bars.append([f"batchgen / {name}", f"{ratio:.2f}x", f">= {bar:g}x",
-                         "pass" if ratio >= bar else "FAIL"])
+    h.table(["system", "config", "wall s", "output tok/s"],
+            [[s, c, f"{w:.2f}", f"{n / w:.0f}"] for s, c, w, n in systems])
+    best = max(n / w for s, _, w, n in systems if s == "batchgen")
+    bars = [[f"batchgen / {s}", f"{best * w / n:.2f}x", f">= {bar:g}x",
+             "pass" if best * w / n >= bar else "FAIL"]
+            for s, _, w, n in systems for name, bar in BARS.items() if s == name]
     frac = probe["fraction_of_copy"]
     bars.append([f"decode at batch {args.probe_batch}: bytes read / step time",
                  f"{probe['achieved_bytes_s'] / 1e9:.0f} GB/s = {100 * frac:.0f}% of copy "
                  f"({probe['copy_bytes_s'] / 1e9:.0f} GB/s)", ">= 60%",
                  "pass" if frac >= 0.6 else "FAIL"])
-    print()
-    print(h.markdown_table(["measure", "value", "bar", ""], bars))
+    h.table(["measure", "value", "bar", ""], bars)
+    results = [{"system": s, "config": c, "wall_s": w, "output_tokens": n, "output_tok_s": n / w}
+               for s, c, w, n in systems]
     return h.finish(args, info, {"results": results, "probe": probe, "bars": bars,
-                                 "n_params": n_params}, note=None)
+                                 "n_params": n_params})
 
 
 if __name__ == "__main__":

@@ -1,56 +1,29 @@
 """What an fp8 KV cache costs in quality: greedy tokens and logprobs with an fp8 (e4m3, scales
-1.0) pool against a bfloat16 pool, both against a float32 pool, on the same random Llama.
+1.0) pool and a bfloat16 pool, each against a float32 pool, on the same model.
 
-Per pair: requests with identical greedy tokens, the mean common prefix, and the mean and max
-|Δ logprob| of the chosen tokens where the sequences still agree. ``--model-dir`` takes a
-trained model (with a tokenizer: natural chat prompts instead of random ids).
+``--model-dir`` takes a trained model; with a tokenizer the prompts are ``common.QUESTIONS``.
 
-    PYTHONPATH=. python benchmarks/kv_quality.py
     PYTHONPATH=. python benchmarks/kv_quality.py --model-dir SMOLLM2   # a trained model folder
 """
 
-from __future__ import annotations
-
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from batchgen import LLM
+from benchmarks import common as h
 
 KV_DTYPES = ("float32", "bfloat16", "fp8")
-# With a trained model (--model-dir holding one with a tokenizer), natural prompts: random token
-# ids would make it guess among near-ties, where any rounding flips the greedy token.
-TEXT_PROMPTS = [
-    "The capital of France is", "Write a short poem about the sea.",
-    "Explain why the sky is blue in two sentences.", "def fibonacci(n):",
-    "List three uses of a paperclip:", "The mitochondria is the powerhouse of",
-    "Translate to French: Good morning, how are you?", "Once upon a time, in a small village,",
-    "What is 17 times 23? Answer:", "The three primary colors are",
-    "Summarize the plot of Romeo and Juliet.", "import numpy as np\n\ndef normalize(x):",
-    "A haiku about autumn leaves:", "The largest planet in the solar system is",
-    "Give me a recipe for pancakes. Ingredients:", "Photosynthesis converts",
-]
 
 
-def run(model_dir: Path, prompts: list[list[int]], args: Any, kv: str
-        ) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their logprobs with a ``kv`` pool."""
-    from batchgen import LLM, SamplingParams
-
+def run(model_dir: Path, prompts: list[list[int]], args, kv: str) -> list[tuple[list, list]]:
     llm = LLM(str(model_dir), kv_cache_dtype=kv, dtype=args.dtype, device=args.device,
               enable_prefix_caching=False)
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, logprobs=0, ignore_eos=True)
-    outs = [o.outputs[0] for o in llm.generate(h.token_prompts(prompts), sp, use_tqdm=False)]
+    outs = llm.generate(h.token_prompts(prompts), h.greedy(args.output_len, logprobs=0),
+                        use_tqdm=False)
     return [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for c in outs]
+            for c in (o.outputs[0] for o in outs)]
 
 
-def compare(ref: list[tuple[list[int], list[float]]], got: list[tuple[list[int], list[float]]]
-            ) -> dict[str, float]:
+def compare(ref: list[tuple[list, list]], got: list[tuple[list, list]]) -> dict[str, float]:
     agree = h.agreement([t for t, _ in ref], [t for t, _ in got])
     deltas = []
     for (ta, la), (tb, lb) in zip(ref, got):
@@ -61,11 +34,9 @@ def compare(ref: list[tuple[list[int], list[float]]], got: list[tuple[list[int],
             "max_abs_dlogprob": max(deltas, default=0.0)}
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    p = h.parser(__doc__)
-    h.add_model_args(p)
-    h.add_workload_args(p, num_prompts=64, min_prompt_len=16, max_prompt_len=256, output_len=32)
-    h.add_run_args(p, repeats=None)
+def main(argv: list[str] | None = None) -> dict:
+    p = h.parser(__doc__, model={}, run={"repeats": None}, workload={
+        "num_prompts": 64, "min_prompt_len": 16, "max_prompt_len": 256, "output_len": 32})
     args = h.check_args(p, p.parse_args(argv))
     info = h.start(args)
     prompts = h.workload_prompts(args)
@@ -73,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         if (Path(model_dir) / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
-            prompts = h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), TEXT_PROMPTS)
+            prompts = h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), h.QUESTIONS)
         runs = {kv: run(model_dir, prompts, args, kv) for kv in KV_DTYPES}
     rows, results = [], {}
     for i, kv in enumerate(KV_DTYPES[1:], 1):
@@ -83,9 +54,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                          f"{r['mean_abs_dlogprob']:.2e}", f"{r['max_abs_dlogprob']:.2e}"])
     print(f"{len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.output_len} greedy tokens, model {args.dtype}")
-    print(h.markdown_table(["KV cache", "identical greedy outputs", "mean common prefix",
-                            "mean |Δ logprob| (agreeing positions)", "max |Δ logprob|"], rows))
-    return h.finish(args, info, {"results": results}, note=None)
+    h.table(["KV cache", "identical greedy outputs", "mean common prefix",
+             "mean |Δ logprob| (agreeing positions)", "max |Δ logprob|"], rows)
+    return h.finish(args, info, {"results": results})
 
 
 if __name__ == "__main__":

