@@ -181,7 +181,7 @@ def _llm(path, layout, longest=0):
                max_num_seqs=seqs)
 
 
-def test_a_beam_job_manifest_names_only_the_controls_it_sets():
+def test_a_beam_job_manifest_names_only_the_controls_it_sets(tmp_path):
     """Dataset jobs: a control at its default is left out of the manifest (older beam jobs,
     written before the controls existed, stay resumable); a set one is in it."""
     from types import SimpleNamespace
@@ -189,7 +189,8 @@ def test_a_beam_job_manifest_names_only_the_controls_it_sets():
     from batchgen.data.prompts import PromptSpec
     from batchgen.data.runner import _job
 
-    llm = SimpleNamespace(model_path="m")
+    (tmp_path / "config.json").write_text("{}")  # the model's identity hashes its folder
+    llm = SimpleNamespace(model_path=tmp_path)
     source = SimpleNamespace(fingerprint="f", num_rows=1)
     plain = _job(llm, BeamSearchParams(beam_width=2, max_tokens=4), 0, PromptSpec(), source)
     assert set(plain["params"]) == {"beam_width", "max_tokens", "length_penalty",
