@@ -256,6 +256,8 @@ def test_constrained_beams_list_only_allowed_alternatives(tiny_model_factory):
     """Under a grammar the alternatives are the allowed tokens only (none at -inf)."""
     from batchgen import StructuredOutputsParams
 
+    pytest.importorskip("xgrammar")
+
     llm = LLM(tiny_model_factory("llama", eos_boost=0.06), num_kv_blocks=256)
     so = StructuredOutputsParams(choice=["yes", "no"])
     out = llm.beam_search("Answer:", BeamSearchParams(beam_width=2, max_tokens=6, logprobs=20,

@@ -75,6 +75,8 @@ def test_benchmark_script_runs(script, tmp_path):
         pytest.importorskip("ray")
     if script == "eval.py":
         pytest.importorskip("lm_eval")
+    if script == "structured.py":
+        pytest.importorskip("xgrammar")
     out = tmp_path / "result.json"
     argv = ALONE[script] if script in ALONE else [*SMALL, *RUNS[script]]
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", *argv,

@@ -78,8 +78,7 @@ def test_argument_errors_are_one_line_and_import_nothing_heavy(argv: list[str], 
     loaded, err = loaded_after(run_cli(argv))
     lines = err.splitlines()
     assert lines[-1] == "exit 2" and len(lines) == 2 and message in lines[0], err
-    if argv[0] != "eval":  # (eval hands lm-eval the memory: it imports lm-eval first)
-        assert loaded == []
+    assert loaded == []
 
 
 def test_thread_advice() -> None:

@@ -8,7 +8,6 @@ import json
 import re
 import sys
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
@@ -16,6 +15,11 @@ import torch
 from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.sampling.grammar import Grammars
 from batchgen.tools.make_tiny_model import build_tokenizer, save_tokenizer
+
+try:
+    import jsonschema
+except ImportError:  # in the [test] extra, not in [test-core]: the tests using it skip
+    jsonschema = None
 
 S = StructuredOutputsParams
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,6}$"},
@@ -26,8 +30,16 @@ CHOICES = ["yes", "no", "maybe so"]
 PROMPTS = ["hello", "the sky is", "Why is the sky blue?", "count: 1 2 3"]
 
 
+def needs_xgrammar() -> None:
+    """Skip a test that compiles grammars where xgrammar (and jsonschema, the oracle of the
+    outputs) are not installed ([test-core] only)."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("jsonschema")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory):
+    needs_xgrammar()
     return tiny_model_factory("llama", eos_boost=0.06)
 
 
@@ -158,6 +170,7 @@ def test_constrained_rows_leave_their_neighbours_untouched(llm):
 
 def test_padding_ids_past_the_tokenizer_are_never_allowed(tmp_path, tiny_model_factory):
     """A model whose lm_head has 64 more rows than its tokenizer has ids."""
+    needs_xgrammar()
     model = tiny_model_factory("llama", vocab_size=576, eos_boost=0.06)
     folder = tmp_path / "padded"
     folder.mkdir()
@@ -312,6 +325,7 @@ def jsonl(tmp_path):
 def test_cli_refuses_bad_constraints_before_loading(jsonl, tmp_path, extra, message, capsys):
     from batchgen.cli import main
 
+    needs_xgrammar()
     (tmp_path / "bad.json").write_text("{oops")
     extra = [str(tmp_path / "bad.json") if e == "SCHEMA_FILE" else e for e in extra]
     code = main(["generate", "--model", str(tmp_path / "no-model"), "--input", str(jsonl),

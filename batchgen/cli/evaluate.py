@@ -60,14 +60,14 @@ def lm_eval_argv(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Register the backend and hand over to lm-eval's command line."""
+    """Check our arguments, register the backend and hand over to lm-eval's command line."""
+    argv = lm_eval_argv(args, list(getattr(args, "extra", [])))  # before any import
     try:
         from lm_eval.__main__ import cli_evaluate
 
         import batchgen.eval  # noqa: F401  (registers "batchgen")
     except ImportError as e:
         raise CliError(f"batchgen eval needs lm-eval: pip install 'batchgen[eval]' ({e})") from e
-    argv = lm_eval_argv(args, list(getattr(args, "extra", [])))
     saved = sys.argv
     sys.argv = ["lm-eval", *argv]
     try:
