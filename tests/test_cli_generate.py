@@ -338,7 +338,7 @@ def test_on_error(tiny_model_factory, tmp_path: Path, capsys) -> None:
     assert "tokens; max_model_len is 1024, leaving no room to generate" in err
     assert main([*argv, "--output", str(tmp_path / "skip"), "--on-error", "skip"]) == 0
     out = capsys.readouterr().out
-    assert "batchgen: 6 rows, 5 samples" in out and "; 1 rows skipped with an error" in out
+    assert "batchgen: 6 rows, 5 samples" in out and "; 1 row skipped with an error" in out
     assert "stopped at --max-tokens 4" in out  # (the tiny model rarely stops by itself)
     rows = rows_by_id(tmp_path / "skip")
     assert [r["error"] is None for r in rows] == [True, True, True, False, True, True]

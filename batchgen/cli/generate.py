@@ -270,6 +270,7 @@ def _summary(ds: Any, seconds: float, output: str, max_tokens: int) -> None:
     notes = f"; {cut} stopped at --max-tokens {max_tokens}" if cut else ""
     skipped = sum(e is not None for e in ds["error"]) if "error" in ds.column_names else 0
     if skipped:
-        notes += f"; {skipped} rows skipped with an error (see their `error` column)"
+        notes += (f"; {skipped} row{'' if skipped == 1 else 's'} skipped with an error (see "
+                  "their `error` column)")
     print(f"batchgen: {len(ds)} rows, {samples} samples, {tokens} output tokens in {output}"
           f"{notes} ({seconds:.1f} s this run)")
