@@ -182,12 +182,8 @@ def test_all_lines_in_one_streamed_call(llm, tmp_path, monkeypatch) -> None:
     assert calls == [12]
 
 
-def test_resume_after_an_interrupted_run(llm, tmp_path, monkeypatch) -> None:
-    lines = [line(f"c{i}", "/v1/completions", prompt=f"the red tree {i}", max_tokens=4,
-                  temperature=0) for i in range(6)]
-    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
-    full = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "full.jsonl", use_tqdm=False)
-    assert full.answered == 6
+def interrupt_after_two(llm, src, out, monkeypatch) -> None:
+    """A run of `src` that a Ctrl-C stops after two answers (the LLM is left as it was)."""
     real = llm.generate_stream
 
     def stops_after_two(*a, **k):
@@ -196,12 +192,21 @@ def test_resume_after_an_interrupted_run(llm, tmp_path, monkeypatch) -> None:
                 raise KeyboardInterrupt
             yield item
 
-    monkeypatch.setattr(llm, "generate_stream", stops_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", use_tqdm=False)
+    with monkeypatch.context() as m:
+        m.setattr(llm, "generate_stream", stops_after_two)
+        with pytest.raises(KeyboardInterrupt):
+            run_batch(llm, src, out, use_tqdm=False)
+
+
+def test_resume_after_an_interrupted_run(llm, tmp_path, monkeypatch) -> None:
+    lines = [line(f"c{i}", "/v1/completions", prompt=f"the red tree {i}", max_tokens=4,
+                  temperature=0) for i in range(6)]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    full = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "full.jsonl", use_tqdm=False)
+    assert full.answered == 6
+    interrupt_after_two(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", monkeypatch)
     assert not (tmp_path / "out.jsonl").exists()
     assert len((tmp_path / ".out.jsonl.partial").read_text().splitlines()) == 2
-    monkeypatch.setattr(llm, "generate_stream", real)
     s = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", resume=True,
                   use_tqdm=False)
     assert (s.answered, s.reused, s.errors) == (4, 2, 0)
@@ -293,18 +298,7 @@ def test_resume_after_a_kill_keeps_each_answer_with_its_request(llm, tmp_path,
     a resume after the line was edited recomputes it instead of reusing the stale answer."""
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("\n".join(completion_lines([4, 4, 4, 4])) + "\n")
-    real = llm.generate_stream
-
-    def stops_after_two(*a, **k):
-        for count, item in enumerate(real(*a, **k)):
-            if count == 2:
-                raise KeyboardInterrupt
-            yield item
-
-    monkeypatch.setattr(llm, "generate_stream", stops_after_two)
-    with pytest.raises(KeyboardInterrupt):
-        run_batch(llm, src, out, use_tqdm=False)
-    monkeypatch.setattr(llm, "generate_stream", real)
+    interrupt_after_two(llm, src, out, monkeypatch)
     logged = [json.loads(t) for t in (tmp_path / ".out.jsonl.partial").read_text().splitlines()]
     assert [set(e) for e in logged] == [{"fingerprint", "answer"}] * 2
     edited = logged[0]["answer"]["custom_id"]
