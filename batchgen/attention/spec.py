@@ -49,7 +49,9 @@ class SpecProbe:
         if layer in self.specs:
             raise ValueError(f"attention layer {layer} runs twice per forward (shared KV "
                              "layers are not supported)")
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        # an explicit sliding_window=None (exaone4's full layers) means none
+        window = (kwargs["sliding_window"] if "sliding_window" in kwargs
+                  else getattr(module, "sliding_window", None))
         softcap = kwargs.get("softcap")
         self.specs[layer] = AttentionSpec(
             num_heads=query.shape[1], num_kv_heads=key.shape[1], head_dim=query.shape[-1],

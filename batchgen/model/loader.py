@@ -13,8 +13,10 @@ from safetensors import safe_open
 if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
     from transformers import GenerationConfig, PretrainedConfig
 
+from batchgen.model.families import BYPASS_FAMILIES, ModelLayout, check_served, classify
+
 # Families whose attention does not route through transformers' AttentionInterface.
-UNSUPPORTED_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm")
+UNSUPPORTED_FAMILIES = BYPASS_FAMILIES
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
@@ -81,12 +83,11 @@ def check_weights(path: Path) -> None:
             raise ValueError(f"model weights {str(f)!r} cannot be read: {e}") from e
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Refuse model families and RoPE scalings that batchgen cannot run exactly."""
-    if config.model_type in UNSUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model family {config.model_type!r} is not supported: its attention bypasses "
-            f"transformers' AttentionInterface (unsupported: {', '.join(UNSUPPORTED_FAMILIES)})")
+def check_supported(config: PretrainedConfig) -> ModelLayout:
+    """Refuse model families, layer kinds and RoPE scalings that batchgen cannot run exactly,
+    from the config alone (before any weights are read); return the layers' classes."""
+    layout = classify(config)
+    check_served(layout)
     for attr in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, attr, None)
         if isinstance(rope, dict):
@@ -97,6 +98,7 @@ def check_supported(config: PretrainedConfig) -> None:
                 raise ValueError(
                     f"RoPE scaling {bad.pop()!r} is not supported: it depends on the longest "
                     f"sequence in the batch (unsupported: {', '.join(UNSUPPORTED_ROPE)})")
+    return layout
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
