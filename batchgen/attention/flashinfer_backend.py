@@ -71,7 +71,7 @@ class FlashInferBackend:
         self.specs = specs
         self.cache = cache
         self.fi = fi
-        dev = cache.pool.device
+        dev = cache.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         s0 = specs[0]
         self.out = torch.empty(max_num_tokens, s0.num_heads, s0.head_dim_v, dtype=s0.dtype,
@@ -108,7 +108,7 @@ class FlashInferBackend:
         spec = self.specs[layer]
         out = self.out[:q.shape[0]]
         wrapper = self._planned_wrapper(spec)
-        kv = (self.cache.pool[layer, 0], self.cache.pool[layer, 1])
+        kv = self.cache.layer_kv(layer)
         scales = dict(k_scale=self.cache.k_scales[layer], v_scale=self.cache.v_scales[layer])
         sinks = self.sinks[layer]
         if sinks is None:
@@ -121,7 +121,7 @@ class FlashInferBackend:
         """Plan and run one token per plan key and wrapper kind into the scratch block, so
         that FlashInfer builds (or loads) every kernel module now. KernelBuildFailed, with the
         cause and the fix, where they cannot be built here."""
-        dev = self.cache.pool.device
+        dev = self.cache.device
         one = torch.tensor([0, 1], dtype=torch.int32)
         page = torch.tensor([self.cache.scratch_block], dtype=torch.int32)
         meta = StepMetadata(one, one, page, torch.ones(1, dtype=torch.int32),
@@ -187,7 +187,7 @@ class FlashInferBackend:
 
     def reserve_graph_buffers(self, max_batch: int, max_pages: int) -> None:
         """Index buffers every captured batch size's decode wrappers slice (one set)."""
-        dev = self.cache.pool.device
+        dev = self.cache.device
         self.graph_buffers = {
             "indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=dev),
             "indices": torch.zeros(max_pages, dtype=torch.int32, device=dev),

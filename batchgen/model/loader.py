@@ -13,7 +13,14 @@ from safetensors import safe_open
 if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
     from transformers import GenerationConfig, PretrainedConfig
 
-from batchgen.model.families import BYPASS_FAMILIES, ModelLayout, check_served, classify
+from batchgen.model.families import (
+    BYPASS_FAMILIES,
+    ModelLayout,
+    attention_layout,
+    check_served,
+    classify,
+    text_config,
+)
 
 # Families whose attention does not route through transformers' AttentionInterface.
 UNSUPPORTED_FAMILIES = BYPASS_FAMILIES
@@ -31,8 +38,9 @@ class KVGeometry:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the keys' width
     max_position_embeddings: int | None
+    head_dim_v: int | None = None  # the values' width when it differs (MLA decompressed)
 
 
 def resolve_model_dir(model: object, name: str = "model", marker: str = "config.json"
@@ -117,12 +125,22 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
 
 
 def kv_geometry(config: PretrainedConfig) -> KVGeometry:
-    """Layers, KV heads and head dim of the attention layers, from the config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    """Layers, KV heads and K/V widths of the attention layers, from the config. MLA layers
+    (DeepSeek-V2/V3, Kimi-K2) hand attention decompressed keys of qk_nope + qk_rope and values
+    of v_head_dim per query head (the config's head_dim is only the rope part)."""
+    text = text_config(config)
+    heads = getattr(text, "num_attention_heads", None)
+    if not heads:
+        raise ValueError(f"model family {text.model_type!r} is not supported: its config names "
+                         "no num_attention_heads (a model without attention layers)")
+    max_pos = getattr(text, "max_position_embeddings", None)
+    if attention_layout(text) == "mla":
+        k_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
+        v_dim = int(getattr(text, "v_head_dim", None) or k_dim)
+        return KVGeometry(text.num_hidden_layers, heads, k_dim, max_pos,
+                          None if v_dim == k_dim else v_dim)
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    max_pos = getattr(text, "max_position_embeddings", None)
     return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
 
 
