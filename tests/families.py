@@ -44,6 +44,14 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gptj": {"head_dim": None, "rotary_dim": 8},
     "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1},
     "dots3_note_text": {"num_key_value_heads": 4},
+    "zamba2": {"layer_types": ["mamba", "hybrid", "mamba", "hybrid"]},
+    "zaya": {"num_experts_per_tok": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "cohere_compass_text": {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    **dict.fromkeys(("lfm2", "lfm2_moe"),
+                    {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
 }
 
 # Kimi-K2 is a DeepSeek-V3 (model_type "deepseek_v3") with its own shape: no q LoRA, more
@@ -94,6 +102,13 @@ def families() -> list[str]:
     return sorted(names | set(VARIANTS))
 
 
+def _settable(config: Any, name: str) -> bool:
+    """Whether `config` has an attribute `name` a constructor keyword may set (not a
+    read-only property such as FalconConfig.head_dim)."""
+    prop = getattr(type(config), name, None)
+    return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
 def tiny_config(family: str, **overrides: Any) -> Any:
     """The tiny config of `family` (a model_type or a variant name), fp32."""
     from transformers import AutoConfig
@@ -101,7 +116,7 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     model_type, extra = VARIANTS.get(family, (family, {}))
     base = AutoConfig.for_model(model_type)
     fields = set(base.to_dict())
-    kw = {k: v for k, v in TINY.items() if k in fields or hasattr(base, k)}
+    kw = {k: v for k, v in TINY.items() if k in fields or _settable(base, k)}
     if getattr(base, "sliding_window", None) is None:
         kw.pop("sliding_window", None)  # a family without a default window keeps none
     kw.update(FAMILY_OVERRIDES.get(model_type, {}))
@@ -137,3 +152,35 @@ def save_family_config(family: str, out_dir: str | Path, **overrides: Any) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     tiny_config(family, **overrides).save_pretrained(out)
     return out
+# Families equal to HF greedy (tests/test_families.py), and families refused before weights.
+PARITY_FAMILIES = (
+    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'beam', 'biogpt',
+    'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe', 'cohere_compass_text', 'ctrl',
+    'cwm', 'dbrx', 'deepseek_v2', 'deepseek_v3', 'doge', 'dots1', 'ernie4_5',
+    'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'gemma',
+    'gemma2', 'gemma3_text', 'glm', 'glm4', 'glm4_moe', 'glm4_moe_lite', 'gpt-sw3', 'gpt2',
+    'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj', 'granite', 'granite_swa', 'granitemoe',
+    'granitemoe_swa', 'granitemoeshared', 'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe',
+    'hy_v3', 'hyperclovax', 'internlm3', 'iquestcoder', 'jais2', 'kimi_k2', 'kolibri1',
+    'laguna', 'llama', 'mellum', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text',
+    'ministral', 'ministral3', 'mistral', 'mixtral', 'modernbert-decoder', 'nanochat',
+    'olmo', 'olmo2', 'olmo3', 'olmoe', 'opt', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2',
+    'qwen2_moe', 'qwen3', 'qwen3_moe', 'sarvam_mla', 'sarvam_moe', 'seed_oss', 'smollm3',
+    'solar_open', 'starcoder2', 'vaultgemma', 'youtu',
+)
+REFUSED_FAMILIES = (
+    'axk2', 'bailing_hybrid', 'bamba', 'bart', 'bert', 'bert-generation', 'big_bird',
+    'bigbird_pegasus', 'blenderbot', 'blenderbot-small', 'bloom', 'camembert', 'cpmant',
+    'data2vec-text', 'deepseek_v32', 'deepseek_v4', 'diffllama', 'dory', 'dots3_note_text',
+    'electra', 'ernie', 'falcon', 'falcon_h1', 'falcon_mamba', 'gemma3n_text',
+    'gemma4_text', 'gemma4_unified_text', 'glm_moe_dsa', 'gpt_neo', 'gpt_neox_japanese',
+    'granitemoehybrid', 'hrm_text', 'hy_v4', 'inkling2_loop_text', 'inkling2_text',
+    'inkling_text', 'jamba', 'jetmoe', 'kimi_linear', 'lara_mini', 'lfm2', 'lfm2_moe',
+    'lfm3', 'llama4_text', 'longcat_flash', 'mamba', 'mamba2', 'marian', 'mbart',
+    'megatron-bert', 'mimo_v2_flash', 'minimax', 'mpt', 'mvp', 'nemotron', 'nemotron_h',
+    'olmo_hybrid', 'openai-gpt', 'pegasus', 'plbart', 'qwen3_5_moe_text', 'qwen3_5_text',
+    'qwen3_next', 'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta',
+    'roberta-prelayernorm', 'roc_bert', 'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm',
+    'xlm-roberta', 'xlm-roberta-xl', 'xlstm', 'zamba', 'zamba2', 'zaya',
+)
+MATRIX = {**dict.fromkeys(PARITY_FAMILIES, "parity"), **dict.fromkeys(REFUSED_FAMILIES, "refused")}

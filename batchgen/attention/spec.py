@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.attention.interface import NoStepContext
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -68,11 +70,15 @@ def probe_specs(model: torch.nn.Module, num_layers: int, device: torch.device
                 ) -> list[AttentionSpec]:
     """Every attention layer's spec, from one forward of one token."""
     probe = SpecProbe()
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          use_cache=False, logits_to_keep=1, batchgen_step=probe)
+    family = getattr(getattr(model, "config", None), "model_type", "?")
+    try:
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              use_cache=False, logits_to_keep=1, batchgen_step=probe)
+    except NoStepContext as e:
+        raise ValueError(f"model family {family!r} is not supported: its layers do not pass "
+                         "the engine's step on to attention") from e
     if sorted(probe.specs) != list(range(num_layers)):
-        family = getattr(getattr(model, "config", None), "model_type", "?")
         raise ValueError(f"model family {family!r} is not supported: its attention layers "
                          f"report indices {sorted(probe.specs)}, expected 0..{num_layers - 1}")
     return [probe.specs[i] for i in range(num_layers)]

@@ -17,7 +17,28 @@ from typing import Any
 SERVED_MIXERS: frozenset[str] = frozenset()
 
 # Families whose attention does not route through transformers' AttentionInterface.
-BYPASS_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm")
+BYPASS_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm", "big_bird", "cpmant",
+                   "gpt_neox_japanese", "openai-gpt", "megatron-bert", "rembert", "roformer",
+                   "xlm")
+# BERT-style encoders that transformers also offers as causal LMs (is_decoder=True).
+ENCODER_FAMILIES = ("bert", "bert-generation", "camembert", "data2vec-text", "electra",
+                    "ernie", "roberta", "roberta-prelayernorm", "roc_bert", "xlm-roberta",
+                    "xlm-roberta-xl", "xmod")
+# Families whose attention goes through the interface in a way the paged pool cannot serve.
+UNSUPPORTED_FAMILIES = {
+    "diffllama": "differential attention (two attention calls per layer)",
+    "hrm_text": "recurrent reasoning modules (each layer attends several times per forward)",
+    "gemma3n_text": "layers reading other layers' K/V (KV sharing)",
+    "jetmoe": "mixture-of-attention heads (K/V heads routed per expert)",
+    "mimo_v2_flash": "K/V head counts that differ between layers",
+    "gemma4_text": "K/V widths that differ between layers (per-layer head_dim)",
+    "gemma4_unified_text": "K/V widths that differ between layers (per-layer head_dim)",
+    "nemotron": "decoder layers that do not pass the engine's step to attention",
+    "longcat_flash": "two attention blocks per decoder layer",
+    "stablelm": "decoder layers that do not pass the engine's step to attention",
+    "dory": "recurrent depth (layers run several times per forward)",
+    "dots3_note_text": "attention settings that differ between layers (per-layer configs)",
+}
 
 # Attention layer types read per layer; the window comes from what each layer passes.
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "attention")
@@ -137,12 +158,16 @@ def classify(config: Any) -> ModelLayout:
     family = str(getattr(text, "model_type", "") or getattr(config, "model_type", ""))
     if config.model_type in BYPASS_FAMILIES or family in BYPASS_FAMILIES:
         why = "its attention bypasses transformers' AttentionInterface"
-        n = int(getattr(text, "num_hidden_layers", 0) or getattr(text, "n_layer", 0) or 1)
-        return ModelLayout(family, tuple(LayerClass(i, "attention", unsupported=why)
-                                         for i in range(n)))
+        return ModelLayout(family, (LayerClass(0, "attention", unsupported=why),))
+    if family in UNSUPPORTED_FAMILIES:
+        why = UNSUPPORTED_FAMILIES[family]
+        return ModelLayout(family, (LayerClass(0, "attention", unsupported=why),))
     if getattr(config, "is_encoder_decoder", False):
         why = "an encoder-decoder model (batchgen serves decoder-only models)"
         return ModelLayout(family, (LayerClass(0, "encoder_decoder", unsupported=why),))
+    if family in ENCODER_FAMILIES:
+        why = "a BERT-style encoder family (absolute positions, bidirectional pretraining)"
+        return ModelLayout(family, (LayerClass(0, "encoder", unsupported=why),))
     layout = attention_layout(text)
     types = (["mixer"] * int(text.num_hidden_layers) if family in ALL_MIXER_FAMILIES
              else layer_types(text))

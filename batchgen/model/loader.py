@@ -14,7 +14,6 @@ if TYPE_CHECKING:  # transformers' model code is imported when a model loads, no
     from transformers import GenerationConfig, PretrainedConfig
 
 from batchgen.model.families import (
-    BYPASS_FAMILIES,
     ModelLayout,
     attention_layout,
     check_served,
@@ -22,8 +21,6 @@ from batchgen.model.families import (
     text_config,
 )
 
-# Families whose attention does not route through transformers' AttentionInterface.
-UNSUPPORTED_FAMILIES = BYPASS_FAMILIES
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
@@ -139,7 +136,8 @@ def kv_geometry(config: PretrainedConfig) -> KVGeometry:
         v_dim = int(getattr(text, "v_head_dim", None) or k_dim)
         return KVGeometry(text.num_hidden_layers, heads, k_dim, max_pos,
                           None if v_dim == k_dim else v_dim)
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    kv_heads = (1 if getattr(text, "multi_query", False)  # gpt_bigcode's MQA flag
+                else getattr(text, "num_key_value_heads", None) or heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
 
