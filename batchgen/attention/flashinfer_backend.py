@@ -227,9 +227,14 @@ def _sink_wrapper(fi: Any, kind: str, workspace: torch.Tensor, spec: AttentionSp
 def _check_specs(specs: list[AttentionSpec], kv_dtype: torch.dtype) -> None:
     """BackendUnavailable unless FlashInfer serves every layer safely."""
     for i, s in enumerate(specs):
-        if s.head_dim not in HEAD_DIMS or s.head_dim_v != s.head_dim:
-            raise BackendUnavailable(f"layer {i} has head_dim {s.head_dim}/{s.head_dim_v}; "
-                                     f"FlashInfer's fa2 kernels serve {HEAD_DIMS} (q = v)")
+        if s.head_dim_v != s.head_dim:
+            raise BackendUnavailable(
+                f"layer {i} has keys {s.head_dim} and values {s.head_dim_v} wide; "
+                "FlashInfer's paged decode kernels read K and V of one width, so the SDPA "
+                "backend (torch) runs these layers")
+        if s.head_dim not in HEAD_DIMS:
+            raise BackendUnavailable(f"layer {i} has head_dim {s.head_dim}; FlashInfer's fa2 "
+                                     f"kernels serve {HEAD_DIMS}")
         if s.dtype not in Q_DTYPES:
             raise BackendUnavailable(f"layer {i} computes in {s.dtype}; FlashInfer takes "
                                      f"{[str(d) for d in Q_DTYPES]}")
