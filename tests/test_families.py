@@ -81,6 +81,15 @@ def test_hf_output_depends_on_context_past_the_window(tmp_path):
                                          for t in types]
 
 
+def test_a_bad_mla_cache_mode_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", "compressed")
+    save_family_model("deepseek_v3", tmp_path)
+    monkeypatch.setattr(loader, "load_model", _no_weights)
+    with pytest.raises(ValueError, match=r"BATCHGEN_MLA_CACHE must be one of \['latent', "
+                                         r"'decompressed'\], got 'compressed'"):
+        LLM(tmp_path)
+
+
 def test_classification_from_the_config_alone():
     ds = classify(tiny_config("deepseek_v3"))
     assert ds.attention_layouts == {"mla"} and ds.attention_layers == [0, 1, 2, 3]
@@ -143,19 +152,31 @@ def _hf_beams(path, prompt, width):
     return seqs, out.sequences_scores.tolist()
 
 
+# the pool's (KV heads, key width, value width, bytes per token) of the tiny MLA models: the
+# latent (kv_lora_rank 32 + rope 8, one head; values its first 32) or decompressed (4 heads of
+# 16 + 8 wide keys and 16 wide values); 4 layers, float32
+MLA_POOLS = {"latent": (1, 40, 32, 4 * 40 * 4), "decompressed": (4, 24, 16, 4 * 4 * 40 * 4)}
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
 @pytest.mark.parametrize("backend", [None, "torch"])
-def test_mla_models_equal_hf_greedy_and_beams(family, backend, tmp_path):
-    """K and V of different widths (keys qk_nope + qk_rope, values v_head_dim): greedy and
+@pytest.mark.parametrize("mode", ["latent", "decompressed"])
+def test_mla_models_equal_hf_greedy_and_beams(family, backend, mode, tmp_path, monkeypatch):
+    """The latent cache and the decompressed one (K and V of different widths): greedy and
     beams equal HF with chunked prefill, prefix hits (a shared prompt head) and preemption."""
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", mode)
     path = save_family_model(family, tmp_path)
+    heads, k_width, v_width, beta = MLA_POOLS[mode]
     geo = loader.kv_geometry(tiny_config(family))
-    assert (geo.num_kv_heads, geo.head_dim, geo.head_dim_v) == (4, 24, 16)
+    assert (geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim) == (
+        heads, k_width, v_width)
     head = PROMPTS[2][:17]
     prompts = [head + p[1:9] for p in PROMPTS] + PROMPTS
     llm = LLM(path, block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
               max_num_seqs=6, attention_backend=backend)
-    assert llm.cache.k_blocks[0].shape[-1] == 24 and llm.cache.v_blocks[0].shape[-1] == 16
+    assert llm.cache.k_blocks[0].shape[-2:] == (heads, k_width)
+    assert llm.cache.v_blocks[0].shape[-2:] == (heads, v_width)
+    assert llm.cache.bytes_per_token == beta
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)
