@@ -1,21 +1,31 @@
-"""The FlashInfer MLA backend (latent pools) driven through the installed FlashInfer's own
-MLA wrapper code on the CPU, its kernels replaced by recorders (tests/flashinfer_recorder.py):
+"""The FlashInfer MLA backend (latent pools) on the CPU, two ways. Through the installed
+FlashInfer's own MLA wrapper code, its kernels replaced by recorders (tests/flashinfer_recorder.py):
 the pool's latent and the absorbed query reach the kernel binding in place (packed, no copy),
 the plan gets the step's CSR metadata, kv lengths, heads, widths and scale, one plan serves
-every layer of a step, and a machine that cannot build the kernels falls back. This checks
-our use of FlashInfer's API, not its kernels."""
+every layer of a step, and a machine that cannot build the kernels falls back. And end to end
+through a PyTorch stand-in with FlashInfer's signatures (tests/flashinfer_mla_standin.py):
+DeepSeek-V3 and Kimi-K2-shaped models equal HF. This checks our use of FlashInfer's API, not
+its kernels."""
 
 from __future__ import annotations
+
+import inspect
+from functools import partial
 
 import pytest
 import torch
 
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.attention import flashinfer_mla, registry
 from batchgen.attention.backend import BackendUnavailable, KernelBuildFailed
 from batchgen.attention.flashinfer_mla import FlashInferMlaBackend
 from batchgen.attention.metadata import StepMetadata
 from batchgen.attention.spec import AttentionSpec
 from batchgen.kv import KVCache
+from tests import flashinfer_mla_standin
+from tests.families import save_family_model
 from tests.flashinfer_recorder import reaches, real_flashinfer
+from tests.helpers import hf_greedy, load_hf_model, make_prompt_token_ids
 
 HEADS, LORA, ROPE, PAGE, LAYERS = 16, 512, 64, 16, 2
 SCALE = 0.0737  # distinctive, so a match is no accident
@@ -92,3 +102,65 @@ def test_pools_and_layers_it_does_not_serve(fi):
     windowed = [AttentionSpec(HEADS, 1, LORA + ROPE, LORA, SCALE, 8, None, torch.bfloat16)] * 2
     with pytest.raises(BackendUnavailable, match="window"):
         FlashInferMlaBackend(windowed, _cache(), 64, fi=module)
+
+
+# ---- the stand-in keeps FlashInfer's signatures, and runs models end to end -----------------
+@pytest.mark.parametrize("method", ["__init__", "plan", "run"])
+def test_the_standins_signatures_are_flashinfers(fi, method):
+    """Every stand-in parameter exists in the real method, of the same kind and default."""
+    real = inspect.signature(getattr(fi[0].mla.BatchMLAPagedAttentionWrapper, method)).parameters
+    ours = inspect.signature(getattr(flashinfer_mla_standin.BatchMLAPagedAttentionWrapper,
+                                     method)).parameters
+    assert list(ours)[:1] == list(real)[:1] == ["self"]
+    real_pos = [n for n, p in real.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    our_pos = [n for n, p in ours.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert our_pos == real_pos[:len(our_pos)]
+    for n, p in ours.items():
+        assert n in real and real[n].kind == p.kind, n
+        if p.default is not p.empty:
+            assert p.default == real[n].default, (n, p.default, real[n].default)
+
+
+@pytest.fixture
+def mla_standin(monkeypatch):
+    """The stand-in in the registry's "flashinfer_mla" entry, on the CPU, in float32 (HF
+    float32 stays the oracle), for the tiny models' latent (32 + 8)."""
+    monkeypatch.setattr(flashinfer_mla, "Q_DTYPES", (torch.float32,))
+    monkeypatch.setattr(flashinfer_mla, "KV_DTYPES", (torch.float32,))
+    monkeypatch.setattr(flashinfer_mla, "WORKSPACE_BYTES", 1 << 16)
+    entry = registry.BackendEntry("flashinfer_mla", ("cpu",), (torch.float32,),
+                                  (torch.float32,), (40,),
+                                  lambda: partial(FlashInferMlaBackend, fi=flashinfer_mla_standin))
+    monkeypatch.setitem(registry.BACKENDS, "flashinfer_mla", entry)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
+def test_mla_models_equal_hf_through_the_flashinfer_mla_backend(mla_standin, family, tmp_path):
+    path = save_family_model(family, tmp_path)
+    prompts = make_prompt_token_ids(6, 2, 40, vocab_size=512, seed=9)
+    llm = LLM(path, attention_backend="flashinfer_mla", block_size=4, num_kv_blocks=24,
+              max_num_batched_tokens=16, max_num_seqs=6)
+    assert llm.attention_backend == "flashinfer_mla" and llm.cache.v_in_k
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(path, prompts, 8)
+    assert llm.kv_stats().preemptions > 0
+    beams = llm.beam_search([{"prompt_token_ids": p} for p in prompts[:2]],
+                            BeamSearchParams(beam_width=3, max_tokens=6), use_tqdm=False)
+    model = load_hf_model(path)
+    for p, o in zip(prompts[:2], beams):
+        ids = torch.tensor([p])
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=3,
+                              num_return_sequences=3, max_new_tokens=6, do_sample=False,
+                              eos_token_id=2, pad_token_id=0, early_stopping=False)
+        rows = [r[:r.index(2) + 1] if 2 in r else r for r in want[:, len(p):].tolist()]
+        assert [s.token_ids for s in o.sequences] == rows
+
+
+def test_a_gpu_pool_that_is_not_latent_never_gets_the_mla_backend(mla_standin, tmp_path,
+                                                                  monkeypatch):
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", "decompressed")
+    path = save_family_model("deepseek_v3", tmp_path)
+    with pytest.raises(ValueError, match="attention_backend='flashinfer_mla' cannot run here: "
+                                         "serves head_dim"):
+        LLM(path, attention_backend="flashinfer_mla", num_kv_blocks=16)
