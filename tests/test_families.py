@@ -27,6 +27,7 @@ from tests.helpers import hf_greedy, load_hf_model, make_prompt_token_ids
 MAX_TOKENS = 8
 # prompts longer than the families' windows (WINDOW), in chunks of 16 tokens
 PROMPTS = make_prompt_token_ids(3, 12, 30, vocab_size=512, seed=3)
+LONGEST = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
 
 
 def _model_type(family: str) -> str:
@@ -37,6 +38,12 @@ def _batchgen_model(path):
     """The model at `path` with batchgen's attention (as LLM loads it)."""
     config = loader.load_config(path)
     return loader.load_model(path, config, torch.float32, torch.device("cpu"))
+
+
+def _far_context_changed(prompt: list[int]) -> list[int]:
+    """`prompt` with every token but BOS and the last WINDOW replaced by another id."""
+    assert len(prompt) > 2 * WINDOW
+    return prompt[:1] + [t + 1 if t < 500 else 3 for t in prompt[1:-WINDOW]] + prompt[-WINDOW:]
 
 
 def _no_weights(*args, **kwargs):
@@ -54,6 +61,9 @@ def test_family_equals_hf_greedy_or_is_refused_before_weights(family, tmp_path, 
         return
     save_family_model(family, tmp_path)
     want = hf_greedy(tmp_path, PROMPTS, MAX_TOKENS)
+    # parity says something: HF's output changes with the tokens outside the window
+    assert hf_greedy(tmp_path, [_far_context_changed(PROMPTS[LONGEST])], MAX_TOKENS) != [
+        want[LONGEST]]
     llm = LLM(tmp_path, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
               max_num_seqs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -71,10 +81,9 @@ def test_hf_output_depends_on_context_past_the_window(tmp_path):
     greedy output changes when only tokens outside the window change (the parity above then
     says the full layers are read as full)."""
     path = save_family_model("exaone4", tmp_path)
-    long = PROMPTS[2]
-    assert len(long) > 2 * WINDOW
-    changed = long[:1] + [t + 1 if t < 500 else 3 for t in long[1:-WINDOW]] + long[-WINDOW:]
-    assert hf_greedy(path, [long], MAX_TOKENS) != hf_greedy(path, [changed], MAX_TOKENS)
+    long = PROMPTS[LONGEST]
+    assert hf_greedy(path, [long], MAX_TOKENS) != hf_greedy(path, [_far_context_changed(long)],
+                                                            MAX_TOKENS)
     specs = probe_specs(_batchgen_model(path), 4, torch.device("cpu"))
     types = tiny_config("exaone4").layer_types
     assert [s.window for s in specs] == [WINDOW if t == "sliding_attention" else None
