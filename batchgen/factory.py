@@ -271,6 +271,7 @@ class EngineShape:
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     device: torch.device = torch.device("cpu")
+    logprobs_mode: str = "raw_logprobs"
 
 
 def build_engine(shape: EngineShape, runner: Runner) -> Engine:
@@ -284,7 +285,8 @@ def build_engine(shape: EngineShape, runner: Runner) -> Engine:
     kv = KVManager(bm, batch)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
-    return Engine(scheduler, runner, Sampler(), OutputProcessor(kv))
+    return Engine(scheduler, runner, Sampler(logprobs_mode=shape.logprobs_mode),
+                  OutputProcessor(kv))
 
 
 def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
@@ -344,7 +346,7 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                         cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
-                        plan.device)
+                        plan.device, cfg.logprobs_mode)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
