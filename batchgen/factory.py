@@ -41,6 +41,13 @@ from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
+from batchgen.model.shared import (
+    check_module,
+    module_device,
+    module_dtype,
+    module_folder,
+    paged_forward,
+)
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -62,7 +69,7 @@ class EnginePlan:
     memory the weights leave) the pool."""
 
     path: Path
-    tokenizer_path: Path
+    tokenizer_path: Path | None  # None: a shared module from no folder, and no tokenizer given
     config: PretrainedConfig
     device: torch.device
     dtype: torch.dtype
@@ -70,6 +77,7 @@ class EnginePlan:
     layout: KVLayout
     backends: list[Candidate]  # best first
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
+    module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -145,12 +153,15 @@ class LocalExecutor:
         pass
 
 
-def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
-                dtype: str | torch.dtype, device: str | torch.device | None,
-                cfg: EngineConfig) -> EnginePlan:
+def plan_engine(model: str | os.PathLike | torch.nn.Module,
+                tokenizer: str | os.PathLike | None, dtype: str | torch.dtype,
+                device: str | torch.device | None, cfg: EngineConfig) -> EnginePlan:
     """Everything the weights are not needed for: the folders, the config, the weights'
     headers, device, dtypes, attention backend, max_model_len and (unless it is sized from
-    the GPU memory left once the weights are in) the pool. ValueError naming what is wrong."""
+    the GPU memory left once the weights are in) the pool. ValueError naming what is wrong.
+    A loaded model (`torch.nn.Module`) is planned around as it is: see `plan_shared`."""
+    if isinstance(model, torch.nn.Module):
+        return plan_shared(model, tokenizer, dtype, device, cfg)
     path = loader.resolve_model_dir(model)
     tok_path = (path if tokenizer is None else
                 loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
@@ -160,9 +171,40 @@ def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
     dev = resolve_device(device)
     dev = dev if k == 1 or dev.type != "cuda" else torch.device("cuda", 0)  # rank 0's GPU
     check_tp(config, k, dev)
-    model_dtype = loader.resolve_dtype(dtype, config)
+    return _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+
+
+def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
+                dtype: str | torch.dtype, device: str | torch.device | None,
+                cfg: EngineConfig) -> EnginePlan:
+    """The plan for a model the caller holds: its device and dtype (an explicit other one is
+    refused: nothing is copied), its config, tokenizer from `tokenizer` or the folder it was
+    loaded from (else none: token-id prompts), one rank."""
+    config = check_module(module)
+    loader.check_supported(config)
+    dev, mdtype = module_device(module), module_dtype(module)
+    if device is not None and resolve_device(device) != dev:
+        raise ValueError(f"device must be None or the model's own device ({dev}): a loaded "
+                         f"model is used where it is, got {device!r}")
+    if dtype not in ("auto", mdtype, str(mdtype).removeprefix("torch.")):
+        raise ValueError(f"dtype must be 'auto' or the model's own dtype ({mdtype}): a loaded "
+                         f"model is used as it is, got {dtype!r}")
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size must be 1 for a loaded model (its weights are "
+                         f"not split), got {cfg.tensor_parallel_size}")
+    folder = module_folder(module)
+    tok_path = (folder if tokenizer is None else
+                loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
+    path = folder or Path(str(getattr(module, "name_or_path", "") or type(module).__name__))
+    return replace(_plan(path, tok_path, config, dev, mdtype, cfg), module=module)
+
+
+def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torch.device,
+          model_dtype: torch.dtype, cfg: EngineConfig) -> EnginePlan:
+    """The plan's KV side: this rank's geometry, the pool's layout, the backends to try and
+    (unless the GPU's free memory sizes it) the pool."""
     geo = loader.kv_geometry(config)
-    geo = replace(geo, num_kv_heads=geo.num_kv_heads // k)  # this rank's share
+    geo = replace(geo, num_kv_heads=geo.num_kv_heads // cfg.tensor_parallel_size)
     layout = kv_layout(cfg, geo, model_dtype)
     backends = backend_candidates(cfg.attention_backend, BackendQuery(
         dev, model_dtype, layout.kv_dtype, geo.head_dim))
@@ -232,20 +274,27 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
     attention specs probed from the loaded model."""
     if plan.device.type == "cpu":
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
-    tokenizer = loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
-    model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
-                              cfg.trust_remote_code, cfg.tensor_parallel_size)
-    gen = loader.load_generation_config(plan.path)
+    tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
+                 if plan.tokenizer_path is not None else None)
+    if plan.module is not None:  # the caller's model: no load, its attention switched per forward
+        model, gen = plan.module, getattr(plan.module, "generation_config", None)
+        with paged_forward(model):
+            specs = probe_specs(model, plan.geo.num_layers, plan.device)
+    else:
+        model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
+                                  cfg.trust_remote_code, cfg.tensor_parallel_size)
+        gen = loader.load_generation_config(plan.path)
+        specs = probe_specs(model, plan.geo.num_layers, plan.device)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
-                      model.get_output_embeddings().weight.shape[0],
-                      probe_specs(model, plan.geo.num_layers, plan.device))
+                      model.get_output_embeddings().weight.shape[0], specs)
 
 
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
-                 make_backend: Callable[[KVCache], AttentionBackend]) -> ModelRunner:
+                 make_backend: Callable[[KVCache], AttentionBackend], shared: bool = False
+                 ) -> ModelRunner:
     """A rank's runner: its pool (its KV heads), the backend over it, its step buffers and
-    its host swap pool."""
+    its host swap pool; `shared`: the model is the caller's (attention switched per forward)."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device)
     backend = make_backend(cache)
@@ -253,7 +302,7 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
                         device)
     host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
-    return ModelRunner(model, cache, backend, inputs, host)
+    return ModelRunner(model, cache, backend, inputs, host, shared)
 
 
 @dataclass(frozen=True)
@@ -341,7 +390,7 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
         return backend
 
     setup = _runner_setup(plan, cfg, pool, "")
-    local = build_runner(parts.model, setup, plan.device, make_backend)
+    local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
@@ -359,9 +408,10 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
 def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
                     max_model_len: int, tp_size: int) -> None:
     """Decode steps as CUDA graphs, where the device and the backend allow them."""
-    if tp_size > 1:
+    if tp_size > 1 or runner.shared or cfg.enable_sleep_mode:
         logger.info("enforce_eager=False: CUDA graphs are not captured with "
-                    "tensor_parallel_size > 1 (every rank would need them); running eagerly")
+                    "tensor_parallel_size > 1, a shared model or sleep mode (their addresses "
+                    "change); running eagerly")
         return
     if plan.device.type != "cuda" or not runner.backend.supports_graphs:
         logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "
