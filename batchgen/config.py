@@ -191,10 +191,17 @@ def size_pool(cfg: EngineConfig, layout: KVLayout, device: torch.device,
     return PoolSize(num_blocks, max_len, host)
 
 
+def cpu_kv_budget() -> int:
+    """The CPU pool's default bytes: 4 GiB (vLLM's CPU default), at most half the host's
+    available memory (a trainer in the same process needs the rest)."""
+    return min(DEFAULT_CPU_KV_BYTES, host_available_bytes() // 2)
+
+
 def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
                 gpu_free_bytes: int | None, model_max_len: int) -> int:
     """Blocks in the pool: given outright, from a byte budget, or from the device's free memory
-    (GPU) / a 4 GiB default (CPU), never more than the engine could ever use."""
+    (GPU) / the CPU default (`cpu_kv_budget`), never more than the engine could ever use:
+    max_num_seqs sequences of max_model_len tokens (and the scratch block)."""
     bs = cfg.block_size
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
@@ -204,9 +211,14 @@ def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
             raise ValueError(f"kv_cache_memory must hold at least one block of {bs} tokens "
                              f"({bs * bytes_per_token} bytes), got {cfg.kv_cache_memory}")
         return blocks
-    budget = gpu_free_bytes if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+    budget = gpu_free_bytes if device.type == "cuda" else cpu_kv_budget()
     one_seq = blocks_for(model_max_len, bs) * bs * bytes_per_token
     if budget is None or budget < one_seq:
+        if device.type != "cuda":
+            raise ValueError(
+                f"one sequence of max_model_len={model_max_len} tokens needs {one_seq} bytes "
+                f"of KV cache, and the CPU default is {budget} (4 GiB, at most half the "
+                "available memory); lower max_model_len, or pass kv_cache_memory")
         raise ValueError(
             f"one sequence of max_model_len={model_max_len} tokens needs {one_seq} bytes of KV "
             f"cache, and gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "

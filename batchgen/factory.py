@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -367,15 +368,23 @@ class Assembled:
 def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembled:
     """Load the model, size a GPU pool from what it left, build the runner on every rank and
     the engine around rank 0's."""
+    # a colocated trainer's tensors (a shared model's weights too) are not batchgen's use
+    foreign = (torch.cuda.memory_allocated(plan.device)
+               if plan.pool is None and plan.device.type == "cuda" else 0)
     parts = load_parts(plan, cfg)
     pool, reserve = plan.pool, None
     if pool is None:
         reserve = _gpu_reserve(plan, cfg, parts.specs)
+
+        def local_budget() -> int:
+            with paged_forward(parts.model) if plan.module is not None else nullcontext():
+                return device_kv_budget(parts.model, plan.max_step_tokens(cfg),
+                                        cfg.max_num_seqs, plan.device,
+                                        cfg.gpu_memory_utilization, sum(reserve), foreign)
+
         budget = executor.kv_budget(
             (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
-             sum(reserve)),
-            lambda: device_kv_budget(parts.model, plan.max_step_tokens(cfg), cfg.max_num_seqs,
-                                     plan.device, cfg.gpu_memory_utilization, sum(reserve)))
+             sum(reserve)), local_budget)
         pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
     if pool.max_model_len < plan.layout.target_len:
         logger.info("max_model_len = %d, what the KV pool holds (the model allows %d)",
