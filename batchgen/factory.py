@@ -122,6 +122,10 @@ class Executor(Protocol):
         """The GPU pool's bytes: this rank's `local()` budget, the tightest over ranks."""
         ...
 
+    def agree(self, pool: PoolSize) -> PoolSize:
+        """A pool sized before the weights, as every rank will build it."""
+        ...
+
     def runner(self, local: ModelRunner) -> Runner:
         """The engine's runner around this rank's ModelRunner."""
         ...
@@ -143,6 +147,9 @@ class LocalExecutor:
 
     def kv_budget(self, profile: tuple[int, int, float, int], local: Callable[[], int]) -> int:
         return local()
+
+    def agree(self, pool: PoolSize) -> PoolSize:
+        return pool
 
     def runner(self, local: ModelRunner) -> Runner:
         return local
@@ -170,7 +177,9 @@ def plan_engine(model: str | os.PathLike | torch.nn.Module,
     loader.check_weights(path)
     k = cfg.tensor_parallel_size
     dev = resolve_device(device)
-    dev = dev if k == 1 or dev.type != "cuda" else torch.device("cuda", 0)  # rank 0's GPU
+    if k > 1 and dev.type == "cuda":  # rank 0's GPU; under an external launcher, this rank's
+        external = cfg.distributed_executor_backend == "external_launcher"
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if external else 0)
     check_tp(config, k, dev)
     return _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
 
@@ -386,6 +395,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
             (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
              sum(reserve)), local_budget)
         pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
+    else:
+        pool = executor.agree(pool)
     if pool.max_model_len < plan.layout.target_len:
         logger.info("max_model_len = %d, what the KV pool holds (the model allows %d)",
                     pool.max_model_len, plan.layout.target_len)

@@ -1,6 +1,7 @@
 """`load_weights`: new values for the model's parameters, by the names the HF model has them
 (what an RL trainer sends after each optimizer step, vLLM's `model.load_weights` form).
 
+Under tensor parallelism each rank is sent the full tensor and keeps its own shard.
 Names from wrapped trainers are unwrapped first: FSDP, activation checkpointing and
 torch.compile wrappers (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, `_orig_mod.`,
 DDP's leading `module.`) and PEFT (`base_model.model.` in front, `.base_layer` inside,
@@ -58,11 +59,26 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             raise ValueError(f"weights: {name!r} must have shape {tuple(target.shape)}, got "
                              f"{tuple(tensor.shape)} (tensor-parallel shards are not loaded "
                              "here: send the full tensor)")
-        if not _same_memory(tensor, target):
+        if hasattr(target, "to_local"):  # a tensor-parallel shard: this rank's part
+            _copy_shard(target, tensor)
+        elif not _same_memory(tensor, target):
             with torch.no_grad():
                 target.copy_(tensor.detach())
         loaded.add(key)
     return loaded
+
+
+def _copy_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of `full` into a DTensor parameter, cut locally by the
+    parameter's own placements (no communication: every rank was sent the full tensor)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    local = target.to_local()  # type: ignore[attr-defined]
+    src = full.detach().to(device=local.device, dtype=local.dtype)
+    shard = distribute_tensor(src, target.device_mesh, target.placements,  # type: ignore[attr-defined]
+                              src_data_rank=None).to_local()
+    with torch.no_grad():
+        local.copy_(shard)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
