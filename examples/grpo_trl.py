@@ -10,7 +10,8 @@ per-step weight sync copies nothing); without it batchgen loads the folder and T
 weights in after each optimizer step, as with vLLM.
 
     python examples/grpo_trl.py [MODEL_DIR] [--steps 5] [--temperature 0.7] [--sleep-mode]
-                                [--share-weights] [--max-model-len N] [--json OUT]
+                                [--share-weights] [--max-model-len N] [--learning-rate LR]
+                                [--json OUT]
 
 Without MODEL_DIR it uses a tiny random model (made once under ~/.cache/batchgen/models).
 Needs TRL (`pip install trl`); prints each step's logp-difference metrics.
@@ -55,6 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share-weights", action="store_true",
                    help="generate from the trainer's module (batchgen.vllm_compat.share)")
     p.add_argument("--max-model-len", type=int, default=256)
+    p.add_argument("--learning-rate", type=float, default=1e-5)
     p.add_argument("--json", help="write the per-step metrics here")
     return p.parse_args(argv)
 
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
             output_dir=out, use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to="none",
             max_steps=args.steps, per_device_train_batch_size=8, num_generations=4,
             max_completion_length=12, temperature=args.temperature, logging_steps=1,
-            learning_rate=5e-3, save_strategy="no", seed=0, bf16=False,
+            learning_rate=args.learning_rate, save_strategy="no", seed=0, bf16=False,
             vllm_enable_sleep_mode=args.sleep_mode, vllm_max_model_length=args.max_model_len,
             dataloader_num_workers=0)
         trainer = GRPOTrainer(model=model, reward_funcs=vowel_reward, args=config,
