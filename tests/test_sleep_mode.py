@@ -75,6 +75,8 @@ def test_sleep_arguments_are_checked(model_dir) -> None:
         llm.sleep(level=3)
     with pytest.raises(ValueError, match=r"^tags must be None or a list of \('weights', "):
         llm.wake_up(tags=["kv"])
+    with pytest.raises(ValueError, match=r"got 'weights'$"):  # a list, not a string
+        llm.wake_up(tags="weights")
     assert not llm.is_sleeping()
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2),
                         use_tqdm=False)

@@ -54,9 +54,9 @@ class SleepState:
     def wake_up(self, tags: Iterable[str] | None = None) -> None:
         """Restore what `tags` name (both when None): the pool (zeroed) and the weights (their
         offloaded values, or zeros to be overwritten by load_weights)."""
+        check(tags is None or (not isinstance(tags, str) and all(t in TAGS for t in tags)),
+              "tags", f"None or a list of {TAGS}", tags)
         tags = list(TAGS if tags is None else tags)
-        check(not isinstance(tags, str) and all(t in TAGS for t in tags), "tags",
-              f"None or a list of {TAGS}", tags)
         if KV_CACHE in tags and KV_CACHE in self.asleep:
             self.cache.pool.untyped_storage().resize_(self._pool_bytes)
             self.cache.pool.zero_()
