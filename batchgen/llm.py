@@ -35,14 +35,15 @@ STREAM_WINDOW = 2
 
 
 class LLM:
-    """A local HF model folder served from one paged KV pool.
+    """A local HF model folder (or a loaded transformers model, used as it is) served from one
+    paged KV pool.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str | os.PathLike | torch.nn.Module, *, tokenizer: str | os.PathLike | None = None,
-                 block_size: int = 16, max_model_len: int | None = None,
+    def __init__(self, model: str | os.PathLike | torch.nn.Module, *,
+                 tokenizer: str | os.PathLike | None = None, block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
@@ -252,7 +253,9 @@ class LLM:
             raise RuntimeError(f"this LLM is already running a call (an open generate_stream "
                                f"or beam_search_stream): finish or close it before {what}")
         if tp_limit is not None and self._tp_size > tp_limit:
-            raise ValueError(f"{what} needs tensor_parallel_size=1 (got {self._tp_size})")
+            raise ValueError(f"{what} needs tensor_parallel_size=1 or distributed_executor_"
+                             f"backend='external_launcher' (got {self._tp_size} ranks that "
+                             "batchgen started)")
 
 
 def _length(prompts: object) -> int | None:
