@@ -23,6 +23,7 @@ from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 from batchgen.model.loader import KVGeometry
+from batchgen.sampling.logprobs_mode import check_logprobs_mode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -30,6 +31,12 @@ DEFAULT_MAX_MODEL_LEN = 2048
 # pool under it could run no request at all.
 MIN_MODEL_LEN = 2
 PREEMPTION_MODES = ("recompute", "swap")
+# vLLM's engine arguments batchgen accepts, with the values it can honour: the model code is
+# always transformers' own; workers are batchgen's ("mp"), none ("uni", one rank) or the
+# caller's world ("external_launcher"); weights are the checkpoint's (no on-the-fly quantizing).
+MODEL_IMPLS = ("auto", "transformers")
+EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher")
+QUANTIZATIONS = (None,)
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -55,6 +62,11 @@ class EngineConfig:
     trust_remote_code: bool = False
     swap_space: float = 0  # GiB of host RAM per rank for swapped-out blocks (vLLM's unit)
     preemption_mode: str | None = None  # None: "swap" when swap_space > 0, else "recompute"
+    logprobs_mode: str = "raw_logprobs"  # vLLM's: what sample and prompt logprobs report
+    enable_sleep_mode: bool = False  # sleep()/wake_up() free and restore the KV pool
+    model_impl: str = "auto"
+    distributed_executor_backend: str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -75,8 +87,21 @@ class EngineConfig:
         check_int(self.tensor_parallel_size, "tensor_parallel_size")
         self.seed = check_seed(self.seed)
         self._check_swap()
+        self._check_vllm_args()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
+
+    def _check_vllm_args(self) -> None:
+        """vLLM's arguments that batchgen honours or refuses (ValueError with the choices)."""
+        check_logprobs_mode(self.logprobs_mode)
+        check_flag(self.enable_sleep_mode, "enable_sleep_mode")
+        check_choice(self.model_impl, "model_impl", MODEL_IMPLS)
+        check_choice(self.distributed_executor_backend, "distributed_executor_backend",
+                     EXECUTOR_BACKENDS)
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank: it needs "
+                             f"tensor_parallel_size=1, got {self.tensor_parallel_size}")
+        check_choice(self.quantization, "quantization", QUANTIZATIONS)
 
     def _check_swap(self) -> None:
         """swap_space: GiB >= 0 that the host can give (every rank has its own host pool);
@@ -167,10 +192,17 @@ def size_pool(cfg: EngineConfig, layout: KVLayout, device: torch.device,
     return PoolSize(num_blocks, max_len, host)
 
 
+def cpu_kv_budget() -> int:
+    """The CPU pool's default bytes: 4 GiB (vLLM's CPU default), at most half the host's
+    available memory (a trainer in the same process needs the rest)."""
+    return min(DEFAULT_CPU_KV_BYTES, host_available_bytes() // 2)
+
+
 def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
                 gpu_free_bytes: int | None, model_max_len: int) -> int:
     """Blocks in the pool: given outright, from a byte budget, or from the device's free memory
-    (GPU) / a 4 GiB default (CPU), never more than the engine could ever use."""
+    (GPU) / the CPU default (`cpu_kv_budget`), never more than the engine could ever use:
+    max_num_seqs sequences of max_model_len tokens (and the scratch block)."""
     bs = cfg.block_size
     if cfg.num_kv_blocks is not None:
         return cfg.num_kv_blocks
@@ -180,9 +212,14 @@ def pool_blocks(cfg: EngineConfig, bytes_per_token: int, device: torch.device,
             raise ValueError(f"kv_cache_memory must hold at least one block of {bs} tokens "
                              f"({bs * bytes_per_token} bytes), got {cfg.kv_cache_memory}")
         return blocks
-    budget = gpu_free_bytes if device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+    budget = gpu_free_bytes if device.type == "cuda" else cpu_kv_budget()
     one_seq = blocks_for(model_max_len, bs) * bs * bytes_per_token
     if budget is None or budget < one_seq:
+        if device.type != "cuda":
+            raise ValueError(
+                f"one sequence of max_model_len={model_max_len} tokens needs {one_seq} bytes "
+                f"of KV cache, and the CPU default is {budget} (4 GiB, at most half the "
+                "available memory); lower max_model_len, or pass kv_cache_memory")
         raise ValueError(
             f"one sequence of max_model_len={model_max_len} tokens needs {one_seq} bytes of KV "
             f"cache, and gpu_memory_utilization={cfg.gpu_memory_utilization} leaves "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -42,6 +43,13 @@ from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
+from batchgen.model.shared import (
+    check_module,
+    module_device,
+    module_dtype,
+    module_folder,
+    paged_forward,
+)
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -63,7 +71,7 @@ class EnginePlan:
     memory the weights leave) the pool."""
 
     path: Path
-    tokenizer_path: Path
+    tokenizer_path: Path | None  # None: a shared module from no folder, and no tokenizer given
     config: PretrainedConfig
     device: torch.device
     dtype: torch.dtype
@@ -71,6 +79,7 @@ class EnginePlan:
     layout: KVLayout
     backends: list[Candidate]  # best first
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
+    module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -116,6 +125,10 @@ class Executor(Protocol):
         """The GPU pool's bytes: this rank's `local()` budget, the tightest over ranks."""
         ...
 
+    def agree(self, pool: PoolSize) -> PoolSize:
+        """A pool sized before the weights, as every rank will build it."""
+        ...
+
     def runner(self, local: ModelRunner) -> Runner:
         """The engine's runner around this rank's ModelRunner."""
         ...
@@ -138,6 +151,9 @@ class LocalExecutor:
     def kv_budget(self, profile: tuple[int, int, float, int], local: Callable[[], int]) -> int:
         return local()
 
+    def agree(self, pool: PoolSize) -> PoolSize:
+        return pool
+
     def runner(self, local: ModelRunner) -> Runner:
         return local
 
@@ -148,12 +164,15 @@ class LocalExecutor:
         pass
 
 
-def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
-                dtype: str | torch.dtype, device: str | torch.device | None,
-                cfg: EngineConfig) -> EnginePlan:
+def plan_engine(model: str | os.PathLike | torch.nn.Module,
+                tokenizer: str | os.PathLike | None, dtype: str | torch.dtype,
+                device: str | torch.device | None, cfg: EngineConfig) -> EnginePlan:
     """Everything the weights are not needed for: the folders, the config, the weights'
     headers, device, dtypes, attention backend, max_model_len and (unless it is sized from
-    the GPU memory left once the weights are in) the pool. ValueError naming what is wrong."""
+    the GPU memory left once the weights are in) the pool. ValueError naming what is wrong.
+    A loaded model (`torch.nn.Module`) is planned around as it is: see `plan_shared`."""
+    if isinstance(model, torch.nn.Module):
+        return plan_shared(model, tokenizer, dtype, device, cfg)
     path = loader.resolve_model_dir(model)
     tok_path = (path if tokenizer is None else
                 loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
@@ -161,10 +180,47 @@ def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
     loader.check_weights(path)
     k = cfg.tensor_parallel_size
     dev = resolve_device(device)
-    dev = dev if k == 1 or dev.type != "cuda" else torch.device("cuda", 0)  # rank 0's GPU
+    if k > 1 and dev.type == "cuda":  # rank 0's GPU; under an external launcher, this rank's
+        external = cfg.distributed_executor_backend == "external_launcher"
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if external else 0)
     check_tp(config, k, dev)
-    model_dtype = loader.resolve_dtype(dtype, config)
-    geo = loader.kv_geometry(config)
+    return _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+
+
+def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
+                dtype: str | torch.dtype, device: str | torch.device | None,
+                cfg: EngineConfig) -> EnginePlan:
+    """The plan for a model the caller holds: its device and dtype (an explicit other one is
+    refused: nothing is copied), its config, tokenizer from `tokenizer` or the folder it was
+    loaded from (else none: token-id prompts), one rank."""
+    config = check_module(module)
+    loader.check_supported(config)
+    dev, mdtype = module_device(module), module_dtype(module)
+    if device is not None and resolve_device(device) != dev:
+        raise ValueError(f"device must be None or the model's own device ({dev}): a loaded "
+                         f"model is used where it is, got {device!r}")
+    if dtype not in ("auto", mdtype, str(mdtype).removeprefix("torch.")):
+        raise ValueError(f"dtype must be 'auto' or the model's own dtype ({mdtype}): a loaded "
+                         f"model is used as it is, got {dtype!r}")
+    if cfg.tensor_parallel_size != 1:
+        raise ValueError("tensor_parallel_size must be 1 for a loaded model (its weights are "
+                         f"not split), got {cfg.tensor_parallel_size}")
+    folder = module_folder(module)
+    tok_path = (folder if tokenizer is None else
+                loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
+    path = folder or Path(str(getattr(module, "name_or_path", "") or type(module).__name__))
+    # the trainer's forward runs through the same MLA modules: they keep their expand_kv, so
+    # the pool holds decompressed K/V (no latent seam installed on a module we do not own)
+    return replace(_plan(path, tok_path, config, dev, mdtype, cfg, latent=False), module=module)
+
+
+def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torch.device,
+          model_dtype: torch.dtype, cfg: EngineConfig, latent: bool | None = None
+          ) -> EnginePlan:
+    """The plan's KV side: this rank's geometry, the pool's layout, the backends to try and
+    (unless the GPU's free memory sizes it) the pool."""
+    geo = loader.kv_geometry(config, latent)
+    k = cfg.tensor_parallel_size
     if geo.latent and k > 1:
         raise ValueError(f"tensor_parallel_size={k}: an MLA latent cache has one KV head to "
                          "split; use tensor_parallel_size=1 or BATCHGEN_MLA_CACHE=decompressed")
@@ -238,16 +294,22 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
     attention specs probed from the loaded model."""
     if plan.device.type == "cpu":
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
-    tokenizer = loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
-    model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
-                              cfg.trust_remote_code, cfg.tensor_parallel_size)
-    gen = loader.load_generation_config(plan.path)
-    if plan.geo.latent:
-        install_mla_latent(model, plan.geo.num_layers)
+    tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
+                 if plan.tokenizer_path is not None else None)
+    if plan.module is not None:  # the caller's model: no load, its attention switched per forward
+        model, gen = plan.module, getattr(plan.module, "generation_config", None)
+        with paged_forward(model):
+            specs = probe_specs(model, plan.geo.num_layers, plan.device)
+    else:
+        model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
+                                  cfg.trust_remote_code, cfg.tensor_parallel_size)
+        gen = loader.load_generation_config(plan.path)
+        if plan.geo.latent:
+            install_mla_latent(model, plan.geo.num_layers)
+        specs = probe_specs(model, plan.geo.num_layers, plan.device)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
-                      model.get_output_embeddings().weight.shape[0],
-                      probe_specs(model, plan.geo.num_layers, plan.device))
+                      model.get_output_embeddings().weight.shape[0], specs)
 
 
 def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
@@ -261,9 +323,10 @@ def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
 
 
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
-                 make_backend: Callable[[KVCache], AttentionBackend]) -> ModelRunner:
+                 make_backend: Callable[[KVCache], AttentionBackend], shared: bool = False
+                 ) -> ModelRunner:
     """A rank's runner: its pool (its KV heads), the backend over it, its step buffers and
-    its host swap pool."""
+    its host swap pool; `shared`: the model is the caller's (attention switched per forward)."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent)
     backend = make_backend(cache)
@@ -271,7 +334,7 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
                         device)
     host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
-    return ModelRunner(model, cache, backend, inputs, host)
+    return ModelRunner(model, cache, backend, inputs, host, shared)
 
 
 @dataclass(frozen=True)
@@ -289,6 +352,7 @@ class EngineShape:
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     device: torch.device = torch.device("cpu")
+    logprobs_mode: str = "raw_logprobs"
 
 
 def build_engine(shape: EngineShape, runner: Runner) -> Engine:
@@ -302,7 +366,8 @@ def build_engine(shape: EngineShape, runner: Runner) -> Engine:
     kv = KVManager(bm, batch)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
-    return Engine(scheduler, runner, Sampler(), OutputProcessor(kv))
+    return Engine(scheduler, runner, Sampler(logprobs_mode=shape.logprobs_mode),
+                  OutputProcessor(kv))
 
 
 def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
@@ -334,16 +399,26 @@ class Assembled:
 def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembled:
     """Load the model, size a GPU pool from what it left, build the runner on every rank and
     the engine around rank 0's."""
+    # a colocated trainer's tensors (a shared model's weights too) are not batchgen's use
+    foreign = (torch.cuda.memory_allocated(plan.device)
+               if plan.pool is None and plan.device.type == "cuda" else 0)
     parts = load_parts(plan, cfg)
     pool, reserve = plan.pool, None
     if pool is None:
         reserve = _gpu_reserve(plan, cfg, parts.specs)
+
+        def local_budget() -> int:
+            with paged_forward(parts.model) if plan.module is not None else nullcontext():
+                return device_kv_budget(parts.model, plan.max_step_tokens(cfg),
+                                        cfg.max_num_seqs, plan.device,
+                                        cfg.gpu_memory_utilization, sum(reserve), foreign)
+
         budget = executor.kv_budget(
             (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
-             sum(reserve)),
-            lambda: device_kv_budget(parts.model, plan.max_step_tokens(cfg), cfg.max_num_seqs,
-                                     plan.device, cfg.gpu_memory_utilization, sum(reserve)))
+             sum(reserve)), local_budget)
         pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
+    else:
+        pool = executor.agree(pool)
     if pool.max_model_len < plan.layout.target_len:
         logger.info("max_model_len = %d, what the KV pool holds (the model allows %d)",
                     pool.max_model_len, plan.layout.target_len)
@@ -359,12 +434,12 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     setup = _runner_setup(plan, cfg, pool, "")
     check_pool_geometry(parts.specs, setup.num_kv_heads, setup.head_dim,
                         setup.head_dim_v or setup.head_dim)
-    local = build_runner(parts.model, setup, plan.device, make_backend)
+    local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                         cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
-                        plan.device)
+                        plan.device, cfg.logprobs_mode)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
@@ -377,9 +452,10 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
 def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
                     max_model_len: int, tp_size: int) -> None:
     """Decode steps as CUDA graphs, where the device and the backend allow them."""
-    if tp_size > 1:
+    if tp_size > 1 or runner.shared or cfg.enable_sleep_mode:
         logger.info("enforce_eager=False: CUDA graphs are not captured with "
-                    "tensor_parallel_size > 1 (every rank would need them); running eagerly")
+                    "tensor_parallel_size > 1, a shared model or sleep mode (their addresses "
+                    "change); running eagerly")
         return
     if plan.device.type != "cuda" or not runner.backend.supports_graphs:
         logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "

@@ -21,6 +21,9 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.factory import assemble, log_capacity, plan_engine
 from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.log import configure_logging
+from batchgen.model.shared import weights_version
+from batchgen.model.sleep import SleepState
+from batchgen.model.weights import load_weights
 from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
@@ -32,14 +35,15 @@ STREAM_WINDOW = 2
 
 
 class LLM:
-    """A local HF model folder served from one paged KV pool.
+    """A local HF model folder (or a loaded transformers model, used as it is) served from one
+    paged KV pool.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
-    def __init__(self, model: str | os.PathLike, *, tokenizer: str | os.PathLike | None = None,
-                 block_size: int = 16, max_model_len: int | None = None,
+    def __init__(self, model: str | os.PathLike | torch.nn.Module, *,
+                 tokenizer: str | os.PathLike | None = None, block_size: int = 16, max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
                  gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
@@ -48,7 +52,10 @@ class LLM:
                  attention_backend: str | None = None, seed: int | None = 0,
                  enforce_eager: bool = True, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, swap_space: float = 0,
-                 preemption_mode: str | None = None) -> None:
+                 preemption_mode: str | None = None, logprobs_mode: str = "raw_logprobs",
+                 enable_sleep_mode: bool = False, model_impl: str = "auto",
+                 distributed_executor_backend: str | None = None,
+                 quantization: str | None = None) -> None:
         configure_logging()
         cfg = EngineConfig(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -59,7 +66,9 @@ class LLM:
             num_kv_blocks=num_kv_blocks, attention_backend=attention_backend, seed=seed,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             trust_remote_code=trust_remote_code, swap_space=swap_space,
-            preemption_mode=preemption_mode)
+            preemption_mode=preemption_mode, logprobs_mode=logprobs_mode,
+            enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
+            distributed_executor_backend=distributed_executor_backend, quantization=quantization)
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config = plan.config
@@ -83,6 +92,12 @@ class LLM:
         c = self.cache_config
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
         self._busy = False
+        k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
+        # sleep frees owned weights at one rank only (a shard's DTensors stay); load_weights
+        # and sleep reach every rank when each runs this code itself (external_launcher)
+        self._sleep = SleepState(self.cache, self.model, plan.module is None and k == 1)
+        self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
+        self._weights_version = weights_version(self.model)
         log_capacity(built, self._executor.tp_size)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -147,6 +162,34 @@ class LLM:
             params["max_tokens"] = diff["max_new_tokens"]
         return SamplingParams(**params)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """New values for the model's parameters, by their HF names (trainer wrappers' prefixes
+        stripped, cast to the model's dtype), copied in place; then the prefix cache is reset
+        (its K/V came from the old weights). Returns the names loaded."""
+        self._check_idle("load_weights", 1)
+        self._sleep.check_awake(weights_only=True)
+        loaded = load_weights(self.model, weights)
+        self.reset_prefix_cache()
+        return loaded
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs enable_sleep_mode=True): free the KV pool; level 1 offloads
+        the weights batchgen loaded to CPU RAM, level 2 discards them (a shared model's are
+        never touched). The prefix cache is reset."""
+        self._check_idle("sleep", 1)
+        if not self._sleep_mode:
+            raise ValueError("sleep needs LLM(..., enable_sleep_mode=True)")
+        self.reset_prefix_cache()
+        self._sleep.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore what sleep freed: `tags` from ("weights", "kv_cache"), both when None."""
+        self._sleep.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether anything is asleep."""
+        return bool(self._sleep.asleep)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (False, doing nothing, while a call is running)."""
         return self.engine.kv.reset_prefix_cache()
@@ -190,9 +233,11 @@ class LLM:
         KV figures are recorded when it ends. One call at a time: a second one while a stream
         is open would mix their requests. An error or a Ctrl-C aborts the call and leaves the
         pool whole (see Engine.stream)."""
-        if self._busy:
-            raise RuntimeError("this LLM is already running a call (an open generate_stream "
-                               "or beam_search_stream): finish or close it first")
+        self._check_idle("a call", None)
+        self._sleep.check_awake()
+        if (version := weights_version(self.model)) != self._weights_version:
+            self.reset_prefix_cache()  # the weights changed (a trainer's step): stale K/V
+            self._weights_version = version
         self._busy = True
         meter = CallMeter(self.engine, total, use_tqdm)
         try:
@@ -201,6 +246,16 @@ class LLM:
         finally:
             self._busy = False
             self._last_stats = meter.close()
+
+    def _check_idle(self, what: str, tp_limit: int | None) -> None:
+        """RuntimeError while a call runs; ValueError above `tp_limit` ranks."""
+        if self._busy:
+            raise RuntimeError(f"this LLM is already running a call (an open generate_stream "
+                               f"or beam_search_stream): finish or close it before {what}")
+        if tp_limit is not None and self._tp_size > tp_limit:
+            raise ValueError(f"{what} needs tensor_parallel_size=1 or distributed_executor_"
+                             f"backend='external_launcher' (got {self._tp_size} ranks that "
+                             "batchgen started)")
 
 
 def _length(prompts: object) -> int | None:

@@ -45,6 +45,10 @@ ALONE = {  # scripts with their own small settings
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
     "startup.py": ["--repeats", "1", "--top", "3"],  # fresh interpreters: no model at all
+    # TRL's GRPO on the tiny model (its continuous-batching path is left out: minutes on a CPU)
+    "rl_rollouts.py": ["--model", "tiny", "--steps", "2", "--prompts-per-step", "2",
+                       "--num-generations", "2", "--max-completion-length", "4", "--repeats",
+                       "1", "--threads", "1", "--systems", "hf,shared"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -62,6 +66,7 @@ EXPECT = {  # lines a script must print with the settings above
     "tensor_parallel.py": ["| TP | wall s", "| all-reduce (rowwise o_proj, down_proj)",
                            "communication share of the step forward: ",
                            "greedy agreement TP=2 vs TP=1: "],
+    "rl_rollouts.py": ["| TRL, HF generate ", "| batchgen, weights shared (no copy) "],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
@@ -77,6 +82,8 @@ def test_benchmark_script_runs(script, tmp_path):
         pytest.importorskip("lm_eval")
     if script == "structured.py":
         pytest.importorskip("xgrammar")
+    if script == "rl_rollouts.py":
+        pytest.importorskip("trl")
     out = tmp_path / "result.json"
     argv = ALONE[script] if script in ALONE else [*SMALL, *RUNS[script]]
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", *argv,

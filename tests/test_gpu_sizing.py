@@ -30,6 +30,20 @@ def test_budget_is_utilization_minus_weights_activations_and_memory_outside_torc
     assert budget == int(80 * GiB * 0.9) - 16 * GiB - 3 * GiB - 2 * GiB - GiB // 2
 
 
+def test_a_colocated_trainers_memory_is_not_counted_as_batchgens_own():
+    # the same card, but 30 GiB of the 46 GiB torch holds belonged to a trainer before batchgen
+    # loaded its 16 GiB: utilization is batchgen's share (vLLM's meaning), capped by what is free
+    kw = dict(total=80 * GiB, reserved=47 * GiB, activation_peak=3 * GiB, other=GiB // 2)
+    budget = gpu_kv_budget(free=80 * GiB - 49 * GiB, allocated=46 * GiB, utilization=0.3,
+                           foreign=30 * GiB, **kw)
+    assert budget == int(80 * GiB * 0.3) - 16 * GiB - 3 * GiB - 2 * GiB - GiB // 2
+    capped = gpu_kv_budget(free=80 * GiB - 49 * GiB, allocated=46 * GiB, utilization=0.9,
+                           foreign=30 * GiB, **kw)
+    assert capped == (31 * GiB + GiB) - 3 * GiB - GiB // 2  # free + cached-unused, less the rest
+    assert gpu_kv_budget(free=80 * GiB - 49 * GiB, allocated=46 * GiB, utilization=0.9, **kw) \
+        == int(80 * GiB * 0.9) - 46 * GiB - 3 * GiB - 2 * GiB - GiB // 2  # no trainer: as before
+
+
 def test_a_pool_that_cannot_hold_one_sequence_says_what_it_needs():
     cfg = EngineConfig(block_size=16, gpu_memory_utilization=0.5)
     with pytest.raises(ValueError, match=r"max_model_len=4096 tokens needs 134217728 bytes.*"
@@ -102,7 +116,7 @@ def test_llm_keeps_the_backend_reserve_out_of_the_gpu_budget(tiny_model_factory,
 
     asked = []
 
-    def budget(model, num_tokens, num_logits, device, utilization, other):
+    def budget(model, num_tokens, num_logits, device, utilization, other, foreign=0):
         asked.append(other)
         return 64 * MiB
 

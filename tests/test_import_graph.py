@@ -24,7 +24,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.factory", "batchgen.progress"),  # building an engine; a call's figures
     ("batchgen.distributed",),  # tensor parallelism: workers, the TP executor
     ("batchgen", "batchgen.llm"),  # the user's API
-    ("batchgen.data", "batchgen.eval", "batchgen.batch_api"),  # jobs on an LLM
+    ("batchgen.data", "batchgen.eval", "batchgen.batch_api",
+     "batchgen.vllm_compat"),  # jobs on an LLM; vLLM's module names over it
     ("batchgen.ray",),  # dataset jobs on Ray Data
     ("batchgen.cli", "batchgen.tools", "batchgen.__main__"),  # commands
 ]

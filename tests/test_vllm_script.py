@@ -385,9 +385,13 @@ def test_kv_cache_memory_and_its_vllm_name_are_exclusive(folders):
         LLM(folders[0], kv_cache_memory=2**20, kv_cache_memory_bytes=2**20)
 
 
-def test_a_model_object_is_a_type_error(folders):
-    with pytest.raises(TypeError, match="save_pretrained"):
-        LLM(load_hf_model(folders[0]))
+def test_a_model_object_is_generated_from_as_it_is(folders):
+    # batchgen's extension (RL trainers): no copy; tests/test_shared_model.py covers it fully
+    model = load_hf_model(folders[0])
+    llm = LLM(model, tokenizer=str(folders[1]), num_kv_blocks=8)
+    assert llm.model is model and model.config._attn_implementation == "eager"
+    with pytest.raises(TypeError, match="save_pretrained"):  # a tokenizer is still a folder
+        LLM(folders[0], tokenizer=model, num_kv_blocks=8)
 
 
 def test_home_is_expanded(folders, tmp_path, monkeypatch):

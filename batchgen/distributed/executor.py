@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from batchgen.config import EngineConfig
+from batchgen.config import EngineConfig, PoolSize
 from batchgen.distributed.driver import start_group
+from batchgen.distributed.external import ExternalExecutor, join_world
 from batchgen.distributed.group import TPGroup, WorkerDied
 from batchgen.distributed.runner import TPRunner
 from batchgen.engine.engine import Runner
@@ -20,6 +21,10 @@ class TPExecutor:
     def __init__(self, group: TPGroup) -> None:
         self.group = group
         self.tp_size = group.spec.tp_size
+
+    def agree(self, pool: PoolSize) -> PoolSize:
+        """Rank 0 sizes the pool and sends it with the setup."""
+        return pool
 
     def setup(self, setup: RunnerSetup) -> None:
         """Every worker builds the same runner over its local heads."""
@@ -48,7 +53,12 @@ class TPExecutor:
 
 
 def start_executor(owner: object, plan: EnginePlan, cfg: EngineConfig) -> Executor:
-    """This process alone (tensor_parallel_size 1), or the started group's rank 0 (stopped
-    when `owner` is collected or the interpreter exits)."""
+    """This process alone (tensor_parallel_size 1), one rank of the caller's world
+    (external_launcher), or the started group's rank 0 (stopped when `owner` is collected or
+    the interpreter exits)."""
+    k = cfg.tensor_parallel_size
+    if cfg.distributed_executor_backend == "external_launcher" and k > 1:
+        join_world(k, plan.device)
+        return ExternalExecutor(k, plan.device)
     group = start_group(owner, plan.path, plan.config, plan.dtype, plan.device, cfg)
     return LocalExecutor() if group is None else TPExecutor(group)

@@ -12,9 +12,10 @@ from batchgen.attention.metadata import StepRows
 from batchgen.engine.layout import PromptRows, step_layout
 from batchgen.engine.output_processor import OutputProcessor, StepStats
 from batchgen.engine.scheduler import Scheduler, StepPlan
-from batchgen.engine.sequence import SequenceGroup
+from batchgen.engine.sequence import RowSpec, SequenceGroup
 from batchgen.sampling.grammar import mask_beams
-from batchgen.sampling.sampler import RankedLogprobs, Sampler, ranked_logprobs
+from batchgen.sampling.logprobs_mode import RAW_LOGPROBS, is_processed, reported
+from batchgen.sampling.sampler import RankedLogprobs, Sampler, apply_warpers, ranked_logprobs
 from batchgen.transfer import to_device
 
 
@@ -115,7 +116,8 @@ class Engine:
                 picked = logits[to_device(layout.sample_rows, logits.device)]
             sampled = self.sampler(picked, self.kv.batch.sampling_columns(at.slots, at.index))
         beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else {}
-        prompt = prompt_logprobs(logits, layout.prompt_rows) if layout.prompt_rows else []
+        prompt = (prompt_logprobs(logits, layout.prompt_rows, self.sampler.logprobs_mode)
+                  if layout.prompt_rows else [])
         stats = self.outputs.apply(layout, at, sampled, beams, prompt)
         self.scheduler.retire(stats.finished)
         return stats
@@ -139,14 +141,37 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any,
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...]
-                    ) -> list[RankedLogprobs | None]:
-    """Raw logprobs of prompt tokens (each row scores the next prompt token), with the top
-    `prompt_logprobs` and ranks; all rows of the step in one call."""
-    rows, targets, ks = [], [], []
+def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...],
+                    mode: str = RAW_LOGPROBS) -> list[RankedLogprobs | None]:
+    """Logprobs of prompt tokens (each row scores the next prompt token) as `mode` says, with
+    the top `prompt_logprobs` and ranks; all rows of the step in one call."""
+    rows, targets, ks, specs = [], [], [], []
     for p in prompt_rows:
         rows += range(p.row, p.row + p.count)
         targets += p.group.prompt_token_ids[p.first:p.first + p.count]
         ks += [p.group.params.prompt_logprobs] * p.count
-    lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)], dim=-1)
-    return ranked_logprobs(lp, to_device(np.array(targets, np.int64), lp.device), ks)
+        specs += [p.group.spec] * p.count
+    picked = logits[to_device(np.array(rows, np.int64), logits.device)]
+    if mode == RAW_LOGPROBS:
+        scores = torch.log_softmax(picked, dim=-1)
+    else:
+        raw = picked.float()
+        processed = processed_prompt_logits(raw, specs) if is_processed(mode) else None
+        values, norm = reported(mode, raw, processed)
+        scores = values - norm[:, None]
+    return ranked_logprobs(scores, to_device(np.array(targets, np.int64), picked.device), ks)
+
+
+def processed_prompt_logits(raw: torch.Tensor, specs: list[RowSpec]) -> torch.Tensor:
+    """Prompt rows' logits after their request's temperature, top-k, top-p and min-p (the
+    distribution a token there would be drawn from; greedy requests' rows stay raw). Penalties
+    and logit controls act on generated tokens only, so they are not applied here."""
+    sampled = np.array([not s.greedy for s in specs], bool)
+    if not sampled.any():
+        return raw
+    at = np.flatnonzero(sampled)
+    p = np.stack([specs[i].params for i in at.tolist()])
+    idx = to_device(at, raw.device)
+    out = raw.clone()
+    out[idx] = apply_warpers(raw[idx], p, to_device(p, raw.device))
+    return out

@@ -128,19 +128,21 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
     return _DTYPES[dtype]
 
 
-def kv_geometry(config: PretrainedConfig) -> KVGeometry:
+def kv_geometry(config: PretrainedConfig, latent: bool | None = None) -> KVGeometry:
     """Layers, KV heads and K/V widths of the attention layers, from the config. MLA layers
     (DeepSeek-V2/V3, Kimi-K2) keep their latent: one head of kv_lora_rank + qk_rope_head_dim
     (attention/mla.py); decompressed (BATCHGEN_MLA_CACHE=decompressed) they hand attention
     keys of qk_nope + qk_rope and values of v_head_dim per query head (the config's head_dim
-    is only the rope part)."""
+    is only the rope part). `latent=False` asks for the decompressed cache whatever the
+    variable says (a caller's shared module must keep its own expand_kv)."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     if not heads:
         raise ValueError(f"model family {text.model_type!r} is not supported: its config names "
                          "no num_attention_heads (a model without attention layers)")
     max_pos = getattr(text, "max_position_embeddings", None)
-    if attention_layout(text) == "mla" and mla_cache_mode() == "latent":
+    wants_latent = mla_cache_mode() == "latent" if latent is None else latent
+    if attention_layout(text) == "mla" and wants_latent:
         lora = int(text.kv_lora_rank)
         return KVGeometry(text.num_hidden_layers, 1, lora + int(text.qk_rope_head_dim),
                           max_pos, lora, latent=True)

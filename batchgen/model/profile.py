@@ -38,19 +38,27 @@ def activation_peak_bytes(model: torch.nn.Module, num_tokens: int, num_logits: i
 
 
 def gpu_kv_budget(total: int, free: int, allocated: int, reserved: int, activation_peak: int,
-                  utilization: float, other: int = 0) -> int:
-    """Bytes the KV pool may take on a GPU: total × utilization, minus what torch holds now
-    (weights), the largest step's activations, memory outside torch's allocator (the CUDA
-    context, other processes: used − reserved) and `other` bytes still to come (FlashInfer's
-    workspace and wrappers, CUDA-graph pools)."""
+                  utilization: float, other: int = 0, foreign: int = 0) -> int:
+    """Bytes the KV pool may take on a GPU: total × utilization, minus what batchgen's torch
+    tensors hold now (weights: `allocated` less the `foreign` bytes this process held before
+    batchgen loaded anything, e.g. a colocated trainer's model and optimizer), the largest
+    step's activations, memory outside torch's allocator (the CUDA context, other processes:
+    used − reserved) and `other` bytes still to come (FlashInfer's workspace and wrappers,
+    CUDA-graph pools); never more than can still be had (free, plus torch's cached but unused
+    bytes, less the same activations and `other`)."""
     outside_torch = (total - free) - reserved
-    return int(total * utilization) - allocated - activation_peak - outside_torch - other
+    own = allocated - foreign
+    budget = int(total * utilization) - own - activation_peak - outside_torch - other
+    obtainable = free + (reserved - allocated) - activation_peak - other
+    return min(budget, obtainable)
 
 
 def device_kv_budget(model: torch.nn.Module, num_tokens: int, num_logits: int,
-                     device: torch.device, utilization: float, other: int) -> int:
-    """This GPU's bytes for the KV pool: profile the largest step, then gpu_kv_budget."""
+                     device: torch.device, utilization: float, other: int, foreign: int = 0
+                     ) -> int:
+    """This GPU's bytes for the KV pool: profile the largest step, then gpu_kv_budget
+    (`foreign`: bytes the process held before batchgen loaded anything)."""
     peak = activation_peak_bytes(model, num_tokens, num_logits, device)
     free, total = torch.cuda.mem_get_info(device)
     return gpu_kv_budget(total, free, torch.cuda.memory_allocated(device),
-                         torch.cuda.memory_reserved(device), peak, utilization, other)
+                         torch.cuda.memory_reserved(device), peak, utilization, other, foreign)

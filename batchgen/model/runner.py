@@ -4,6 +4,7 @@ the rows the sampler needs. Decode-only steps replay a captured CUDA graph when 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import cast
 
 import torch
@@ -15,15 +16,18 @@ from batchgen.kv.cache import KVCache
 from batchgen.kv.swap import HostPool
 from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
+from batchgen.model.shared import paged_forward
 
 
 class ModelRunner:
-    """The model is the loader's, the pools and the backend are the LLM's; the step buffers
-    (`inputs`) and the captured graphs are the runner's own."""
+    """The model is the loader's (or the caller's: `shared`), the pools and the backend are
+    the LLM's; the step buffers (`inputs`) and the captured graphs are the runner's own."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 inputs: StepInputs, host: HostPool | None = None) -> None:
+                 inputs: StepInputs, host: HostPool | None = None, shared: bool = False
+                 ) -> None:
         self.model = model
+        self.shared = shared  # batchgen's attention is selected only inside its forwards
         self.cache = cache
         self.host = host  # the swap pool (swap_space > 0)
         self.backend = backend
@@ -64,11 +68,12 @@ class ModelRunner:
             return graphs.replay(rows)
         batch = self.inputs.prepare(rows)
         self.backend.plan(batch.meta)
-        out = self.model(
-            input_ids=batch.input_ids[None],
-            position_ids=batch.positions[None],
-            use_cache=False,
-            logits_to_keep=batch.logits_indices,
-            batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
-        )
+        with paged_forward(self.model) if self.shared else nullcontext():
+            out = self.model(
+                input_ids=batch.input_ids[None],
+                position_ids=batch.positions[None],
+                use_cache=False,
+                logits_to_keep=batch.logits_indices,
+                batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
+            )
         return out.logits[0, :batch.num_logits].float()

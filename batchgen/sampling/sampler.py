@@ -28,8 +28,10 @@ has generated fewer than ``min_tokens``, its stop ids and EOS are set to -inf (E
 ``ignore_eos``: it is no stop token then, as in vLLM; nor when its grammar allows only a stop
 token: the grammar is complete and must end).
 
-Returned logprobs are *raw*: ``log_softmax`` of the unprocessed logits in fp32 (vLLM's
-default), with the chosen token always present in the top-logprobs. Everything the host needs
+Returned logprobs follow the sampler's `logprobs_mode` (sampling/logprobs_mode.py): by default
+*raw*, ``log_softmax`` of the unprocessed logits in fp32 (vLLM's default); processed ones are
+those of the distribution the token was drawn from. The chosen token is always present in the
+top-logprobs. Everything the host needs
 comes back in one device-to-host copy (the step's one synchronisation on a GPU).
 """
 
@@ -45,6 +47,12 @@ import torch
 
 from batchgen.sampling import cpu_ops
 from batchgen.sampling.cpu_ops import SamplingOps
+from batchgen.sampling.logprobs_mode import (
+    RAW_LOGPROBS,
+    check_logprobs_mode,
+    is_processed,
+    reported,
+)
 from batchgen.transfer import designated_sync, to_device
 
 if TYPE_CHECKING:
@@ -327,10 +335,12 @@ def _top_p_by_value(scores: torch.Tensor, cut: torch.Tensor, ops: SamplingOps | 
 # ----------------------------------------------------------------------------- sampler
 class Sampler:
     """Samples one token per row from the rows' columns; holds no state of its own.
-    `use_cpu_ops`: on the CPU, run the masked stages as C loops when they build."""
+    `use_cpu_ops`: on the CPU, run the masked stages as C loops when they build;
+    `logprobs_mode`: what the logprobs report (vLLM's four modes)."""
 
-    def __init__(self, use_cpu_ops: bool = True) -> None:
+    def __init__(self, use_cpu_ops: bool = True, logprobs_mode: str = RAW_LOGPROBS) -> None:
         self.use_cpu_ops = use_cpu_ops
+        self.logprobs_mode = check_logprobs_mode(logprobs_mode)
 
     def __call__(self, logits: torch.Tensor, cols: SamplingColumns) -> SamplerOutput:
         """Pick one token per row and report raw logprobs (and top logprobs where asked)."""
@@ -347,23 +357,29 @@ class Sampler:
         scores = apply_controls(raw, cols.controls) if cols.controls else raw
         scores = apply_penalties(scores, cols, params, ops)
         scores = apply_min_tokens(scores, cols)
-        chosen = self._choose(scores, cols, params, ops)
+        keep = is_processed(self.logprobs_mode)
+        chosen, processed = self._choose(scores, cols, params, ops, keep)
         if saved is not None:
+            if processed is raw:  # the grammar's mask is part of the processed logits
+                processed = processed.clone()
             cols.grammar.restore(raw, saved)
-        lse = torch.logsumexp(raw, dim=-1)
-        chosen_lp = raw.gather(1, chosen[:, None])[:, 0] - lse
-        top = _top_logprobs(raw, lse, chosen, cols.logprobs) if cols.any_logprobs else None
+        values, norm = reported(self.logprobs_mode, raw, processed)
+        chosen_lp = values.gather(1, chosen[:, None])[:, 0] - norm
+        top = _top_logprobs(values, norm, chosen, cols.logprobs) if cols.any_logprobs else None
         host = _to_host([chosen, chosen_lp, *top[2:]] if top else [chosen, chosen_lp])
         top_out = TopLogprobs(top[0], top[1], *host[2:]) if top else None
         return SamplerOutput(host[0], host[1], top_out)
 
     @staticmethod
     def _choose(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor,
-                ops: SamplingOps | None) -> torch.Tensor:
-        """Greedy rows: argmax of the penalised logits; the others: warp and draw."""
+                ops: SamplingOps | None, keep: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy rows: argmax of the penalised logits; the others: warp and draw. With
+        `keep`, also the logits each row chose from (greedy rows: penalised; the others:
+        warped), else None."""
         greedy = cols.greedy
         if greedy.all():
-            return _argmax(scores)
+            return _argmax(scores), scores if keep else None
         dev = scores.device
         sampled = np.flatnonzero(~greedy) if greedy.any() else None
         sub, p, sub_params = scores, cols.params, params
@@ -377,10 +393,14 @@ class Sampler:
         probs, u = warped.softmax(dim=-1), to_device(u, dev)
         picked = ops.inverse_cdf(probs, u) if ops is not None else _inverse_cdf(probs, u)
         if sampled is None:
-            return picked
+            return picked, warped if keep else None
         chosen = _argmax(scores)
         chosen[s_idx] = picked
-        return chosen
+        if not keep:
+            return chosen, None
+        processed = scores.clone()
+        processed[s_idx] = warped
+        return chosen, processed
 
 
 def _argmax(scores: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""Sleep mode (vLLM's `sleep` / `wake_up`): give the memory of an idle engine back to the
+process it shares (a trainer between rollouts), and take it again.
+
+Level 1 frees the KV pool and offloads the weights batchgen loaded to CPU RAM (on the CPU
+they stay where they are); level 2 frees the pool and discards those weights (the caller
+sends new ones with `load_weights` after `wake_up(tags=["weights"])`). A shared model's
+weights (`LLM(model=<module>)`) are the caller's and are never touched. The pool's storage
+is resized in place, so every view of it (per-layer views, backends) stays valid; its
+contents are gone, so the caller resets the prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from batchgen.checks import check, check_choice
+from batchgen.kv.cache import KVCache
+
+KV_CACHE, WEIGHTS = "kv_cache", "weights"
+TAGS = (WEIGHTS, KV_CACHE)
+
+
+class SleepState:
+    """What is asleep, and what it takes to wake it: the pool's byte size, the weights'
+    shapes (or their CPU copies at level 1)."""
+
+    def __init__(self, cache: KVCache, model: torch.nn.Module, owns_weights: bool) -> None:
+        self.cache = cache
+        self.model = model
+        self.owns_weights = owns_weights
+        self.asleep: set[str] = set()
+        self._pool_bytes = cache.pool.untyped_storage().nbytes()
+        # each Parameter asleep: its shape, and its CPU copy at level 1 (None: discarded)
+        self._weights: dict[torch.nn.Parameter, tuple[torch.Size, torch.Tensor | None]] = {}
+
+    def sleep(self, level: int) -> None:
+        """Free the pool; offload (1) or discard (2) the weights batchgen owns."""
+        check_choice(level, "level", (1, 2))
+        if KV_CACHE not in self.asleep:
+            self.cache.pool.untyped_storage().resize_(0)
+            self.asleep.add(KV_CACHE)
+        if not self.owns_weights or WEIGHTS in self.asleep:
+            return
+        device = next(self.model.parameters()).device
+        if level == 1 and device.type == "cpu":
+            return  # offloading to CPU RAM from CPU RAM frees nothing
+        for p in self.model.parameters():  # each Parameter once: tied weights share one
+            self._weights[p] = (p.data.shape, p.data.to("cpu") if level == 1 else None)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.asleep.add(WEIGHTS)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Restore what `tags` name (both when None): the pool (zeroed) and the weights (their
+        offloaded values, or zeros to be overwritten by load_weights)."""
+        check(tags is None or (not isinstance(tags, str) and all(t in TAGS for t in tags)),
+              "tags", f"None or a list of {TAGS}", tags)
+        tags = list(TAGS if tags is None else tags)
+        if KV_CACHE in tags and KV_CACHE in self.asleep:
+            self.cache.pool.untyped_storage().resize_(self._pool_bytes)
+            self.cache.pool.zero_()
+            self.asleep.discard(KV_CACHE)
+        if WEIGHTS in tags and WEIGHTS in self.asleep:
+            for p, (shape, saved) in self._weights.items():
+                p.data = (saved.to(p.device) if saved is not None else
+                          torch.zeros(shape, dtype=p.dtype, device=p.device))
+            self._weights.clear()
+            self.asleep.discard(WEIGHTS)
+
+    def check_awake(self, weights_only: bool = False) -> None:
+        """RuntimeError when a call would need what is asleep (the weights only: loading)."""
+        asleep = self.asleep & {WEIGHTS} if weights_only else self.asleep
+        if asleep:
+            tags = sorted(asleep)
+            raise RuntimeError(f"this LLM's {' and '.join(tags)} are asleep: call "
+                               f"wake_up(tags={tags}) first")

@@ -1,0 +1,50 @@
+"""The `vllm.LLM` that `batchgen.vllm_compat.install()` registers: batchgen's LLM plus the
+engine paths vLLM scripts reach into (`llm_engine.model_executor.driver_worker.model_runner
+.model.load_weights`, `llm_engine.model_config.max_model_len`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from batchgen.llm import LLM
+
+# name_or_path -> the module vllm.LLM(model=name_or_path) generates from (vllm_compat.share)
+SHARED: dict[str, torch.nn.Module] = {}
+
+
+class CompatLLM(LLM):
+    """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
+    the engine's own model code, which for batchgen is transformers'."""
+
+    def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
+        if kwargs.get("model_impl") == "vllm":
+            kwargs["model_impl"] = "auto"
+        if not isinstance(model, torch.nn.Module):
+            model = SHARED.get(str(model), model)
+        super().__init__(model, **kwargs)
+        self.llm_engine = _engine_paths(self)
+
+
+class _Model:
+    """vLLM's `model_runner.model`: only `load_weights` (LLM.load_weights: it also resets the
+    prefix cache, which vLLM's callers do next anyway)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self._llm = llm
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self._llm.load_weights(weights)
+
+
+def _engine_paths(llm: LLM) -> SimpleNamespace:
+    """The attribute chains vLLM scripts use, over this LLM."""
+    runner = SimpleNamespace(model=_Model(llm))
+    return SimpleNamespace(
+        model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
+        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path)),
+        get_tokenizer=llm.get_tokenizer)

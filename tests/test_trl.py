@@ -1,0 +1,58 @@
+"""TRL 1.16's GRPOTrainer(use_vllm=True, vllm_mode="colocate") on batchgen (examples/grpo_trl.py's
+main, every run in one fresh process: `batchgen.vllm_compat.install()` is process-wide and TRL
+is slow to import): at least 5 steps,
+the trainable parameters change, and TRL's own check of the generator's logprobs against its
+recomputation stays at float rounding at temperature 1.0 and 0.7, with weights copied (vLLM's
+way) or shared, with sleep mode on or off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("trl")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = {"t1.0": ["--temperature", "1.0"], "t0.7": ["--temperature", "0.7"],
+        "t0.7-sleep": ["--temperature", "0.7", "--sleep-mode"],
+        "t0.7-shared-sleep": ["--temperature", "0.7", "--sleep-mode", "--share-weights"]}
+
+
+DRIVER = """
+import runpy, sys
+example = runpy.run_path(sys.argv[1])  # installs batchgen.vllm_compat, then imports TRL
+for key, args in {runs!r}.items():
+    print("=== run", key, flush=True)
+    example["main"]([sys.argv[2], "--steps", "5", "--json", key + ".json", *args])
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tiny_model_factory, tmp_path_factory) -> dict[str, dict]:
+    """Every run, one after the other in one process, then read back."""
+    model = str(tiny_model_factory("llama", vocab_size=300, seed=21))
+    out = tmp_path_factory.mktemp("grpo")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER.format(runs=RUNS), str(ROOT / "examples" / "grpo_trl.py"),
+         model], cwd=out, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logs = dict(part.split("\n", 1) for part in proc.stdout.split("=== run ")[1:])
+    return {k: json.loads((out / f"{k}.json").read_text()) | {"log": logs[k]} for k in RUNS}
+
+
+@pytest.mark.parametrize("run", list(RUNS))
+def test_grpo_colocate_on_batchgen(results, run: str) -> None:
+    r = results[run]
+    assert len(r["steps"]) >= 5 and r["changed"] == r["params"]  # every parameter trained
+    assert r["shared"] == ("shared" in run)
+    for step in r["steps"]:
+        assert step["sampling/sampling_logp_difference/mean"] <= 1e-5, step
+        assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    assert "batchgen.vllm_compat.compat_llm.CompatLLM" in r["log"]
