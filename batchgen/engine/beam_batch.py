@@ -1,0 +1,249 @@
+"""HF beam selection for many requests in one pass (the arithmetic of ``engine/beam.py``).
+
+A :class:`BeamBank` holds the tensor state of every request that shares a beam width and a
+number of stop ids (so the same ``K`` candidates) on one device, one row per request: running
+scores, the finished buffer (scores, sums, finish codes, done flags, and where each slot's
+hypothesis came from) and HF's early-stop flag. :func:`select` runs one step for ``G`` of its
+rows: one ``topk`` over ``[G, W * V]``, the stopping criteria, the next running beams, the
+finished-buffer merge and the stopping test, each a few tensor ops over all rows, in HF's
+float32 order (``transformers`` 5.24 ``_beam_search`` with ``batch_size = G``; every op is
+row-wise, so a row's bits do not depend on the others). The step's candidates go to the host
+once, as a :class:`StepRecord`; hypotheses' tokens are read back from those records only when
+a hypothesis is admitted or returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from batchgen.engine.beam_logprobs import StepTop
+
+__all__ = ["LENGTH", "NEG", "STOP", "UNSET", "BeamBank", "RowParams", "SelectResult",
+           "StepRecord", "select"]
+
+NEG = -1.0e9  # HF's "impossible" score
+UNSET, STOP, LENGTH = 0, 1, 2  # finish codes of a finished-buffer slot
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One step's candidates on the host, row ``g`` per request: token ``ids``, ``parents``
+    (the live beam each extends), their ``logprobs`` and ``ranks`` in the parent's row,
+    ``nxt`` (the candidate each next running beam is), and each row's top-k alternatives
+    (``tops``, only for requests that asked)."""
+
+    ids: np.ndarray
+    parents: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    nxt: np.ndarray
+    tops: dict[int, StepTop]
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """One request's row of a step: its bank row, generated length before the step, limits
+    and HF's stopping settings; ``single``: the step passes one row for all beams (the first)."""
+
+    row: int
+    gen_len: int
+    max_tokens: int
+    length_penalty: float
+    early_stopping: bool | str
+    single: bool
+
+
+@dataclass(frozen=True)
+class SelectResult:
+    """A step's outcome on the host: the record, each row's done flag, and the (row, slot)
+    pairs of hypotheses admitted to the finished buffer now."""
+
+    record: StepRecord
+    done: np.ndarray
+    admitted: list[tuple[int, int]]
+
+
+class BeamBank:
+    """The tensor state of requests sharing (beam width, stop-id count, device), a row each."""
+
+    def __init__(self, width: int, num_stop_ids: int, device: torch.device) -> None:
+        self.width = width
+        self.num_stop_ids = num_stop_ids
+        self.num_candidates = max(2, 1 + num_stop_ids) * width  # HF beams_to_keep
+        self.device = device
+        self._free: list[int] = []
+        self._size = 0
+        k = self.num_candidates
+        self.top_mask = torch.cat((torch.ones(width, dtype=torch.bool),
+                                   torch.zeros(k - width, dtype=torch.bool))).to(device)
+        self.cand = torch.arange(k, device=device)[None, :]
+        self._alloc(4)
+
+    def _alloc(self, cap: int) -> None:
+        """(Re)make the state tensors with ``cap`` rows, keeping the rows in use."""
+        w, dev = self.width, self.device
+        old = None if self._size == 0 else self.state()
+        self.running = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
+        self.fin_scores = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
+        self.fin_sums = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
+        self.fin_reason = torch.zeros((cap, w), dtype=torch.int8, device=dev)
+        self.fin_done = torch.zeros((cap, w), dtype=torch.bool, device=dev)
+        self.fin_step = torch.zeros((cap, w), dtype=torch.long, device=dev)  # 0: no tokens
+        self.fin_cand = torch.zeros((cap, w), dtype=torch.long, device=dev)
+        self.unsatisfied = torch.ones((cap, 1), dtype=torch.bool, device=dev)
+        self.stops = torch.full((cap, max(self.num_stop_ids, 1)), -1, dtype=torch.long,
+                                device=dev)
+        if old is not None:
+            for dst, src in zip(self.state(), old):
+                dst[:len(src)] = src
+        self._free += list(range(cap - 1, self._size - 1, -1))
+        self._size = cap
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """Every per-row tensor, in one order."""
+        return (self.running, self.fin_scores, self.fin_sums, self.fin_reason, self.fin_done,
+                self.fin_step, self.fin_cand, self.unsatisfied, self.stops)
+
+    def add(self, stop_ids: list[int]) -> int:
+        """A row for a new request: HF's initial scores (beam 0 at 0, the rest impossible),
+        an empty buffer, its stop ids."""
+        if not self._free:
+            self._alloc(2 * self._size)
+        row = self._free.pop()
+        self.running[row] = NEG
+        self.running[row, 0] = 0.0
+        self.fin_scores[row] = NEG
+        self.fin_sums[row] = NEG
+        self.fin_reason[row] = UNSET
+        self.fin_done[row] = False
+        self.fin_step[row] = 0
+        self.unsatisfied[row] = True
+        self.stops[row] = -1
+        if stop_ids:
+            self.stops[row, :len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
+        return row
+
+    def release(self, row: int) -> None:
+        """The request is done: its row is free again."""
+        self._free.append(row)
+
+    def buffer(self, row: int) -> tuple[list, ...]:
+        """A row's finished buffer on the host: scores, sums, codes, done, step, candidate."""
+        return tuple(t[row].tolist() for t in (self.fin_scores, self.fin_sums, self.fin_reason,
+                                               self.fin_done, self.fin_step, self.fin_cand))
+
+
+def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
+    """A [G, 1] float32 column (a Python scalar per row, rounded as torch rounds a scalar)."""
+    return torch.tensor(values, dtype=torch.float, device=device)[:, None]
+
+
+def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
+           stop_fns: dict[int, Callable[[int, int], bool]] | None = None,
+           tops: dict[int, StepTop] | None = None) -> SelectResult:
+    """One HF beam step for ``G`` requests: ``logprobs`` ``[G, W, V]`` float32 (processed;
+    a first step's row repeated). ``stop_fns[g](parent, token)``: does that candidate of row
+    ``g`` end on a stop string (HF's StopStringCriteria on all K candidates)?"""
+    dev, w = bank.device, bank.width
+    g_rows = torch.tensor([p.row for p in params], dtype=torch.long, device=dev)
+    top_lp, ids, parents = _candidates(bank, g_rows, params, logprobs)
+    new_len = [p.gen_len + 1 for p in params]
+    stop_tok = (ids[:, :, None] == bank.stops[g_rows][:, None, :]).any(-1)
+    if stop_fns:
+        stop_tok = stop_tok | _host_stops(stop_fns, ids, parents)
+    max_t = torch.tensor([p.max_tokens for p in params], device=dev)[:, None]
+    hits = stop_tok | (torch.tensor(new_len, device=dev)[:, None] >= max_t)
+    # next running beams (_get_running_beams_for_next_iteration)
+    running_lp = top_lp + hits.to(torch.float32) * NEG
+    next_idx = torch.topk(running_lp, k=w)[1]
+    running = torch.take_along_dim(running_lp, next_idx, dim=1)
+    bank.running[g_rows] = running
+    admitted = _update_finished(bank, g_rows, params, top_lp, hits, stop_tok, new_len)
+    done = _done(bank, g_rows, params, running, hits, new_len)
+    lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
+    record = StepRecord(ids.cpu().numpy(), parents.cpu().numpy(), lp_tok.cpu().numpy(),
+                        ranks.cpu().numpy(), next_idx.cpu().numpy(), tops or {})
+    adm = np.nonzero(admitted.cpu().numpy())
+    return SelectResult(record, done.cpu().numpy(), list(zip(*(a.tolist() for a in adm))))
+
+
+def _host_stops(stop_fns: dict[int, Callable[[int, int], bool]], ids: torch.Tensor,
+                parents: torch.Tensor) -> torch.Tensor:
+    """The stop-string verdict of the rows that have one, on their K candidates."""
+    extra = torch.zeros(ids.shape, dtype=torch.bool)
+    for g, fn in stop_fns.items():
+        extra[g] = torch.tensor([bool(fn(p, t)) for p, t in zip(parents[g].tolist(),
+                                                                 ids[g].tolist())])
+    return extra.to(ids.device)
+
+
+def _candidates(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
+                logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF _get_top_k_continuations for every row: accumulate, flatten, top K."""
+    g, _, vocab = logprobs.shape
+    flat = (logprobs + bank.running[g_rows][:, :, None]).reshape(g, -1)
+    top_lp, top_idx = torch.topk(flat, k=bank.num_candidates)
+    ids = top_idx % vocab
+    parents = top_idx // vocab
+    single = [p.single for p in params]
+    if any(single):
+        parents = parents.masked_fill(torch.tensor(single, device=bank.device)[:, None], 0)
+    return top_lp, ids, parents
+
+
+def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each candidate's own log-prob in its parent's row and its rank there (1 = best)."""
+    rows = torch.take_along_dim(logprobs, parents[:, :, None], dim=1)
+    lp = rows.gather(2, ids[:, :, None])
+    return lp[:, :, 0], (rows > lp).sum(dim=-1) + 1
+
+
+def _update_finished(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
+                     top_lp: torch.Tensor, hits: torch.Tensor, stop_tok: torch.Tensor,
+                     new_len: list[int]) -> torch.Tensor:
+    """HF _update_finished_beams for every row; returns which kept slots were admitted now."""
+    w, dev = bank.width, bank.device
+    did_finish = hits & bank.top_mask[None, :]
+    scores = top_lp / _per_row([n ** p.length_penalty for n, p in zip(new_len, params)], dev)
+    fin_done = bank.fin_done[g_rows]
+    early = torch.tensor([p.early_stopping is True for p in params], device=dev)[:, None]
+    full = torch.all(fin_done, dim=-1, keepdim=True) & early
+    scores += full.to(torch.float32) * NEG
+    scores += (~bank.unsatisfied[g_rows]).to(torch.float32) * NEG
+    scores += (~did_finish) * NEG
+    reason = torch.where(stop_tok, STOP, LENGTH).to(torch.int8)
+    reason = torch.where(did_finish, reason, torch.zeros_like(reason))
+    step = torch.tensor(new_len, device=dev)[:, None].expand(-1, bank.num_candidates)
+    merged = [torch.cat(pair, dim=1) for pair in (
+        (bank.fin_scores[g_rows], scores), (bank.fin_sums[g_rows], top_lp),
+        (bank.fin_reason[g_rows], reason), (fin_done, did_finish),
+        (bank.fin_step[g_rows], step), (bank.fin_cand[g_rows], bank.cand.expand_as(step)))]
+    keep = torch.topk(merged[0], k=w)[1]
+    kept = [torch.take_along_dim(m, keep, dim=1) for m in merged]
+    for dst, src in zip((bank.fin_scores, bank.fin_sums, bank.fin_reason, bank.fin_done,
+                         bank.fin_step, bank.fin_cand), kept):
+        dst[g_rows] = src
+    return (keep >= w) & (kept[2] != UNSET)
+
+
+def _done(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
+          running: torch.Tensor, hits: torch.Tensor, new_len: list[int]) -> torch.Tensor:
+    """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences, every row."""
+    best_len = [p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0 else n
+                for p, n in zip(params, new_len)]
+    best_running = running[:, :1] / _per_row(
+        [b ** p.length_penalty for b, p in zip(best_len, params)], bank.device)
+    fin_done, fin_scores = bank.fin_done[g_rows], bank.fin_scores[g_rows]
+    worst_finished = torch.where(fin_done, torch.min(fin_scores, dim=1, keepdim=True)[0], NEG)
+    unsatisfied = bank.unsatisfied[g_rows] & torch.any(best_running > worst_finished, dim=-1,
+                                                       keepdim=True)
+    bank.unsatisfied[g_rows] = unsatisfied
+    early = torch.tensor([p.early_stopping is True for p in params], device=bank.device)
+    exists_open_beam = ~(torch.all(fin_done, dim=-1) & early)
+    valid_continuations = ~torch.all(hits, dim=-1)
+    return ~(unsatisfied[:, 0] & exists_open_beam & valid_continuations)
