@@ -206,8 +206,9 @@ class BeamSearchState:
         if self.bank is None:
             self.join(BeamBank(self.beam_width, len(self.stop_ids), logprobs.device))
         rows = logprobs.expand(self.beam_width, -1) if single else logprobs
-        step = step_many([self], rows.to(torch.float32)[None].contiguous(), [single],
-                         [is_stop])[0]
+        result = step_many([self], rows.to(torch.float32)[None].contiguous(), [single],
+                           [is_stop])
+        step = self.step_of(result, 0, [slot for _, slot in result.admitted])
         if not step.done:
             step.token_logprobs = self.running_logprobs()
         return step
@@ -235,24 +236,30 @@ class BeamSearchState:
         return RowParams(self.row, self.gen_len, self.max_tokens, self.length_penalty,
                          self.early_stopping, single)
 
-    def after(self, result: SelectResult, g: int, admitted: list[int]) -> BeamStep:
-        """Take row ``g`` of a step's outcome: history, length, done; ``admitted``: the
-        buffer slots filled now. The step's plan for the engine, without per-token logprobs."""
+    def advance(self, result: SelectResult, g: int) -> None:
+        """Take row ``g`` of a step's outcome: its record, length and done flag (a done
+        request keeps its finished buffer and frees its bank row); HF's processors follow
+        the beams chosen."""
         rec = result.record
         self._history.append((rec, g))
         self.gen_len += 1
-        finished = [self._slot_hypothesis(slot) for slot in admitted]
         if result.done[g]:
             self.done, self._live = True, 0
             self._final = self.bank.buffer(self.row)
             self.bank.release(self.row)
+        else:
+            self._live = self.beam_width
+            if self.controls is not None:
+                self.controls.advance(rec.next_parents[g].tolist(), rec.next_ids[g].tolist())
+
+    def step_of(self, result: SelectResult, g: int, admitted: list[int]) -> BeamStep:
+        """Row ``g`` of an advanced step as a BeamStep (``admitted``: buffer slots filled
+        now, built as hypotheses), without per-token logprobs."""
+        finished = [self._slot_hypothesis(slot) for slot in admitted]
+        if self.done:
             return BeamStep([], [], True, finished)
-        self._live = self.beam_width
-        nxt = rec.nxt[g]
-        parents, tokens = rec.parents[g, nxt].tolist(), rec.ids[g, nxt].tolist()
-        if self.controls is not None:
-            self.controls.advance(parents, tokens)
-        return BeamStep(parents, tokens, False, finished)
+        rec = result.record
+        return BeamStep(rec.next_parents[g].tolist(), rec.next_ids[g].tolist(), False, finished)
 
     def running_logprobs(self) -> list[TokenLogprob]:
         """The last token of each live beam: its logprob, rank (and top-k)."""
@@ -325,10 +332,11 @@ class BeamSearchState:
 
 
 def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: list[bool],
-              stop_fns: list[StopFn | None]) -> list[BeamStep]:
+              stop_fns: list[StopFn | None]) -> SelectResult:
     """One step of every state (all in one bank): ``logprobs`` ``[G, W, V]`` float32, a first
-    step's single row repeated (written in place by the processors). HF's processors run per request that has them, the selection
-    for all at once; Python per request only to take its row (and build its hypotheses)."""
+    step's single row repeated (written in place by the processors). HF's processors run per
+    request that has them, the selection for all at once; Python per request only to take its
+    row (its hypotheses are built when asked: :meth:`BeamSearchState.step_of`, finalize)."""
     for g, s in enumerate(states):
         if s.controls is not None:
             logprobs[g] = s.controls.process(logprobs[g])
@@ -337,10 +345,9 @@ def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: li
     fns = {g: fn for g, fn in enumerate(stop_fns) if fn is not None}
     result = select(states[0].bank, [s.row_params(one) for s, one in zip(states, singles)],
                     logprobs, fns, tops)
-    admitted: dict[int, list[int]] = {}
-    for g, slot in result.admitted:
-        admitted.setdefault(g, []).append(slot)
-    return [s.after(result, g, admitted.get(g, [])) for g, s in enumerate(states)]
+    for g, s in enumerate(states):
+        s.advance(result, g)
+    return result
 
 
 def candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor,

@@ -33,14 +33,17 @@ UNSET, STOP, LENGTH = 0, 1, 2  # finish codes of a finished-buffer slot
 class StepRecord:
     """One step's candidates on the host, row ``g`` per request: token ``ids``, ``parents``
     (the live beam each extends), their ``logprobs`` and ``ranks`` in the parent's row,
-    ``nxt`` (the candidate each next running beam is), and each row's top-k alternatives
-    (``tops``, only for requests that asked)."""
+    ``nxt`` (the candidate each next running beam is; its parent and token in
+    ``next_parents`` and ``next_ids``), and each row's top-k alternatives (``tops``, only for
+    requests that asked)."""
 
     ids: np.ndarray
     parents: np.ndarray
     logprobs: np.ndarray
     ranks: np.ndarray
     nxt: np.ndarray
+    next_parents: np.ndarray
+    next_ids: np.ndarray
     tops: dict[int, StepTop]
 
 
@@ -165,8 +168,9 @@ def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
     admitted = _update_finished(bank, g_rows, params, top_lp, hits, stop_tok, new_len)
     done = _done(bank, g_rows, params, running, hits, new_len)
     lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
-    record = StepRecord(ids.cpu().numpy(), parents.cpu().numpy(), lp_tok.cpu().numpy(),
-                        ranks.cpu().numpy(), next_idx.cpu().numpy(), tops or {})
+    record = StepRecord(*(t.cpu().numpy() for t in (
+        ids, parents, lp_tok, ranks, next_idx, torch.gather(parents, 1, next_idx),
+        torch.gather(ids, 1, next_idx))), tops or {})
     adm = np.nonzero(admitted.cpu().numpy())
     return SelectResult(record, done.cpu().numpy(), list(zip(*(a.tolist() for a in adm))))
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from batchgen.attention.metadata import StepRows
+from batchgen.engine.beam_step import BeamSpans
 from batchgen.engine.layout import PromptRows, step_layout
 from batchgen.engine.output_processor import OutputProcessor, StepStats
 from batchgen.engine.scheduler import Scheduler, StepPlan
@@ -57,6 +58,7 @@ class Engine:
         (Ctrl-C) or closing the stream early aborts every group and frees every block."""
         source = iter(groups)
         more, idle = True, 0
+        self.outputs.beams.reset()
         try:
             while True:
                 if more:
@@ -114,7 +116,7 @@ class Engine:
             if layout.sample_rows is not None:
                 picked = logits[to_device(layout.sample_rows, logits.device)]
             sampled = self.sampler(picked, self.kv.batch.sampling_columns(at.slots, at.index))
-        beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else {}
+        beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else None
         prompt = prompt_logprobs(logits, layout.prompt_rows) if layout.prompt_rows else []
         stats = self.outputs.apply(layout, at, sampled, beams, prompt)
         self.scheduler.retire(stats.finished)
@@ -122,9 +124,10 @@ class Engine:
 
 
 def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
-                  ) -> dict[SequenceGroup, torch.Tensor]:
-    """Each beam group's float32 log-probabilities, rows in its beam order (one log_softmax
-    for the step's beams); a constrained beam's forbidden tokens at -inf."""
+                  ) -> tuple[torch.Tensor, BeamSpans]:
+    """The beam groups' float32 log-probabilities (one log_softmax for the step's beams), each
+    group's rows in its beam order (its first row and count); a constrained beam's forbidden
+    tokens at -inf."""
     rows = [beam_rows[g][s] for g in beam_rows for s in g.seqs]
     lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)].float(),
                            dim=-1)
@@ -132,11 +135,11 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any,
     if any(c is not None for c in constrained):  # each beam's grammar, after the log_softmax
         at = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
         mask_beams(lp, [constrained[j] for j in at.tolist()], at)
-    out, at = {}, 0
+    spans, at = {}, 0
     for g in beam_rows:
-        out[g] = lp[at:at + len(g.seqs)]
+        spans[g] = (at, len(g.seqs))
         at += len(g.seqs)
-    return out
+    return lp, spans
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...]

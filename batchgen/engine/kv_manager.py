@@ -173,6 +173,27 @@ class KVManager:
         cow = self.batch.cols["cow_check"]
         cow[parent.slot] = cow[child.slot] = True
 
+    def adopt(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+        """Each `(seq, parent)`: running beam `seq` gives up its blocks and continues
+        `parent` (the blocks of all its computed tokens shared, their hashes too): what a
+        fork to a new child and freeing `seq` would do, without a slot changing hands. The
+        block tables change here, pair by pair; the batch rows follow in `adopt_rows`."""
+        bm, bs = self.block_manager, self.block_size
+        for seq, parent in pairs:
+            bm.adopt(seq, parent)
+            shared = len(parent.token_ids) // bs  # all computed: the fork's count
+            self._hashes[seq] = self._hashes.get(parent, [])[:shared]
+            self._published[seq] = min(self._published.get(parent, 0), shared)
+
+    def adopt_rows(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+        """The batch rows of adopted beams (`adopt`) become their parents', in one copy;
+        both may now write into a shared block (cow_check)."""
+        dst = np.fromiter((s.slot for s, _ in pairs), np.int64, len(pairs))
+        src = np.fromiter((p.slot for _, p in pairs), np.int64, len(pairs))
+        self.batch.copy_rows(dst, src)
+        cow = self.batch.cols["cow_check"]
+        cow[dst] = cow[src] = True
+
     def fork_siblings(self, group: SequenceGroup) -> None:
         """The leader has the prompt's K/V: every waiting sibling shares its prompt blocks and
         computes only its own tokens from here."""
