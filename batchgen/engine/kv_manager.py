@@ -60,6 +60,19 @@ class KVManager:
         bm = self.block_manager
         return list(bm.table(seq)) if bm.has_table(seq) else []
 
+    def decoding_units(self, groups: list[SequenceGroup]) -> list[Sequence]:
+        """The sequences of every group whose running sequences all have exactly one token to
+        compute (a beam group's decode unit), in the groups' order; by vector ops over their
+        slots (the groups waiting for a fork have none)."""
+        groups = [g for g in groups if g.seqs and not g.fork_pending]
+        seqs = [s for g in groups for s in g.seqs]
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        c, at = self.batch.cols, np.maximum(slots, 0)
+        ready = (slots >= 0) & (c["num_tokens"][at] - c["num_computed"][at] == 1)
+        sizes = np.fromiter((len(g.seqs) for g in groups), np.int64, len(groups))
+        whole = np.logical_and.reduceat(ready, np.cumsum(sizes) - sizes) if seqs else ready
+        return [s for s, ok in zip(seqs, np.repeat(whole, sizes).tolist()) if ok]
+
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()
 
@@ -136,13 +149,15 @@ class KVManager:
         append_token for all of them at once; their table rows written at once).
         PoolExhausted leaves what was reserved, and the copies made, in place."""
         bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
-        cow = c["cow_check"][slots]
-        for slot in slots[cow].tolist():
-            seq, pos = b.seqs[slot], int(c["num_computed"][slot])
-            copies += bm.reserve([(seq, pos, 1)])
-            b.write_table(seq, bm.table(seq), pos // bs)
-            c["cow_check"][slot] = False
-        opening = slots[~cow]  # each opens exactly one block: its table's next
+        pos = c["num_computed"][slots]
+        cow = c["cow_check"][slots] & (pos % bs != 0)  # writes into a block it may share
+        for slot, at in zip(slots[cow].tolist(), (pos[cow] // bs).tolist()):
+            src, dst = bm.cow_append(b.seqs[slot], at)
+            if src != dst:
+                copies.append((src, dst))
+                b.block_table[slot, at] = dst
+        c["cow_check"][slots] = False
+        opening = slots[pos // bs >= c["num_blocks"][slots]]  # each opens its next block
         if len(opening):
             blocks = bm.append_tokens([b.seqs[i] for i in opening.tolist()],
                                       c["num_computed"][opening].tolist())
