@@ -201,10 +201,14 @@ def _candidates(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
 
 def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each candidate's own log-prob in its parent's row and its rank there (1 = best)."""
-    rows = torch.take_along_dim(logprobs, parents[:, :, None], dim=1)
-    lp = rows.gather(2, ids[:, :, None])
-    return lp[:, :, 0], (rows > lp).sum(dim=-1) + 1
+    """Each candidate's own log-prob in its parent's row and its rank there (1 = best): the
+    parents' rows gathered by one index_select over the ``[G * W, V]`` rows."""
+    g, w, vocab = logprobs.shape
+    at = parents + torch.arange(g, device=parents.device)[:, None] * w
+    rows = logprobs.reshape(g * w, vocab).index_select(0, at.reshape(-1))
+    lp = rows.gather(1, ids.reshape(-1, 1))
+    ranks = torch.count_nonzero(rows > lp, dim=-1) + 1
+    return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
 def _update_finished(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],

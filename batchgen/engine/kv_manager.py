@@ -149,15 +149,19 @@ class KVManager:
         append_token for all of them at once; their table rows written at once).
         PoolExhausted leaves what was reserved, and the copies made, in place."""
         bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
-        pos = c["num_computed"][slots]
-        cow = c["cow_check"][slots] & (pos % bs != 0)  # writes into a block it may share
-        for slot, at in zip(slots[cow].tolist(), (pos[cow] // bs).tolist()):
-            src, dst = bm.cow_append(b.seqs[slot], at)
-            if src != dst:
-                copies.append((src, dst))
-                b.block_table[slot, at] = dst
-        c["cow_check"][slots] = False
-        opening = slots[pos // bs >= c["num_blocks"][slots]]  # each opens its next block
+        cow = c["cow_check"][slots]
+        for slot, pos in zip(slots[cow].tolist(), c["num_computed"][slots[cow]].tolist()):
+            seq, at = b.seqs[slot], pos // bs
+            if pos % bs:  # writes into a block it may share: copied unless it is the last
+                src, dst = bm.cow_append(seq, at)
+                if src != dst:
+                    copies.append((src, dst))
+                    b.block_table[slot, at] = dst
+            elif new := bm.append_tokens([seq], [pos]):  # opens its next block
+                b.block_table[slot, at] = new[0]
+                c["num_blocks"][slot] = at + 1
+            c["cow_check"][slot] = False
+        opening = slots[~cow]  # each opens exactly one block: its table's next
         if len(opening):
             blocks = bm.append_tokens([b.seqs[i] for i in opening.tolist()],
                                       c["num_computed"][opening].tolist())
