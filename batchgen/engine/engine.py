@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -123,23 +123,20 @@ class Engine:
         return stats
 
 
-def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
-                  ) -> tuple[torch.Tensor, BeamSpans]:
+def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Tensor, BeamSpans]:
     """The beam groups' float32 log-probabilities (one log_softmax for the step's beams), each
-    group's rows in its beam order (its first row and count); a constrained beam's forbidden
-    tokens at -inf."""
-    rows = [beam_rows[g][s] for g in beam_rows for s in g.seqs]
-    lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)].float(),
-                           dim=-1)
+    group's rows in its beam order (its first row and count there); a constrained beam's
+    forbidden tokens at -inf."""
+    first = np.fromiter((f for f, _ in beam_rows.values()), np.int64, len(beam_rows))
+    count = np.fromiter((n for _, n in beam_rows.values()), np.int64, len(beam_rows))
+    at = np.cumsum(count) - count  # each group's first row in the result
+    rows = np.repeat(first - at, count) + np.arange(int(count.sum()))
+    lp = torch.log_softmax(logits[to_device(rows, logits.device)].float(), dim=-1)
     constrained = [s.constraint for g in beam_rows for s in g.seqs]
     if any(c is not None for c in constrained):  # each beam's grammar, after the log_softmax
-        at = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
-        mask_beams(lp, [constrained[j] for j in at.tolist()], at)
-    spans, at = {}, 0
-    for g in beam_rows:
-        spans[g] = (at, len(g.seqs))
-        at += len(g.seqs)
-    return lp, spans
+        idx = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
+        mask_beams(lp, [constrained[j] for j in idx.tolist()], idx)
+    return lp, dict(zip(beam_rows, zip(at.tolist(), count.tolist())))
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...]
