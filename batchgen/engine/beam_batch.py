@@ -91,12 +91,9 @@ class BeamBank:
         w, dev = self.width, self.device
         old = None if self._size == 0 else self.state()
         self.running = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
-        self.fin_scores = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
-        self.fin_sums = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
-        self.fin_reason = torch.zeros((cap, w), dtype=torch.int8, device=dev)
-        self.fin_done = torch.zeros((cap, w), dtype=torch.bool, device=dev)
-        self.fin_step = torch.zeros((cap, w), dtype=torch.long, device=dev)  # 0: no tokens
-        self.fin_cand = torch.zeros((cap, w), dtype=torch.long, device=dev)
+        # finished buffer: scores, raw sums | finish code, done, step, candidate (0: none)
+        self.fin_f = torch.full((cap, 2, w), NEG, dtype=torch.float, device=dev)
+        self.fin_i = torch.zeros((cap, 4, w), dtype=torch.long, device=dev)
         self.unsatisfied = torch.ones((cap, 1), dtype=torch.bool, device=dev)
         self.stops = torch.full((cap, max(self.num_stop_ids, 1)), -1, dtype=torch.long,
                                 device=dev)
@@ -108,8 +105,7 @@ class BeamBank:
 
     def state(self) -> tuple[torch.Tensor, ...]:
         """Every per-row tensor, in one order."""
-        return (self.running, self.fin_scores, self.fin_sums, self.fin_reason, self.fin_done,
-                self.fin_step, self.fin_cand, self.unsatisfied, self.stops)
+        return self.running, self.fin_f, self.fin_i, self.unsatisfied, self.stops
 
     def add(self, stop_ids: list[int]) -> int:
         """A row for a new request: HF's initial scores (beam 0 at 0, the rest impossible),
@@ -119,11 +115,8 @@ class BeamBank:
         row = self._free.pop()
         self.running[row] = NEG
         self.running[row, 0] = 0.0
-        self.fin_scores[row] = NEG
-        self.fin_sums[row] = NEG
-        self.fin_reason[row] = UNSET
-        self.fin_done[row] = False
-        self.fin_step[row] = 0
+        self.fin_f[row] = NEG
+        self.fin_i[row] = 0
         self.unsatisfied[row] = True
         self.stops[row] = -1
         if stop_ids:
@@ -136,13 +129,8 @@ class BeamBank:
 
     def buffer(self, row: int) -> tuple[list, ...]:
         """A row's finished buffer on the host: scores, sums, codes, done, step, candidate."""
-        return tuple(t[row].tolist() for t in (self.fin_scores, self.fin_sums, self.fin_reason,
-                                               self.fin_done, self.fin_step, self.fin_cand))
-
-
-def _per_row(values: list[float], device: torch.device) -> torch.Tensor:
-    """A [G, 1] float32 column (a Python scalar per row, rounded as torch rounds a scalar)."""
-    return torch.tensor(values, dtype=torch.float, device=device)[:, None]
+        f, i = self.fin_f[row].tolist(), self.fin_i[row].tolist()
+        return f[0], f[1], i[0], [bool(x) for x in i[1]], i[2], i[3]
 
 
 def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
@@ -152,21 +140,27 @@ def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
     a first step's row repeated). ``stop_fns[g](parent, token)``: does that candidate of row
     ``g`` end on a stop string (HF's StopStringCriteria on all K candidates)?"""
     dev, w = bank.device, bank.width
-    g_rows = torch.tensor([p.row for p in params], dtype=torch.long, device=dev)
+    ints = torch.tensor([(p.row, p.gen_len + 1, p.max_tokens, p.early_stopping is True)
+                         for p in params], device=dev)
+    g_rows, new_len, early = ints[:, 0], ints[:, 1:2], ints[:, 3].bool()
+    divisors = torch.tensor([(
+        (p.gen_len + 1) ** p.length_penalty,
+        (p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0
+         else p.gen_len + 1) ** p.length_penalty) for p in params], dtype=torch.float,
+        device=dev)  # HF's scalars, rounded to float32 as torch rounds a scalar operand
     top_lp, ids, parents = _candidates(bank, g_rows, params, logprobs)
-    new_len = [p.gen_len + 1 for p in params]
     stop_tok = (ids[:, :, None] == bank.stops[g_rows][:, None, :]).any(-1)
     if stop_fns:
         stop_tok = stop_tok | _host_stops(stop_fns, ids, parents)
-    max_t = torch.tensor([p.max_tokens for p in params], device=dev)[:, None]
-    hits = stop_tok | (torch.tensor(new_len, device=dev)[:, None] >= max_t)
+    hits = stop_tok | (new_len >= ints[:, 2:3])
     # next running beams (_get_running_beams_for_next_iteration)
     running_lp = top_lp + hits.to(torch.float32) * NEG
     next_idx = torch.topk(running_lp, k=w)[1]
     running = torch.take_along_dim(running_lp, next_idx, dim=1)
     bank.running[g_rows] = running
-    admitted = _update_finished(bank, g_rows, params, top_lp, hits, stop_tok, new_len)
-    done = _done(bank, g_rows, params, running, hits, new_len)
+    admitted, fin_scores, fin_done = _update_finished(bank, g_rows, early, divisors[:, :1],
+                                                      top_lp, hits, stop_tok, new_len)
+    done = _done(bank, g_rows, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
     lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
     record = StepRecord(*(t.cpu().numpy() for t in (
         ids, parents, lp_tok, ranks, next_idx, torch.gather(parents, 1, next_idx),
@@ -211,47 +205,41 @@ def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Te
     return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
-def _update_finished(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
-                     top_lp: torch.Tensor, hits: torch.Tensor, stop_tok: torch.Tensor,
-                     new_len: list[int]) -> torch.Tensor:
-    """HF _update_finished_beams for every row; returns which kept slots were admitted now."""
-    w, dev = bank.width, bank.device
+def _update_finished(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor,
+                     divisor: torch.Tensor, top_lp: torch.Tensor, hits: torch.Tensor,
+                     stop_tok: torch.Tensor, new_len: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF _update_finished_beams for every row: which kept slots were admitted now, and the
+    buffer's scores and done flags after the merge."""
+    w = bank.width
     did_finish = hits & bank.top_mask[None, :]
-    scores = top_lp / _per_row([n ** p.length_penalty for n, p in zip(new_len, params)], dev)
-    fin_done = bank.fin_done[g_rows]
-    early = torch.tensor([p.early_stopping is True for p in params], device=dev)[:, None]
-    full = torch.all(fin_done, dim=-1, keepdim=True) & early
+    scores = top_lp / divisor
+    fin_f, fin_i = bank.fin_f[g_rows], bank.fin_i[g_rows]
+    full = torch.all(fin_i[:, 1].bool(), dim=-1, keepdim=True) & early[:, None]
     scores += full.to(torch.float32) * NEG
     scores += (~bank.unsatisfied[g_rows]).to(torch.float32) * NEG
     scores += (~did_finish) * NEG
-    reason = torch.where(stop_tok, STOP, LENGTH).to(torch.int8)
-    reason = torch.where(did_finish, reason, torch.zeros_like(reason))
-    step = torch.tensor(new_len, device=dev)[:, None].expand(-1, bank.num_candidates)
-    merged = [torch.cat(pair, dim=1) for pair in (
-        (bank.fin_scores[g_rows], scores), (bank.fin_sums[g_rows], top_lp),
-        (bank.fin_reason[g_rows], reason), (fin_done, did_finish),
-        (bank.fin_step[g_rows], step), (bank.fin_cand[g_rows], bank.cand.expand_as(step)))]
-    keep = torch.topk(merged[0], k=w)[1]
-    kept = [torch.take_along_dim(m, keep, dim=1) for m in merged]
-    for dst, src in zip((bank.fin_scores, bank.fin_sums, bank.fin_reason, bank.fin_done,
-                         bank.fin_step, bank.fin_cand), kept):
-        dst[g_rows] = src
-    return (keep >= w) & (kept[2] != UNSET)
+    reason = torch.where(did_finish, torch.where(stop_tok, STOP, LENGTH), UNSET)
+    new_i = torch.stack((reason, did_finish.long(), new_len.expand_as(reason),
+                         bank.cand.expand_as(reason)), 1)
+    merged_f = torch.cat((fin_f, torch.stack((scores, top_lp), 1)), dim=2)
+    merged_i = torch.cat((fin_i, new_i), dim=2)
+    keep = torch.topk(merged_f[:, 0].contiguous(), k=w)[1]
+    kept_f = torch.take_along_dim(merged_f, keep[:, None, :], dim=2)
+    kept_i = torch.take_along_dim(merged_i, keep[:, None, :], dim=2)
+    bank.fin_f[g_rows], bank.fin_i[g_rows] = kept_f, kept_i
+    return (keep >= w) & (kept_i[:, 0] != UNSET), kept_f[:, 0], kept_i[:, 1].bool()
 
 
-def _done(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
-          running: torch.Tensor, hits: torch.Tensor, new_len: list[int]) -> torch.Tensor:
+def _done(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor, divisor: torch.Tensor,
+          running: torch.Tensor, hits: torch.Tensor, fin_scores: torch.Tensor,
+          fin_done: torch.Tensor) -> torch.Tensor:
     """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences, every row."""
-    best_len = [p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0 else n
-                for p, n in zip(params, new_len)]
-    best_running = running[:, :1] / _per_row(
-        [b ** p.length_penalty for b, p in zip(best_len, params)], bank.device)
-    fin_done, fin_scores = bank.fin_done[g_rows], bank.fin_scores[g_rows]
+    best_running = running[:, :1] / divisor
     worst_finished = torch.where(fin_done, torch.min(fin_scores, dim=1, keepdim=True)[0], NEG)
     unsatisfied = bank.unsatisfied[g_rows] & torch.any(best_running > worst_finished, dim=-1,
                                                        keepdim=True)
     bank.unsatisfied[g_rows] = unsatisfied
-    early = torch.tensor([p.early_stopping is True for p in params], device=bank.device)
     exists_open_beam = ~(torch.all(fin_done, dim=-1) & early)
     valid_continuations = ~torch.all(hits, dim=-1)
     return ~(unsatisfied[:, 0] & exists_open_beam & valid_continuations)
