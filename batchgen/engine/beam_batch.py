@@ -162,11 +162,17 @@ def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
                                                       top_lp, hits, stop_tok, new_len)
     done = _done(bank, g_rows, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
     lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
-    record = StepRecord(*(t.cpu().numpy() for t in (
-        ids, parents, lp_tok, ranks, next_idx, torch.gather(parents, 1, next_idx),
-        torch.gather(ids, 1, next_idx))), tops or {})
-    adm = np.nonzero(admitted.cpu().numpy())
-    return SelectResult(record, done.cpu().numpy(), list(zip(*(a.tolist() for a in adm))))
+    k = bank.num_candidates  # what the host reads: two copies (one sync on a GPU)
+    host = torch.cat((ids, parents, ranks, next_idx, torch.gather(parents, 1, next_idx),
+                      torch.gather(ids, 1, next_idx), admitted.long(), done[:, None].long()),
+                     dim=1).cpu().numpy()
+    cuts = np.cumsum([k, k, k, w, w, w, w])
+    ids_h, par_h, ranks_h, nxt_h, np_h, ni_h, adm_h, done_h = np.split(host, cuts, axis=1)
+    record = StepRecord(ids_h, par_h, lp_tok.cpu().numpy(), ranks_h, nxt_h, np_h, ni_h,
+                        tops or {})
+    adm = np.nonzero(adm_h)
+    return SelectResult(record, done_h[:, 0].astype(bool),
+                        list(zip(*(a.tolist() for a in adm))))
 
 
 def _host_stops(stop_fns: dict[int, Callable[[int, int], bool]], ids: torch.Tensor,

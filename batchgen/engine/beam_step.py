@@ -75,41 +75,38 @@ class BeamStepper:
         bank = self._banks.get(key)
         if bank is None:
             bank = self._banks[key] = BeamBank(key[0], key[1], key[2])
-        states: list[BeamSearchState] = [_policy(g).state for g in groups]  # type: ignore[misc]
+        w = key[0]
+        policies = [_policy(g) for g in groups]
+        states: list[BeamSearchState] = [p.state for p in policies]  # type: ignore[misc]
         for s in states:
             if s.bank is None:
                 s.join(bank)
-        starts = np.array([spans[g][0] for g in groups], np.int64)
-        singles = [spans[g][1] == 1 < key[0] for g in groups]
-        width = np.arange(key[0], dtype=np.int64)
-        idx = starts[:, None] + width[None, :] * ~np.array(singles)[:, None]
+        starts = np.fromiter((spans[g][0] for g in groups), np.int64, len(groups))
+        singles = [spans[g][1] == 1 < w for g in groups]
+        idx = starts[:, None] + np.arange(w)[None, :] * ~np.array(singles)[:, None]
         rows = logprobs[torch.from_numpy(idx).to(logprobs.device)]
-        stop_fns = [_policy(g).stop_fn(g.seqs) for g in groups]
+        stop_fns = [p.stop_fn(g.seqs) for p, g in zip(policies, groups)]
         result = step_many(states, rows, singles, stop_fns)
-        plain = np.array([_plain(g, key[0]) for g in groups]) & ~result.done
-        adopt = _adoptions(result.record.next_parents, plain)
+        plain = np.fromiter((len(g.seqs) == w and p.trace is None and g.seqs[0].stop is None
+                             and g.seqs[0].constraint is None
+                             for p, g in zip(policies, groups)), bool, len(groups))
+        plain &= ~result.done  # the batched path: W beams before and after, no trace, stop
+        adopt = _adoptions(result.record.next_parents, plain)  # strings or grammar
         parents, tokens = (result.record.next_parents.tolist(),
                            result.record.next_ids.tolist())
         out: dict[SequenceGroup, Outcome] = {}
-        for g, (group, state) in enumerate(zip(groups, states)):
-            if plain[g]:
+        for g, (group, plain_g) in enumerate(zip(groups, plain.tolist())):
+            if plain_g:
                 old = group.seqs
                 beams = [old[p] for p in parents[g]]
-                pairs = [(old[u], beams[j]) for j, u in adopt.get(g, ())]
+                pairs = []
                 for j, u in adopt.get(g, ()):
+                    pairs.append((old[u], beams[j]))
                     beams[j] = old[u]
                 out[group] = BeamMove(group, beams, pairs, tokens[g])
             else:
-                out[group] = _policy(group).ops(group, state.step_of(result, g, []), tables)
+                out[group] = policies[g].ops(group, states[g].step_of(result, g, []), tables)
         return out
-
-
-def _plain(group: SequenceGroup, width: int) -> bool:
-    """A step the batched path carries out: W live beams, no trace, stop strings, grammar."""
-    seqs = group.seqs
-    return (len(seqs) == width and _policy(group).trace is None and seqs[0].stop is None
-            and seqs[0].constraint is None)
-
 
 def _adoptions(parents: np.ndarray, rows: np.ndarray) -> dict[int, list[tuple[int, int]]]:
     """For each chosen row ``g`` of ``parents`` ``[G, W]``: (j, u) pairs, next beam ``j`` (a
