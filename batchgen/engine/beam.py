@@ -52,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from batchgen.engine.beam_batch import (
@@ -59,7 +60,6 @@ from batchgen.engine.beam_batch import (
     STOP,
     UNSET,
     BeamBank,
-    RowParams,
     SelectResult,
     StepRecord,
     select,
@@ -185,7 +185,8 @@ class BeamSearchState:
         """Take a row of ``bank`` (before the first step)."""
         if self.bank is not None:
             raise RuntimeError("the beam state already has its bank")
-        self.bank, self.row = bank, bank.add(self.stop_ids)
+        self.bank, self.row = bank, bank.add(self.stop_ids, self.max_tokens,
+                                             self.length_penalty, self.early_stopping)
 
     @property
     def num_live_beams(self) -> int:
@@ -230,11 +231,6 @@ class BeamSearchState:
         if n_live != w:
             raise ValueError(f"expected {w} live beams, got {n_live}")
         return False
-
-    def row_params(self, single: bool) -> RowParams:
-        """This request's row of the next step."""
-        return RowParams(self.row, self.gen_len, self.max_tokens, self.length_penalty,
-                         self.early_stopping, single)
 
     def advance(self, result: SelectResult, g: int) -> None:
         """Take row ``g`` of a step's outcome: its record, length and done flag (a done
@@ -343,8 +339,8 @@ def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: li
     tops = {g: step_top(logprobs[g], s.top_logprobs)
             for g, s in enumerate(states) if s.top_logprobs}
     fns = {g: fn for g, fn in enumerate(stop_fns) if fn is not None}
-    result = select(states[0].bank, [s.row_params(one) for s, one in zip(states, singles)],
-                    logprobs, fns, tops)
+    rows = np.fromiter((s.row for s in states), np.int64, len(states))
+    result = select(states[0].bank, rows, np.array(singles, np.int64), logprobs, fns, tops)
     for g, s in enumerate(states):
         s.advance(result, g)
     return result

@@ -22,7 +22,7 @@ import torch
 
 from batchgen.engine.beam_logprobs import StepTop
 
-__all__ = ["LENGTH", "NEG", "STOP", "UNSET", "BeamBank", "RowParams", "SelectResult",
+__all__ = ["LENGTH", "NEG", "STOP", "UNSET", "BeamBank", "SelectResult",
            "StepRecord", "select"]
 
 NEG = -1.0e9  # HF's "impossible" score
@@ -45,19 +45,6 @@ class StepRecord:
     next_parents: np.ndarray
     next_ids: np.ndarray
     tops: dict[int, StepTop]
-
-
-@dataclass(frozen=True)
-class RowParams:
-    """One request's row of a step: its bank row, generated length before the step, limits
-    and HF's stopping settings; ``single``: the step passes one row for all beams (the first)."""
-
-    row: int
-    gen_len: int
-    max_tokens: int
-    length_penalty: float
-    early_stopping: bool | str
-    single: bool
 
 
 @dataclass(frozen=True)
@@ -100,6 +87,13 @@ class BeamBank:
         if old is not None:
             for dst, src in zip(self.state(), old):
                 dst[:len(src)] = src
+        # per row on the host: generated length, max_tokens, early_stopping is True, "never"
+        # with a positive length penalty; the length penalty
+        ints = np.zeros((cap, 4), np.int64)
+        penalty = np.ones(cap, np.float64)
+        if old is not None:
+            ints[:self._size], penalty[:self._size] = self.ints, self.penalty
+        self.ints, self.penalty = ints, penalty
         self._free += list(range(cap - 1, self._size - 1, -1))
         self._size = cap
 
@@ -107,12 +101,16 @@ class BeamBank:
         """Every per-row tensor, in one order."""
         return self.running, self.fin_f, self.fin_i, self.unsatisfied, self.stops
 
-    def add(self, stop_ids: list[int]) -> int:
+    def add(self, stop_ids: list[int], max_tokens: int, length_penalty: float,
+            early_stopping: bool | str) -> int:
         """A row for a new request: HF's initial scores (beam 0 at 0, the rest impossible),
-        an empty buffer, its stop ids."""
+        an empty buffer, its stop ids and stopping settings."""
         if not self._free:
             self._alloc(2 * self._size)
         row = self._free.pop()
+        self.ints[row] = (0, max_tokens, early_stopping is True,
+                          early_stopping == "never" and length_penalty > 0.0)
+        self.penalty[row] = length_penalty
         self.running[row] = NEG
         self.running[row, 0] = 0.0
         self.fin_f[row] = NEG
@@ -133,33 +131,35 @@ class BeamBank:
         return f[0], f[1], i[0], [bool(x) for x in i[1]], i[2], i[3]
 
 
-def select(bank: BeamBank, params: list[RowParams], logprobs: torch.Tensor,
+def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torch.Tensor,
            stop_fns: dict[int, Callable[[int, int], bool]] | None = None,
            tops: dict[int, StepTop] | None = None) -> SelectResult:
-    """One HF beam step for ``G`` requests: ``logprobs`` ``[G, W, V]`` float32 (processed;
-    a first step's row repeated). ``stop_fns[g](parent, token)``: does that candidate of row
-    ``g`` end on a stop string (HF's StopStringCriteria on all K candidates)?"""
+    """One HF beam step for the ``G`` requests in bank ``rows``: ``logprobs`` ``[G, W, V]``
+    float32 (processed; ``singles``: a first step's one row, repeated). ``stop_fns[g](parent,
+    token)``: does that candidate of request ``g`` end on a stop string (HF's
+    StopStringCriteria on all K candidates)?"""
     dev, w = bank.device, bank.width
-    ints = torch.tensor([(p.row, p.gen_len + 1, p.max_tokens, p.early_stopping is True)
-                         for p in params], device=dev)
-    g_rows, new_len, early = ints[:, 0], ints[:, 1:2], ints[:, 3].bool()
-    divisors = torch.tensor([(
-        (p.gen_len + 1) ** p.length_penalty,
-        (p.max_tokens if p.early_stopping == "never" and p.length_penalty > 0.0
-         else p.gen_len + 1) ** p.length_penalty) for p in params], dtype=torch.float,
-        device=dev)  # HF's scalars, rounded to float32 as torch rounds a scalar operand
-    top_lp, ids, parents = _candidates(bank, g_rows, params, logprobs)
+    gen, max_t, early_h, never = bank.ints[rows].T
+    new_len = gen + 1
+    best_len = np.where(never.astype(bool), max_t, new_len)
+    host = np.stack((rows, new_len, max_t, early_h, singles), 1)
+    ints = torch.from_numpy(host).to(dev)
+    g_rows, new_len_t, early, single = ints[:, 0], ints[:, 1:2], ints[:, 3].bool(), ints[:, 4]
+    divisors = torch.from_numpy(_powers(np.stack((new_len, best_len), 1),
+                                        bank.penalty[rows])).to(dev)
+    bank.ints[rows, 0] = new_len
+    top_lp, ids, parents = _candidates(bank, g_rows, single, logprobs)
     stop_tok = (ids[:, :, None] == bank.stops[g_rows][:, None, :]).any(-1)
     if stop_fns:
         stop_tok = stop_tok | _host_stops(stop_fns, ids, parents)
-    hits = stop_tok | (new_len >= ints[:, 2:3])
+    hits = stop_tok | (new_len_t >= ints[:, 2:3])
     # next running beams (_get_running_beams_for_next_iteration)
     running_lp = top_lp + hits.to(torch.float32) * NEG
     next_idx = torch.topk(running_lp, k=w)[1]
     running = torch.take_along_dim(running_lp, next_idx, dim=1)
     bank.running[g_rows] = running
     admitted, fin_scores, fin_done = _update_finished(bank, g_rows, early, divisors[:, :1],
-                                                      top_lp, hits, stop_tok, new_len)
+                                                      top_lp, hits, stop_tok, new_len_t)
     done = _done(bank, g_rows, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
     lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
     k = bank.num_candidates  # what the host reads: two copies (one sync on a GPU)
@@ -185,7 +185,16 @@ def _host_stops(stop_fns: dict[int, Callable[[int, int], bool]], ids: torch.Tens
     return extra.to(ids.device)
 
 
-def _candidates(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
+def _powers(lengths: np.ndarray, penalty: np.ndarray) -> np.ndarray:
+    """HF's ``length ** length_penalty`` in float64 (Python's pow, row by row, unless every
+    penalty is 1), rounded to float32 as torch rounds a Python scalar operand."""
+    if (penalty == 1.0).all():
+        return lengths.astype(np.float32)
+    return np.array([[float(n) ** lp for n in row] for row, lp in
+                     zip(lengths.tolist(), penalty.tolist())], np.float64).astype(np.float32)
+
+
+def _candidates(bank: BeamBank, g_rows: torch.Tensor, single: torch.Tensor,
                 logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HF _get_top_k_continuations for every row: accumulate, flatten, top K."""
     g, _, vocab = logprobs.shape
@@ -193,10 +202,7 @@ def _candidates(bank: BeamBank, g_rows: torch.Tensor, params: list[RowParams],
     top_lp, top_idx = torch.topk(flat, k=bank.num_candidates)
     ids = top_idx % vocab
     parents = top_idx // vocab
-    single = [p.single for p in params]
-    if any(single):
-        parents = parents.masked_fill(torch.tensor(single, device=bank.device)[:, None], 0)
-    return top_lp, ids, parents
+    return top_lp, ids, parents * (1 - single[:, None])  # a single row: parent 0
 
 
 def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Tensor
