@@ -1,7 +1,9 @@
 """Beam search selection with exactly HuggingFace ``generate(num_beams=...)`` semantics.
 
-Pure and engine-independent: one :class:`BeamSearchState` drives the beams of ONE prompt,
-one decoding step at a time. Each step the engine hands over the float32 log-probs of the
+Engine-independent: one :class:`BeamSearchState` drives the beams of ONE prompt, one
+decoding step at a time (:func:`step_many` steps many prompts in one pass: their tensors are
+rows of a shared :class:`~batchgen.engine.beam_batch.BeamBank`, and every op below is
+row-wise, so a prompt's result does not depend on the others). Each step the engine hands over the float32 log-probs of the
 next token of every live beam and gets back a :class:`BeamStep`: which live beam (parent)
 continues with which token in each next running slot, which hypotheses were finalised, and
 whether the group is done. The engine owns the KV cache (fork a parent's block table for each
@@ -11,9 +13,12 @@ The arithmetic mirrors ``transformers`` 5.24 ``GenerationMixin._beam_search``
 (``generation/utils.py``) tensor op by tensor op, in float32 and on the device of the given
 log-probs, so that sequences, ``sequences_scores`` and the stopping step agree with HF:
 
-- State per group (HF ``batch_size = 1``): ``running_beam_scores`` ``[1, W]`` starting at
-  ``[0, -1e9, ...]``; finished buffer ``beam_scores`` ``[1, W]`` starting at ``-1e9``;
-  ``is_sent_finished`` ``[1, W]``; ``is_early_stop_heuristic_unsatisfied`` ``[1, 1]``.
+- State per group (a bank row; HF ``batch_size = 1``): ``running_beam_scores`` ``[W]``
+  starting at ``[0, -1e9, ...]``; finished buffer ``beam_scores`` ``[W]`` starting at
+  ``-1e9``; ``is_sent_finished`` ``[W]``; ``is_early_stop_heuristic_unsatisfied`` ``[1]``.
+  The tokens are not carried along: each step's candidates are kept on the host (a record)
+  and a hypothesis's tokens are read back through its parents when it is admitted or
+  returned.
 - HF runs the first step on ``W`` identical copies of the prompt. The engine may pass a single
   row on the first step; it is expanded to ``W`` rows (copies 1.. carry ``-1e9``) so that even
   the ``K > V`` corner and ``-1e9`` ties behave as in HF. After the first step there are always

@@ -5,9 +5,10 @@ rows and publishes completed blocks), waiting siblings of a leader that finished
 are forked, and the samplers' slots are found. `apply`: prompt logprobs are stored, the
 sampled tokens go into the batch's columns (vector ops) and the sequences' lists (one loop),
 stops are checked on the columns (stop-string rows through their checkers, constrained rows'
-matchers accept their token), finished sequences give their blocks back, and each beam
-group's policy turns its log-probabilities into operations (Fork / Append / Free / SetSeqs)
-carried out here. It returns the step's StepStats.
+matchers accept their token), finished sequences give their blocks back, and the beam
+groups' steps (the BeamStepper's: a BeamMove for a plain step, carried out by array ops and
+KVManager.adopt; else their policy's operations, Fork / Append / Free / SetSeqs) are carried
+out here. It returns the step's StepStats.
 """
 
 from __future__ import annotations
