@@ -5,6 +5,10 @@ forwards: the median over the decode steps of tokens ``--window``, lowest of ``-
 in the growth run (64 rows) of the last tokens too, with the host's function calls per step.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
+
+``--beams``: instead, beam search of width ``BEAM_WIDTH`` over ``BEAM_PROMPTS`` prompts (256 rows
+a step), host ms per decode step at tokens ``--beam-windows`` (early, late: flat in length?),
+against HF ``generate(num_beams=4)``'s own host time per beam step on the same rows (early).
 """
 
 import statistics
@@ -13,10 +17,11 @@ import time
 
 import torch
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams
 from benchmarks import common as h
 
 LONG_ROWS = 64  # rows of the growth run
+BEAM_PROMPTS, BEAM_WIDTH = 64, 4  # the beam case: 256 rows per decode step
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2)
 TOP_P = dict(temperature=0.8, top_p=0.95)
 SCENARIOS = {  # name -> (n, SamplingParams kwargs); the stop strings never match
@@ -93,7 +98,14 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--scenarios", type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
                    default=",".join(SCENARIOS), help=f"a subset of {', '.join(SCENARIOS)}")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--beams", action="store_true",
+                   help=f"run the beam case ({BEAM_PROMPTS} prompts x width {BEAM_WIDTH}) instead")
+    p.add_argument("--beam-windows", type=h.int_list, default="9,24,497,512",
+                   help="the beam case's early and late windows: first,last,first,last token")
     args = h.check_args(p, p.parse_args(argv))
+    w = args.beam_windows
+    if len(w) != 4 or not 2 <= w[0] <= w[1] < w[2] <= w[3]:
+        p.error("--beam-windows must be 4 tokens a,b,c,d with 2 <= a <= b < c <= d")
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"unknown --scenarios {args.scenarios}; choose from {list(SCENARIOS)}")
     if len(args.window) != 2 or args.window[0] > args.window[1]:
@@ -103,9 +115,63 @@ def parse_args(argv: list[str] | None):
     return args
 
 
+def beam_case(args, info: dict) -> dict:
+    """Beam search, 64 prompts x width 4 (256 rows a step): batchgen's host ms per decode step
+    early and late in a long run (lowest of --repeats), HF ``generate``'s on the same rows early."""
+    rows, (a, b, c, d) = BEAM_PROMPTS * BEAM_WIDTH, args.beam_windows
+    prompts = h.make_prompts(BEAM_PROMPTS, 16, 32, args.vocab_size, seed=0)
+    figures: dict = {}  # (system, tokens) -> (host ms, forward ms), the lowest host of the runs
+
+    def keep(system: str, gaps_fwd: tuple, first: int, last: int) -> None:
+        host, fwd = (window(v, first, last) for v in gaps_fwd[:2])
+        key = (system, f"{first}-{last}")
+        if key not in figures or host < figures[key][0]:
+            figures[key] = (host, fwd)
+
+    def bg_run(tokens: int) -> tuple:
+        bp = BeamSearchParams(beam_width=BEAM_WIDTH, max_tokens=tokens, ignore_eos=True)
+        return clock.measure(lambda: llm.beam_search(h.token_prompts(prompts), bp,
+                                                     use_tqdm=False), rows)
+
+    with h.prepare_model_dir(args, d + 64, tokenizer=True) as model_dir:
+        llm = LLM(str(model_dir), max_num_seqs=rows, max_model_len=d + 64,
+                  enable_prefix_caching=False, seed=0, device=args.device)
+        clock = ForwardClock(h.engine_model(llm), args.device)
+        bg_run(4)  # warm-up
+        for _ in range(args.repeats):
+            out = bg_run(d)
+            keep("batchgen", out, a, b)
+            keep("batchgen", out, c, d)
+        clock.close()
+        if not args.skip_hf:
+            hf = h.load_hf_model(model_dir, torch.float32, args.device)
+            clock = ForwardClock(hf, args.device)
+            beams = dict(num_beams=BEAM_WIDTH, num_return_sequences=1, do_sample=False,
+                         early_stopping=False, length_penalty=1.0)
+
+            def hf_run(tokens: int) -> tuple:
+                return clock.measure(lambda: h.hf_generate_all(
+                    hf, prompts, BEAM_PROMPTS, tokens, args.device, **beams), rows)
+
+            hf_run(4)  # warm-up
+            for _ in range(args.repeats):
+                keep("HF generate", hf_run(b), a, b)
+            clock.close()
+    print(h.markdown_table(["system", "beams", "tokens", "host ms / step", "forward ms / step"],
+                           [[s, f"{BEAM_PROMPTS} x W={BEAM_WIDTH}", t, f"{host:.3f}",
+                             f"{fwd:.3f}"] for (s, t), (host, fwd) in figures.items()]))
+    early, late = figures[("batchgen", f"{a}-{b}")][0], figures[("batchgen", f"{c}-{d}")][0]
+    print(f"growth (beams): host ms at tokens {c}-{d} / at {a}-{b} = {late / early:.2f}x")
+    return h.finish(args, info, {"figures": [dict(system=s, tokens=t, host_ms=host, forward_ms=f)
+                                             for (s, t), (host, f) in figures.items()],
+                                 "growth": late / early})
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     info = h.start(args)
+    if args.beams:
+        return beam_case(args, info)
     (first, last), long = args.window, args.long_tokens
     early, late = f"{first}-{last}", f"{long - (last - first)}-{long}"
     max_rows = max(*args.rows, LONG_ROWS)

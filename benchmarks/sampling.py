@@ -7,10 +7,15 @@ memory: each batchgen peak against a contiguous cache and a paged one without sh
 paper's baseline), both holding every row at once; no run may preempt (asserted).
 
     PYTHONPATH=. python benchmarks/sampling.py --repeats 3
+
+``--chat``: the prompts are ``--num-prompts`` English-like sentences through the model's chat
+template (e.g. ``--model-dir`` SmolLM2-135M-Instruct) instead of random token ids.
 """
 
 import copy
 import gc
+
+from transformers import AutoTokenizer
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from benchmarks import common as h
@@ -28,6 +33,8 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--n", type=int, default=8, help="samples per prompt (0 skips sampling)")
     p.add_argument("--beam-widths", default="4,16", help="comma-separated ('' or 0: none)",
                    type=lambda v: [] if v.strip() in ("", "0") else h.int_list(v))
+    p.add_argument("--chat", action="store_true",
+                   help="chat-templated sentences (the model's tokenizer) as prompts")
     args = h.check_args(p, p.parse_args(argv))
     if args.n < 0 or (args.n == 0 and not args.beam_widths):
         p.error("--n must be >= 0, and something must run (--n or --beam-widths)")
@@ -183,15 +190,19 @@ def report(runs: dict[str, list[h.Result]], args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     info = h.start(args)
-    prompts, L = h.workload_prompts(args), args.output_len
+    L = args.output_len
     widths = ([args.n] if args.n else []) + args.beam_widths  # pool: no sharing, + 1 per row
-    kv_blocks = args.num_kv_blocks or 1 + max(sum(
-        w * (h.blocks_for(len(p) + L, args.block_size) + 1) for p in prompts) for w in widths)
-    with h.prepare_model_dir(args, args.max_prompt_len + L) as model_dir:
+    with h.prepare_model_dir(args, args.max_prompt_len + L, tokenizer=args.chat) as model_dir:
+        prompts = (h.chat_prompts(AutoTokenizer.from_pretrained(model_dir), h.sentences(
+            args.num_prompts, 4, 16, args.seed)) if args.chat else h.workload_prompts(args))
+        kv_blocks = args.num_kv_blocks or 1 + max(sum(
+            w * (h.blocks_for(len(p) + L, args.block_size) + 1) for p in prompts)
+            for w in widths)
         n_params = h.count_params(model_dir)
         print(h.model_line(args, n_params))
         print(h.workload_line(args, prompts, f"{L} new tokens per sample/beam, EOS ignored; "
-                              f"n={args.n or '-'}, beam widths {args.beam_widths or '-'}"))
+                              f"n={args.n or '-'}, beam widths {args.beam_widths or '-'}"
+                              + ("; chat prompts" if args.chat else "")))
         runs = run_all(model_dir, prompts, kv_blocks, args)
         gc.collect()
     return h.finish(args, info, {

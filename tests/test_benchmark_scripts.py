@@ -93,3 +93,17 @@ def test_benchmark_script_runs(script, tmp_path):
     assert out.is_file() and proc.stdout
     for line in EXPECT.get(script, []):
         assert line in proc.stdout, proc.stdout[-3000:]
+
+
+def test_host_overhead_beam_case(tmp_path):
+    """`host_overhead.py --beams`: 64 prompts x width 4, batchgen early and late, HF's own."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--beams",
+                           "--beam-windows", "2,3,5,6", "--threads", "1", "--repeats", "1",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("| batchgen    | 64 x W=4 | 2-3", "| batchgen    | 64 x W=4 | 5-6",
+                 "| HF generate | 64 x W=4 | 2-3", "growth (beams): host ms at tokens 5-6"):
+        assert line in proc.stdout, proc.stdout[-3000:]
+    assert out.is_file()

@@ -199,6 +199,13 @@ class PersistentBatch:
             moved.slot = slot
         self.seqs.pop()
 
+    def copy_rows(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Slots `dst` take the columns of slots `src` (beams continuing other beams of their
+        group: same spec, counters and table; no penalty state)."""
+        for rows in (self.ints, self.flags, self.params, self.cum_logprob, self.block_table,
+                     self.stop_ids):
+            rows[dst] = rows[src]
+
     def clear(self) -> None:
         """Every sequence leaves (an aborted call)."""
         for seq in self.seqs:

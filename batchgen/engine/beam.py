@@ -1,7 +1,9 @@
 """Beam search selection with exactly HuggingFace ``generate(num_beams=...)`` semantics.
 
-Pure and engine-independent: one :class:`BeamSearchState` drives the beams of ONE prompt,
-one decoding step at a time. Each step the engine hands over the float32 log-probs of the
+Engine-independent: one :class:`BeamSearchState` drives the beams of ONE prompt, one
+decoding step at a time (:func:`step_many` steps many prompts in one pass: their tensors are
+rows of a shared :class:`~batchgen.engine.beam_batch.BeamBank`, and every op below is
+row-wise, so a prompt's result does not depend on the others). Each step the engine hands over the float32 log-probs of the
 next token of every live beam and gets back a :class:`BeamStep`: which live beam (parent)
 continues with which token in each next running slot, which hypotheses were finalised, and
 whether the group is done. The engine owns the KV cache (fork a parent's block table for each
@@ -11,9 +13,12 @@ The arithmetic mirrors ``transformers`` 5.24 ``GenerationMixin._beam_search``
 (``generation/utils.py``) tensor op by tensor op, in float32 and on the device of the given
 log-probs, so that sequences, ``sequences_scores`` and the stopping step agree with HF:
 
-- State per group (HF ``batch_size = 1``): ``running_beam_scores`` ``[1, W]`` starting at
-  ``[0, -1e9, ...]``; finished buffer ``beam_scores`` ``[1, W]`` starting at ``-1e9``;
-  ``is_sent_finished`` ``[1, W]``; ``is_early_stop_heuristic_unsatisfied`` ``[1, 1]``.
+- State per group (a bank row; HF ``batch_size = 1``): ``running_beam_scores`` ``[W]``
+  starting at ``[0, -1e9, ...]``; finished buffer ``beam_scores`` ``[W]`` starting at
+  ``-1e9``; ``is_sent_finished`` ``[W]``; ``is_early_stop_heuristic_unsatisfied`` ``[1]``.
+  The tokens are not carried along: each step's candidates are kept on the host (a record)
+  and a hypothesis's tokens are read back through its parents when it is admitted or
+  returned.
 - HF runs the first step on ``W`` identical copies of the prompt. The engine may pass a single
   row on the first step; it is expanded to ``W`` rows (copies 1.. carry ``-1e9``) so that even
   the ``K > V`` corner and ``-1e9`` ties behave as in HF. After the first step there are always
@@ -52,25 +57,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
+from batchgen.engine.beam_batch import (
+    LENGTH,
+    STOP,
+    UNSET,
+    BeamBank,
+    SelectResult,
+    StepRecord,
+    select,
+)
 from batchgen.engine.beam_controls import BeamControls
 from batchgen.engine.beam_logprobs import TokenLogprob, step_top
 
 __all__ = ["BeamHypothesis", "BeamSearchState", "BeamSelector", "BeamStep", "StopFn",
-           "candidate_logprobs"]
+           "candidate_logprobs", "step_many"]
 
 #: ``is_stop(parent_idx, token) -> bool``: does appending ``token`` to live beam
 #: ``parent_idx`` end the hypothesis (e.g. completes a stop string)? Called only on the top-K
 #: candidates of a step (at most ``K`` calls), never on the whole vocabulary.
 StopFn = Callable[[int, int], bool]
 
-_NEG = -1.0e9  # HF's "impossible" score
-IMPOSSIBLE = _NEG  # (public: under a grammar, results drop hypotheses that carry it)
+IMPOSSIBLE = -1.0e9  # HF's "impossible" score (public: results under a grammar drop it)
 
-#: finish codes stored per finished-buffer slot
-_UNSET, _STOP, _LENGTH = 0, 1, 2
-_REASONS = {_STOP: "stop", _LENGTH: "length"}
+_UNSET = UNSET
+_REASONS = {STOP: "stop", LENGTH: "length"}
 
 
 @dataclass
@@ -132,6 +145,10 @@ class BeamSearchState:
     ``eos_token_id=[eos, s]``. ``vocab_size`` (optional) is checked against the log-probs width.
     ``top_logprobs`` (k) makes every token also keep its parent row's top-k alternatives (one
     ``topk`` per step). The arguments are those of a validated ``BeamSearchParams``.
+
+    Its tensors are a row of a :class:`~batchgen.engine.beam_batch.BeamBank`: its own, or the
+    engine's (:meth:`join`), which steps many requests in one pass (:func:`step_many`); its
+    tokens are read back from the steps' records when a hypothesis is admitted or returned.
     """
 
     def __init__(
@@ -159,40 +176,27 @@ class BeamSearchState:
         self.num_candidates = max(2, 1 + len(self.stop_ids)) * beam_width  # HF beams_to_keep
         self.gen_len = 0  # generated tokens so far (HF cur_len - decoder_prompt_len)
         self.done = False
-        self._device: torch.device | None = None
-        # Running beams (HF running_sequences / running_beam_scores).
-        self._running: list[list[int]] = [[]]
-        self._running_lps: list[list[TokenLogprob]] = [[]]  # each token's logprob, rank, top-k
-        self._running_scores: torch.Tensor | None = None
-        # Finished buffer (HF sequences / beam_scores / is_sent_finished), W slots.
-        self._fin_tokens: list[list[int]] = [[] for _ in range(beam_width)]
-        self._fin_lps: list[list[TokenLogprob]] = [[] for _ in range(beam_width)]
-        self._fin_scores: torch.Tensor | None = None
-        self._fin_sums: torch.Tensor | None = None  # raw sums, gathered alongside
-        self._fin_reason: torch.Tensor | None = None
-        self._fin_done: torch.Tensor | None = None
-        self._unsatisfied: torch.Tensor | None = None
+        self.bank: BeamBank | None = None
+        self.row = -1
+        self._live = 1
+        self._history: list[tuple[StepRecord, int]] = []  # each step's record and our row
+        self._final: tuple[list, ...] | None = None  # the finished buffer, once done
 
-    def _init_tensors(self, device: torch.device) -> None:
-        w = self.beam_width
-        self._device = device
-        self._running_scores = torch.zeros((1, w), dtype=torch.float, device=device)
-        self._running_scores[:, 1:] = _NEG
-        self._fin_scores = torch.full((1, w), _NEG, dtype=torch.float, device=device)
-        self._fin_sums = torch.full((1, w), _NEG, dtype=torch.float, device=device)
-        self._fin_reason = torch.zeros((1, w), dtype=torch.int8, device=device)
-        self._fin_done = torch.zeros((1, w), dtype=torch.bool, device=device)
-        self._unsatisfied = torch.ones((1, 1), dtype=torch.bool, device=device)
-        self._stop_id_tensor = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
-        k = self.num_candidates
-        self._top_mask = torch.cat(
-            (torch.ones(w, dtype=torch.bool), torch.zeros(k - w, dtype=torch.bool))
-        ).to(device)
+    def bank_key(self, device: torch.device) -> tuple[int, int, torch.device]:
+        """Requests with the same key can share a bank (and a step's pass)."""
+        return self.beam_width, len(self.stop_ids), device
+
+    def join(self, bank: BeamBank) -> None:
+        """Take a row of ``bank`` (before the first step)."""
+        if self.bank is not None:
+            raise RuntimeError("the beam state already has its bank")
+        self.bank, self.row = bank, bank.add(self.stop_ids, self.max_tokens,
+                                             self.length_penalty, self.early_stopping)
 
     @property
     def num_live_beams(self) -> int:
         """Rows :meth:`step` expects (1 before the first step, then ``beam_width``; 0 once done)."""
-        return len(self._running)
+        return self._live
 
     # --------------------------------------------------------------------- step
     def step(self, logprobs: torch.Tensor, is_stop: StopFn | None = None) -> BeamStep:
@@ -204,51 +208,19 @@ class BeamSearchState:
         single row (the prompt) is expected; ``W`` identical rows are also accepted.
         ``is_stop``: optional :data:`StopFn` for stop strings, treated like EOS.
         """
-        logprobs, first_single = self._check_rows(logprobs)
-        if self.controls is not None:
-            logprobs = self.controls.process(logprobs)
-        # b-c. accumulate, flatten to [1, W * V], top-K continuations
-        vocab = logprobs.shape[1]
-        flat = (logprobs.to(torch.float32)[None] + self._running_scores[:, :, None]).reshape(1, -1)
-        topk_log_probs, topk_indices = torch.topk(flat, k=self.num_candidates)
-        topk_ids = topk_indices % vocab
-        ids_l = topk_ids[0].tolist()
-        parents_l = ([0] * len(ids_l) if first_single
-                     else (topk_indices // vocab)[0].tolist())
-        cand_lps = candidate_logprobs(logprobs, parents_l, topk_ids[0], self.top_logprobs)
-        new_len = self.gen_len + 1  # generated length including the new token
-        # d. stopping criteria on all K candidates (EOS / stop ids, stop strings, max length)
-        is_stop_tok = torch.isin(topk_ids, self._stop_id_tensor)
-        if is_stop is not None:
-            extra = [bool(is_stop(p, t)) for p, t in zip(parents_l, ids_l)]
-            is_stop_tok = is_stop_tok | torch.tensor([extra], dtype=torch.bool, device=self._device)
-        hits = is_stop_tok | (new_len >= self.max_tokens)
-        # e. next running beams (_get_running_beams_for_next_iteration)
-        topk_running_log_probs = topk_log_probs + hits.to(torch.float32) * _NEG
-        next_idx = torch.topk(topk_running_log_probs, k=self.beam_width)[1]
-        self._running_scores = torch.take_along_dim(topk_running_log_probs, next_idx, dim=1)
-        # f. finished buffer (_update_finished_beams)
-        finished = self._update_finished(topk_log_probs, hits, is_stop_tok, new_len, parents_l,
-                                         ids_l, cand_lps)
-        # g. stopping condition of the group
-        self.gen_len = new_len
-        self.done = self._group_done(hits)
-        old_running, old_lps = self._running, self._running_lps
-        if self.done:
-            self._running, self._running_lps = [], []
-            return BeamStep([], [], True, finished)
-        next_l = next_idx[0].tolist()
-        parents = [parents_l[c] for c in next_l]
-        tokens = [ids_l[c] for c in next_l]
-        lps = [cand_lps[c] for c in next_l]
-        if self.controls is not None:
-            self.controls.advance(parents, tokens)
-        self._running = [[*old_running[p], t] for p, t in zip(parents, tokens)]
-        self._running_lps = [[*old_lps[p], lp] for p, lp in zip(parents, lps)]
-        return BeamStep(parents, tokens, False, finished, lps)
+        single = self.check_rows(logprobs)
+        if self.bank is None:
+            self.join(BeamBank(self.beam_width, len(self.stop_ids), logprobs.device))
+        rows = logprobs.expand(self.beam_width, -1) if single else logprobs
+        result = step_many([self], rows.to(torch.float32)[None].contiguous(), [single],
+                           [is_stop])
+        step = self.step_of(result, 0, [slot for _, slot in result.admitted])
+        if not step.done:
+            step.token_logprobs = self.running_logprobs()
+        return step
 
-    def _check_rows(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        """The step's [W, V] rows (a single first-step row expanded) and whether it was one."""
+    def check_rows(self, logprobs: torch.Tensor) -> bool:
+        """Checks the step's rows; True when one row stands for all beams (the first step)."""
         if self.done:
             raise RuntimeError("beam search group is already done")
         if logprobs.dim() != 2:
@@ -257,86 +229,95 @@ class BeamSearchState:
         n_live, vocab = logprobs.shape
         if self.vocab_size is not None and vocab != self.vocab_size:
             raise ValueError(f"logprobs has {vocab} columns, expected vocab_size={self.vocab_size}")
-        if self._running_scores is None:
-            self._init_tensors(logprobs.device)
-            if n_live == 1:
-                return logprobs.expand(w, vocab), True
-            if n_live != w:
+        if self.gen_len == 0:
+            if n_live not in (1, w):
                 raise ValueError(f"first step expects 1 or {w} rows, got {n_live}")
-        elif n_live != w:
+            return n_live == 1
+        if n_live != w:
             raise ValueError(f"expected {w} live beams, got {n_live}")
-        return logprobs, False
+        return False
 
-    def _update_finished(self, topk_log_probs: torch.Tensor, hits: torch.Tensor,
-                         is_stop_tok: torch.Tensor, new_len: int, parents_l: list[int],
-                         ids_l: list[int], cand_lps: list[TokenLogprob]
-                         ) -> list[BeamHypothesis]:
-        """Merge this step's admitted hits into the W-slot finished buffer (HF
-        _update_finished_beams); returns the hypotheses admitted now."""
-        w = self.beam_width
-        did_finish = hits & self._top_mask[None, :]
-        scores = topk_log_probs / (new_len**self.length_penalty)
-        full = torch.all(self._fin_done, dim=-1, keepdim=True) & (self.early_stopping is True)
-        scores += full.to(torch.float32) * _NEG
-        scores += (~self._unsatisfied).to(torch.float32) * _NEG
-        scores += (~did_finish) * _NEG
-        reason = torch.where(is_stop_tok, _STOP, _LENGTH).to(torch.int8)
-        reason = torch.where(did_finish, reason, torch.zeros_like(reason))
-        merged = [torch.cat(pair, dim=1) for pair in (
-            (self._fin_scores, scores), (self._fin_sums, topk_log_probs),
-            (self._fin_reason, reason), (self._fin_done, did_finish))]
-        keep = torch.topk(merged[0], k=w)[1]
-        self._fin_scores, self._fin_sums, self._fin_reason, self._fin_done = (
-            torch.take_along_dim(m, keep, dim=1) for m in merged)
-        new_fin: list[list[int]] = []
-        new_lps: list[list[TokenLogprob]] = []
-        finished: list[BeamHypothesis] = []
-        scores_l, sums_l = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
-        reasons_l = self._fin_reason[0].tolist()
-        for slot, i in enumerate(keep[0].tolist()):
-            if i < w:
-                new_fin.append(self._fin_tokens[i])
-                new_lps.append(self._fin_lps[i])
-                continue
-            c = i - w
-            toks = [*self._running[parents_l[c]], ids_l[c]]
-            lps = [*self._running_lps[parents_l[c]], cand_lps[c]]
-            new_fin.append(toks)
-            new_lps.append(lps)
-            if reasons_l[slot] != _UNSET:
-                finished.append(BeamHypothesis(list(toks), sums_l[slot], scores_l[slot],
-                                               _REASONS[reasons_l[slot]], list(lps)))
-        self._fin_tokens, self._fin_lps = new_fin, new_lps
-        return finished
+    def advance(self, result: SelectResult, g: int) -> None:
+        """Take row ``g`` of a step's outcome: its record, length and done flag (a done
+        request keeps its finished buffer and frees its bank row); HF's processors follow
+        the beams chosen."""
+        rec = result.record
+        self._history.append((rec, g))
+        self.gen_len += 1
+        if result.done[g]:
+            self.done, self._live = True, 0
+            self._final = self.bank.buffer(self.row)
+            self.bank.release(self.row)
+        else:
+            self._live = self.beam_width
+            if self.controls is not None:
+                self.controls.advance(rec.next_parents[g].tolist(), rec.next_ids[g].tolist())
 
-    def _group_done(self, hits: torch.Tensor) -> bool:
-        """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences."""
-        lp = self.length_penalty
-        best_len = (self.max_tokens if self.early_stopping == "never" and lp > 0.0
-                    else self.gen_len)
-        best_running = self._running_scores[:, :1] / (best_len**lp)
-        worst_finished = torch.where(
-            self._fin_done, torch.min(self._fin_scores, dim=1, keepdim=True)[0], _NEG)
-        self._unsatisfied = self._unsatisfied & torch.any(
-            best_running > worst_finished, dim=-1, keepdim=True)
-        improvement_possible = bool(torch.any(self._unsatisfied))
-        exists_open_beam = not (bool(torch.all(self._fin_done)) and self.early_stopping is True)
-        valid_continuations = not bool(torch.all(hits))
-        return not (improvement_possible and exists_open_beam and valid_continuations)
+    def step_of(self, result: SelectResult, g: int, admitted: list[int]) -> BeamStep:
+        """Row ``g`` of an advanced step as a BeamStep (``admitted``: buffer slots filled
+        now, built as hypotheses), without per-token logprobs."""
+        finished = [self._slot_hypothesis(slot) for slot in admitted]
+        if self.done:
+            return BeamStep([], [], True, finished)
+        rec = result.record
+        return BeamStep(rec.next_parents[g].tolist(), rec.next_ids[g].tolist(), False, finished)
+
+    def running_logprobs(self) -> list[TokenLogprob]:
+        """The last token of each live beam: its logprob, rank (and top-k)."""
+        rec, g = self._history[-1]
+        return [self._token(rec, g, c) for c in rec.nxt[g].tolist()]
+
+    @staticmethod
+    def _token(rec: StepRecord, g: int, c: int) -> TokenLogprob:
+        """Candidate ``c`` of row ``g`` of a step's record as a TokenLogprob."""
+        return TokenLogprob(float(rec.logprobs[g, c]), int(rec.ranks[g, c]), rec.tops.get(g),
+                            int(rec.parents[g, c]))
+
+    def _tokens_of(self, step: int, cand: int) -> tuple[list[int], list[TokenLogprob]]:
+        """The tokens and their logprobs of candidate ``cand`` of step ``step`` (1-based):
+        walked back through the parents' records."""
+        toks: list[int] = []
+        lps: list[TokenLogprob] = []
+        while step >= 1:
+            rec, g = self._history[step - 1]
+            toks.append(int(rec.ids[g, cand]))
+            lps.append(self._token(rec, g, cand))
+            parent = int(rec.parents[g, cand])
+            step -= 1
+            if step:
+                prev, pg = self._history[step - 1]
+                cand = int(prev.nxt[pg, parent])
+        return toks[::-1], lps[::-1]
+
+    def _buffer(self) -> tuple[list, ...]:
+        """The finished buffer on the host (scores, sums, codes, done, step, candidate)."""
+        if self._final is not None:
+            return self._final
+        if self.bank is None:
+            raise RuntimeError("finalize() before the first step")
+        return self.bank.buffer(self.row)
+
+    def _slot_hypothesis(self, slot: int) -> BeamHypothesis:
+        """The hypothesis in a finished-buffer slot (its HF content, even when never admitted)."""
+        scores, sums, reasons, _, steps, cands = self._buffer()
+        toks, lps = self._tokens_of(steps[slot], cands[slot])
+        return BeamHypothesis(toks, sums[slot], scores[slot],
+                              _REASONS.get(reasons[slot], "length"), lps)
 
     # ------------------------------------------------------------ trace views
     def running_scores(self) -> list[float]:
         """The live beams' cumulative log-probs (HF running_beam_scores), best first."""
-        return [] if self._running_scores is None else self._running_scores[0].tolist()
+        if self.bank is None or self.gen_len == 0 or self.done:
+            return []
+        return self.bank.running[self.row].tolist()
 
     def finished_slots(self) -> list[tuple[int, tuple[float, float, int, str]]]:
         """The finished buffer's filled slots: (slot, (score, sum of log-probs, number of
         tokens, finish reason)), best first."""
-        if self._fin_done is None:
+        if self.bank is None:
             return []
-        done, reasons = self._fin_done[0].tolist(), self._fin_reason[0].tolist()
-        scores, sums = self._fin_scores[0].tolist(), self._fin_sums[0].tolist()
-        return [(j, (scores[j], sums[j], len(self._fin_tokens[j]), _REASONS[reasons[j]]))
+        scores, sums, reasons, done, steps, _ = self._buffer()
+        return [(j, (scores[j], sums[j], steps[j], _REASONS[reasons[j]]))
                 for j in range(self.beam_width) if done[j] and reasons[j] != _UNSET]
 
     # ----------------------------------------------------------------- finalize
@@ -348,17 +329,26 @@ class BeamSearchState:
         cases) comes back with its HF content: its tokens so far, a ``~-1e9`` score and
         ``finish_reason="length"``.
         """
-        if self._fin_scores is None:
-            raise RuntimeError("finalize() before the first step")
-        n = self.num_return_sequences
-        scores = self._fin_scores[0, :n].tolist()
-        sums = self._fin_sums[0, :n].tolist()
-        reasons = self._fin_reason[0, :n].tolist()
-        return [
-            BeamHypothesis(list(self._fin_tokens[i]), sums[i], scores[i],
-                           _REASONS.get(reasons[i], "length"), list(self._fin_lps[i]))
-            for i in range(n)
-        ]
+        return [self._slot_hypothesis(i) for i in range(self.num_return_sequences)]
+
+
+def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: list[bool],
+              stop_fns: list[StopFn | None]) -> SelectResult:
+    """One step of every state (all in one bank): ``logprobs`` ``[G, W, V]`` float32, a first
+    step's single row repeated (written in place by the processors). HF's processors run per
+    request that has them, the selection for all at once; Python per request only to take its
+    row (its hypotheses are built when asked: :meth:`BeamSearchState.step_of`, finalize)."""
+    for g, s in enumerate(states):
+        if s.controls is not None:
+            logprobs[g] = s.controls.process(logprobs[g])
+    tops = {g: step_top(logprobs[g], s.top_logprobs)
+            for g, s in enumerate(states) if s.top_logprobs}
+    fns = {g: fn for g, fn in enumerate(stop_fns) if fn is not None}
+    rows = np.fromiter((s.row for s in states), np.int64, len(states))
+    result = select(states[0].bank, rows, np.array(singles, np.int64), logprobs, fns, tops)
+    for g, s in enumerate(states):
+        s.advance(result, g)
+    return result
 
 
 def candidate_logprobs(logprobs: torch.Tensor, parents: list[int], tokens: torch.Tensor,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from batchgen.attention.metadata import StepRows
+from batchgen.engine.beam_step import BeamSpans
 from batchgen.engine.layout import PromptRows, step_layout
 from batchgen.engine.output_processor import OutputProcessor, StepStats
 from batchgen.engine.scheduler import Scheduler, StepPlan
@@ -58,6 +59,7 @@ class Engine:
         (Ctrl-C) or closing the stream early aborts every group and frees every block."""
         source = iter(groups)
         more, idle = True, 0
+        self.outputs.beams.reset()
         try:
             while True:
                 if more:
@@ -115,7 +117,7 @@ class Engine:
             if layout.sample_rows is not None:
                 picked = logits[to_device(layout.sample_rows, logits.device)]
             sampled = self.sampler(picked, self.kv.batch.sampling_columns(at.slots, at.index))
-        beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else {}
+        beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else None
         prompt = (prompt_logprobs(logits, layout.prompt_rows, self.sampler.logprobs_mode)
                   if layout.prompt_rows else [])
         stats = self.outputs.apply(layout, at, sampled, beams, prompt)
@@ -123,22 +125,20 @@ class Engine:
         return stats
 
 
-def beam_logprobs(logits: torch.Tensor, beam_rows: dict[SequenceGroup, dict[Any, int]]
-                  ) -> dict[SequenceGroup, torch.Tensor]:
-    """Each beam group's float32 log-probabilities, rows in its beam order (one log_softmax
-    for the step's beams); a constrained beam's forbidden tokens at -inf."""
-    rows = [beam_rows[g][s] for g in beam_rows for s in g.seqs]
-    lp = torch.log_softmax(logits[to_device(np.array(rows, np.int64), logits.device)].float(),
-                           dim=-1)
+def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Tensor, BeamSpans]:
+    """The beam groups' float32 log-probabilities (one log_softmax for the step's beams), each
+    group's rows in its beam order (its first row and count there); a constrained beam's
+    forbidden tokens at -inf."""
+    first = np.fromiter((f for f, _ in beam_rows.values()), np.int64, len(beam_rows))
+    count = np.fromiter((n for _, n in beam_rows.values()), np.int64, len(beam_rows))
+    at = np.cumsum(count) - count  # each group's first row in the result
+    rows = np.repeat(first - at, count) + np.arange(int(count.sum()))
+    lp = torch.log_softmax(logits[to_device(rows, logits.device)].float(), dim=-1)
     constrained = [s.constraint for g in beam_rows for s in g.seqs]
     if any(c is not None for c in constrained):  # each beam's grammar, after the log_softmax
-        at = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
-        mask_beams(lp, [constrained[j] for j in at.tolist()], at)
-    out, at = {}, 0
-    for g in beam_rows:
-        out[g] = lp[at:at + len(g.seqs)]
-        at += len(g.seqs)
-    return out
+        idx = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
+        mask_beams(lp, [constrained[j] for j in idx.tolist()], idx)
+    return lp, dict(zip(beam_rows, zip(at.tolist(), count.tolist())))
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...],

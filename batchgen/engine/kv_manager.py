@@ -60,6 +60,19 @@ class KVManager:
         bm = self.block_manager
         return list(bm.table(seq)) if bm.has_table(seq) else []
 
+    def decoding_units(self, groups: list[SequenceGroup]) -> list[Sequence]:
+        """The sequences of every group whose running sequences all have exactly one token to
+        compute (a beam group's decode unit), in the groups' order; by vector ops over their
+        slots (the groups waiting for a fork have none)."""
+        groups = [g for g in groups if g.seqs and not g.fork_pending]
+        seqs = [s for g in groups for s in g.seqs]
+        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        c, at = self.batch.cols, np.maximum(slots, 0)
+        ready = (slots >= 0) & (c["num_tokens"][at] - c["num_computed"][at] == 1)
+        sizes = np.fromiter((len(g.seqs) for g in groups), np.int64, len(groups))
+        whole = np.logical_and.reduceat(ready, np.cumsum(sizes) - sizes) if seqs else ready
+        return [s for s, ok in zip(seqs, np.repeat(whole, sizes).tolist()) if ok]
+
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()
 
@@ -137,10 +150,16 @@ class KVManager:
         PoolExhausted leaves what was reserved, and the copies made, in place."""
         bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
         cow = c["cow_check"][slots]
-        for slot in slots[cow].tolist():
-            seq, pos = b.seqs[slot], int(c["num_computed"][slot])
-            copies += bm.reserve([(seq, pos, 1)])
-            b.write_table(seq, bm.table(seq), pos // bs)
+        for slot, pos in zip(slots[cow].tolist(), c["num_computed"][slots[cow]].tolist()):
+            seq, at = b.seqs[slot], pos // bs
+            if pos % bs:  # writes into a block it may share: copied unless it is the last
+                src, dst = bm.cow_append(seq, at)
+                if src != dst:
+                    copies.append((src, dst))
+                    b.block_table[slot, at] = dst
+            elif new := bm.append_tokens([seq], [pos]):  # opens its next block
+                b.block_table[slot, at] = new[0]
+                c["num_blocks"][slot] = at + 1
             c["cow_check"][slot] = False
         opening = slots[~cow]  # each opens exactly one block: its table's next
         if len(opening):
@@ -172,6 +191,27 @@ class KVManager:
         self.batch.enter(child, self.block_manager.table(child), num_tokens)
         cow = self.batch.cols["cow_check"]
         cow[parent.slot] = cow[child.slot] = True
+
+    def adopt(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+        """Each `(seq, parent)`: running beam `seq` gives up its blocks and continues
+        `parent` (the blocks of all its computed tokens shared, their hashes too): what a
+        fork to a new child and freeing `seq` would do, without a slot changing hands. The
+        block tables change here, pair by pair; the batch rows follow in `adopt_rows`."""
+        bm, bs = self.block_manager, self.block_size
+        for seq, parent in pairs:
+            bm.adopt(seq, parent)
+            shared = len(parent.token_ids) // bs  # all computed: the fork's count
+            self._hashes[seq] = self._hashes.get(parent, [])[:shared]
+            self._published[seq] = min(self._published.get(parent, 0), shared)
+
+    def adopt_rows(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+        """The batch rows of adopted beams (`adopt`) become their parents', in one copy;
+        both may now write into a shared block (cow_check)."""
+        dst = np.fromiter((s.slot for s, _ in pairs), np.int64, len(pairs))
+        src = np.fromiter((p.slot for _, p in pairs), np.int64, len(pairs))
+        self.batch.copy_rows(dst, src)
+        cow = self.batch.cols["cow_check"]
+        cow[dst] = cow[src] = True
 
     def fork_siblings(self, group: SequenceGroup) -> None:
         """The leader has the prompt's K/V: every waiting sibling shares its prompt blocks and

@@ -36,7 +36,7 @@ class LogitsLayout:
 
     samplers: tuple[Sequence, ...] = ()  # sequences that draw a token...
     sample_rows: np.ndarray | None = None  # ...from these logits rows (None: row i <-> i)
-    beam_rows: dict[SequenceGroup, dict[Sequence, int]] = field(default_factory=dict)
+    beam_rows: dict[SequenceGroup, tuple[int, int]] = field(default_factory=dict)  # first, n
     prompt_rows: tuple[PromptRows, ...] = ()
     num_prompt_tokens: int = 0  # prompt positions computed (recomputes too)
 
@@ -51,10 +51,11 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     num_logits, tokens = [np.ones(k, np.int64)], [c["last_token"][head]]
     num_prompt = int(np.count_nonzero(plan.starts[:k] < c["num_prompt"][head]))
     samplers, sample_rows, prompt_rows = list(plan.seqs[:k]), [], []
-    beam_rows: dict[SequenceGroup, dict[Sequence, int]] = {}
-    row = k
-    for seq, start, n in zip(plan.seqs[k:], plan.starts[k:].tolist(),
-                             plan.num_new[k:].tolist()):
+    beam_rows, row = _beam_decodes(plan, batch)  # the beams' decode rows that lead the rest
+    num_logits.append(np.ones(row - k, np.int64))
+    tokens.append(c["last_token"][plan.slots[k:row]])
+    for seq, start, n in zip(plan.seqs[row:], plan.starts[row:].tolist(),
+                             plan.num_new[row:].tolist()):
         group, end = seq.group, start + n
         want = end == len(seq.token_ids)
         rows = int(want)
@@ -69,8 +70,9 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
             if drawing:
                 samplers += drawing
                 sample_rows += [row - 1] * len(drawing)
-            else:
-                beam_rows.setdefault(group, {})[seq] = row - 1
+            else:  # a beam group's rows follow each other, in its beam order
+                first, count = beam_rows.get(group, (row - 1, 0))
+                beam_rows[group] = (first, count + 1)
     runner_rows = StepRows(plan.slots, plan.starts, plan.num_new,
                            np.concatenate(num_logits).astype(np.int64, copy=False),
                            np.concatenate(tokens).astype(np.int64, copy=False),
@@ -80,6 +82,26 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
         (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
         num_prompt)
     return runner_rows, layout
+
+
+def _beam_decodes(plan: StepPlan, batch: PersistentBatch
+                  ) -> tuple[dict[SequenceGroup, tuple[int, int]], int]:
+    """The decode rows of beams right after the samplers' (one generated token each: they
+    come a group at a time, its beams in order): each group's (first row, count), by vector
+    ops over the columns and Python per group; and the row after them."""
+    k, c = plan.decode_rows, batch.cols
+    slots = plan.slots[k:]
+    beam = (c["beam"][slots] & (plan.num_new[k:] == 1)
+            & (plan.starts[k:] == c["num_tokens"][slots] - 1)
+            & (plan.starts[k:] >= c["num_prompt"][slots]))
+    end = k + (int(np.argmin(beam)) if not beam.all() else len(beam))
+    spans: dict[SequenceGroup, tuple[int, int]] = {}
+    row = k
+    while row < end:
+        group = plan.seqs[row].group
+        spans[group] = (row, len(group.seqs))
+        row += len(group.seqs)
+    return spans, end
 
 
 def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: int, row: int

@@ -5,9 +5,10 @@ rows and publishes completed blocks), waiting siblings of a leader that finished
 are forked, and the samplers' slots are found. `apply`: prompt logprobs are stored, the
 sampled tokens go into the batch's columns (vector ops) and the sequences' lists (one loop),
 stops are checked on the columns (stop-string rows through their checkers, constrained rows'
-matchers accept their token), finished sequences give their blocks back, and each beam
-group's policy turns its log-probabilities into operations (Fork / Append / Free / SetSeqs)
-carried out here. It returns the step's StepStats.
+matchers accept their token), finished sequences give their blocks back, and the beam
+groups' steps (the BeamStepper's: a BeamMove for a plain step, carried out by array ops and
+KVManager.adopt; else their policy's operations, Fork / Append / Free / SetSeqs) are carried
+out here. It returns the step's StepStats.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.engine.beam_step import BeamMove, BeamSpans, BeamStepper, Outcome
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.layout import LogitsLayout
-from batchgen.engine.policy import Append, BeamPolicy, Fork, Free, Op, SetSeqs
+from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
 from batchgen.engine.scheduler import StepPlan
 from batchgen.engine.sequence import Sequence, SequenceGroup
 from batchgen.log import logger
@@ -53,6 +55,7 @@ class OutputProcessor:
     def __init__(self, kv: KVManager) -> None:
         self.kv = kv
         self.batch = kv.batch
+        self.beams = BeamStepper()
 
     def advance(self, plan: StepPlan, layout: LogitsLayout) -> SampleSlots:
         """The step's forward ran: its rows' K/V is computed, leaders that finished their
@@ -70,20 +73,20 @@ class OutputProcessor:
         return SampleSlots(slots, self.batch.rows(slots))
 
     def apply(self, layout: LogitsLayout, at: SampleSlots, sampled: SamplerOutput | None,
-              beam_logprobs: dict[SequenceGroup, torch.Tensor],
+              beam_logprobs: tuple[torch.Tensor, BeamSpans] | None,
               prompt_logprobs: list[RankedLogprobs | None]) -> StepStats:
         """Apply one step's results: prompt logprobs (the entries of the layout's prompt
-        rows, in order), the samplers' tokens, then each beam group's operations."""
+        rows, in order), the samplers' tokens, then the beam groups' steps (their log-probs
+        and each group's rows in them) as operations."""
         _store_prompt_logprobs(layout, prompt_logprobs)
         done: dict[SequenceGroup, None] = {}
         new_tokens = 0
         if sampled is not None and layout.samplers:
             new_tokens = self._apply_samples(list(layout.samplers), at, sampled, done)
-        for group, lps in beam_logprobs.items():
-            policy = group.policy
-            assert isinstance(policy, BeamPolicy), "only beam groups score logits rows"
-            new_tokens += self._apply(policy.update(group, lps, self.kv.table))
-            done[group] = None
+        if beam_logprobs is not None:
+            lps, spans = beam_logprobs
+            new_tokens += self._apply_beams(self.beams.step(lps, spans, self.kv.table))
+            done.update(dict.fromkeys(spans))
         return StepStats(layout.num_prompt_tokens, new_tokens, [g for g in done if g.finished])
 
     def _apply_samples(self, seqs: list[Sequence], at: SampleSlots, res: SamplerOutput,
@@ -119,6 +122,37 @@ class OutputProcessor:
                 self._finish(seq, *finish_of(int(codes[j]), token_list[j]))
             done[seq.group] = None
         return len(token_list)
+
+    def _apply_beams(self, outcomes: list[Outcome]) -> int:
+        """The beam groups' steps, in order: a plain one's blocks change pair by pair
+        (KVManager.adopt), its beams and tokens are set; the others' operations are carried
+        out. Then, for the plain ones at once: batch rows copied, tokens appended."""
+        pairs: list[tuple[Sequence, Sequence]] = []
+        beams: list[Sequence] = []
+        tokens: list[int] = []
+        added = 0
+        for out in outcomes:
+            if not isinstance(out, BeamMove):
+                added += self._apply(out)
+                continue
+            self.kv.adopt(out.adopt)
+            for seq, parent in out.adopt:
+                seq.token_ids = list(parent.token_ids)
+                seq.cumulative_logprob, seq.seed = parent.cumulative_logprob, parent.seed
+            pairs += out.adopt
+            out.group.seqs = out.beams
+            for j, seq in enumerate(out.beams):
+                seq.index = j
+            beams += out.beams
+            tokens += out.tokens
+        if pairs:
+            self.kv.adopt_rows(pairs)
+        for seq, token in zip(beams, tokens):
+            seq.token_ids.append(token)
+        if beams:
+            slots = np.fromiter((s.slot for s in beams), np.int64, len(beams))
+            self.batch.append(slots, np.array(tokens, np.int64), None)
+        return added + len(tokens)
 
     def _apply(self, ops: list[Op]) -> int:
         """Carry out a beam group's operations; returns the number of tokens appended."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from batchgen.engine.beam import BeamSelector, StopFn
+from batchgen.engine.beam import BeamSelector, BeamStep, StopFn
 from batchgen.engine.beam_trace import Tables, TraceRecorder
 from batchgen.engine.sequence import Sequence, SequenceGroup
 
@@ -106,8 +106,11 @@ class BeamPolicy:
         """One beam step over the live beams' float32 log-probabilities (rows in beam order);
         `tables` reads a beam's block table for the trace. Every live beam has computed all
         its tokens (it decoded its last one this step), so a child shares them all."""
+        return self.ops(group, self.state.step(logprobs, self.stop_fn(group.seqs)), tables)
+
+    def ops(self, group: SequenceGroup, step: BeamStep, tables: Tables) -> list[Op]:
+        """The operations that carry out one step of the group's beams (recorded first)."""
         beams = group.seqs
-        step = self.state.step(logprobs, self._stop_fn(beams))
         if self.trace is not None:
             self.trace.record(beams, step, self.state, tables)
         if step.done:
@@ -129,7 +132,7 @@ class BeamPolicy:
         ops += [Append(c, t) for c, t in zip(nxt, step.tokens)]
         return ops
 
-    def _stop_fn(self, beams: list[Sequence]) -> StopFn | None:
+    def stop_fn(self, beams: list[Sequence]) -> StopFn | None:
         """is_stop(parent, token): does the token complete a stop string on that beam?"""
         if beams[0].stop is None:
             return None

@@ -140,8 +140,9 @@ class Scheduler:
         self._preempted_now = set()
         self._swap_in(d)
         beams = [g for g in self.running if g.spec.beam]
-        if self._decode_samples(d, beams):
-            preempted = self._schedule_decodes(d, beams)
+        ready = self.kv.decoding_units(beams)
+        if self._decode_samples(d, len(ready)):
+            preempted = not self._decode_beams(d, ready) and self._schedule_decodes(d, beams)
         else:
             preempted = self._schedule_decodes(d, list(self.running))
         preempted |= self._schedule_prefills(d)
@@ -169,7 +170,27 @@ class Scheduler:
         return [s for s in group.seqs if s.status is SequenceStatus.RUNNING
                 and len(s.token_ids) - kv.num_computed(s) == 1]
 
-    def _decode_samples(self, d: _Draft, beams: list[SequenceGroup]) -> bool:
+    def _decode_beams(self, d: _Draft, seqs: list[Sequence]) -> bool:
+        """The ready beams at once, in order, when they fit the step and the pool has a block
+        for every row that may need one (so no group is preempted): blocks only for rows that
+        open one or share one. False, having done nothing, otherwise."""
+        n, c = len(seqs), self.batch.cols
+        if self._preempted_now or not d.fits(n, n):
+            return False
+        slots = np.fromiter((s.slot for s in seqs), np.int64, n)
+        needy = slots[(c["num_computed"][slots] // self.block_size >= c["num_blocks"][slots])
+                      | c["cow_check"][slots]]
+        if len(needy) > self.kv.num_free_blocks():
+            return False
+        if len(needy):
+            self.kv.grow_decodes(needy, d.copies)
+        d.seqs += seqs
+        d.num_new += [1] * n
+        d.tokens -= n
+        d.num_seqs -= n
+        return True
+
+    def _decode_samples(self, d: _Draft, units: int) -> bool:
         """Every decoding sample at once, when all of them and the beams' decodes fit the
         step: candidates from the columns, a block reserved only for rows that open one or
         may share one (after a fork). False (nothing scheduled; what was reserved stays, and
@@ -179,7 +200,6 @@ class Scheduler:
         computed = c["num_computed"][:n]
         ready = (c["num_tokens"][:n] - computed == 1) & ~c["beam"][:n] & ~c["fork_pending"][:n]
         rows = np.flatnonzero(ready)
-        units = sum(len(u) for g in beams for u in g.policy.decode_units(g, self._ready(g)))
         if not d.fits(len(rows) + units, len(rows) + units):
             return False
         needy = rows[(computed[rows] // self.block_size >= c["num_blocks"][rows])
