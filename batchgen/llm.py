@@ -48,7 +48,8 @@ class LLM:
                  attention_backend: str | None = None, seed: int | None = 0,
                  enforce_eager: bool = True, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, swap_space: float = 0,
-                 preemption_mode: str | None = None) -> None:
+                 preemption_mode: str | None = None, async_scheduling: bool | None = None
+                 ) -> None:
         configure_logging()
         cfg = EngineConfig(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -59,7 +60,7 @@ class LLM:
             num_kv_blocks=num_kv_blocks, attention_backend=attention_backend, seed=seed,
             enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
             trust_remote_code=trust_remote_code, swap_space=swap_space,
-            preemption_mode=preemption_mode)
+            preemption_mode=preemption_mode, async_scheduling=async_scheduling)
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config = plan.config

@@ -1,0 +1,132 @@
+"""The overlapped step loop (async scheduling): the device never waits for the host's planning.
+
+Each step's block moves, forward and sampler run on the engine's ForwardQueue. While step t
+runs there, the host advances step t's rows and decides whether step t+1 can be planned
+before t's tokens are known (engine/lookahead.py). When t's tokens arrive they are settled
+into the batch's columns (vector ops, stop codes); if no row ended, step t+1 is committed and
+launched at once (its decode rows read t's tokens from the columns), and step t's results are
+applied (token lists, logprob records, stop strings, finishes, beams) while t+1 runs. Otherwise
+step t is applied first and the scheduler plans t+1 as the serial loop does. Both orders make
+the scheduler's decisions, the block operations and the draws of the serial loop, so the
+outputs are the same bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from batchgen.attention.metadata import StepRows
+from batchgen.engine.layout import LogitsLayout, step_layout
+from batchgen.engine.lookahead import commit, plan_ahead
+from batchgen.engine.output_processor import OutputProcessor, SampleSlots, StepStats
+from batchgen.engine.scheduler import Scheduler, StepPlan
+from batchgen.engine.sequence import SequenceGroup
+from batchgen.model.forward_queue import ForwardQueue
+from batchgen.sampling.sampler import SamplerOutput, SamplingColumns
+
+DeviceResult = tuple[torch.Tensor, SamplerOutput | None]
+
+
+@dataclass
+class Feed:
+    """Where a stream's groups come from, and whether it may have more."""
+
+    source: Iterator[SequenceGroup]
+    more: bool = True
+
+
+class StepEngine(Protocol):
+    """What the loop needs of the engine (engine/engine.py's Engine)."""
+
+    scheduler: Scheduler
+    outputs: OutputProcessor
+
+    def next_plan(self, feed: Feed, max_waiting_seqs: int) -> StepPlan | None: ...
+
+    def would_top_up(self, feed: Feed, max_waiting_seqs: int) -> bool: ...
+
+    def columns(self, layout: LogitsLayout, at: SampleSlots) -> SamplingColumns | None: ...
+
+    def device_step(self, plan: StepPlan, rows: StepRows, layout: LogitsLayout,
+                    cols: SamplingColumns | None) -> DeviceResult: ...
+
+    def finish(self, layout: LogitsLayout, at: SampleSlots, logits: torch.Tensor,
+               sampled: SamplerOutput | None, codes: np.ndarray | None = None) -> StepStats: ...
+
+
+@dataclass
+class InFlight:
+    """A launched step: its plan and layout, the samplers' slots, the device's result, and
+    whether its rows' bookkeeping (`OutputProcessor.advance`) is done."""
+
+    plan: StepPlan
+    layout: LogitsLayout
+    at: SampleSlots
+    result: Future[DeviceResult] = field(repr=False)
+    advanced: bool
+
+
+class Overlap:
+    """The overlapped loop over an engine and its queue."""
+
+    def __init__(self, engine: StepEngine, queue: ForwardQueue) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.batch = engine.scheduler.batch
+        self.steps_ahead = 0  # steps launched before the previous one was applied
+
+    def steps(self, feed: Feed, max_waiting_seqs: int,
+              on_step: Callable[[StepStats], None] | None) -> Iterator[SequenceGroup]:
+        """Run every group, yielding each as it finishes, one step in flight ahead of the
+        host when the next step can be planned before this one's tokens."""
+        e, cur = self.engine, None
+        while True:
+            if cur is None:
+                plan = e.next_plan(feed, max_waiting_seqs)
+                if plan is None:
+                    return
+                cur = self.launch(plan)
+            elif not cur.advanced:  # its bookkeeping waited for the previous step's tokens
+                e.outputs.advance(cur.plan, cur.layout)
+            ahead = None
+            if not e.would_top_up(feed, max_waiting_seqs):
+                ahead = plan_ahead(e.scheduler, cur.at.slots, bool(cur.layout.beam_rows))
+            logits, sampled = cur.result.result()
+            codes = e.outputs.settle(cur.at, sampled) if sampled is not None else None
+            nxt = None
+            if ahead is not None and codes is not None:
+                planned = commit(e.scheduler, ahead, codes)
+                nxt = None if planned is None else self.launch_ahead(planned)
+            stats = e.finish(cur.layout, cur.at, logits, sampled, codes)
+            if on_step is not None:
+                on_step(stats)
+            yield from stats.finished
+            cur = nxt
+
+    def launch(self, plan: StepPlan) -> InFlight:
+        """Lay out a scheduled step, advance its rows, and queue its device work."""
+        e = self.engine
+        rows, layout = step_layout(plan, self.batch)
+        at = e.outputs.advance(plan, layout)
+        cols = e.columns(layout, at)
+        return InFlight(plan, layout, at, self.queue.submit(
+            partial(e.device_step, plan, rows, layout, cols)), True)
+
+    def launch_ahead(self, plan: StepPlan) -> InFlight:
+        """Queue a step planned ahead (decodes only: each row samples its own logits row);
+        its rows advance once the previous step is applied (publishing a completed block
+        hashes the sequence's token list, which is filled then)."""
+        e = self.engine
+        self.steps_ahead += 1
+        rows, layout = step_layout(plan, self.batch)
+        at = SampleSlots(plan.slots, self.batch.rows(plan.slots))
+        cols = e.columns(layout, at)
+        return InFlight(plan, layout, at, self.queue.submit(
+            partial(e.device_step, plan, rows, layout, cols)), False)
