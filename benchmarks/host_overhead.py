@@ -3,17 +3,24 @@
 Hooks time every forward of a near-free model; a step's host time is the gap between two decode
 forwards: the median over the decode steps of tokens ``--window``, lowest of ``--repeats``, and
 in the growth run (64 rows) of the last tokens too, with the host's function calls per step.
+``--overlap`` instead times whole decode steps of the weightless engine around a stand-in
+forward that waits ``--standin-ms`` like a device (a sleep: the GIL is free), serial vs async
+scheduling (the forward and sampler on the ForwardQueue while the host plans the next step).
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
+    PYTHONPATH=. python benchmarks/host_overhead.py --overlap --rows 256 --repeats 5
 """
 
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from batchgen import LLM, SamplingParams
+from batchgen.factory import EngineShape, build_engine, build_frontend
+from batchgen.kinds import SAMPLES
 from benchmarks import common as h
 
 LONG_ROWS = 64  # rows of the growth run
@@ -74,6 +81,82 @@ class ForwardClock:
             handle.remove()
 
 
+class StandInRunner:
+    """The engine's Runner with a forward that is a fixed wait, as a device's is to the host: it
+    sleeps `forward_ms` (releasing the GIL), then returns each logits row from a fixed random
+    table indexed by the row's last query token (so tokens feed the next step as a model's
+    would). Block moves are free. Records each forward's wall time."""
+
+    def __init__(self, forward_ms: float, vocab_size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 3
+        self.wait = forward_ms / 1e3
+        self.forwards: list[float] = []
+
+    def copy_blocks(self, copies) -> None:
+        pass
+
+    def swap_blocks(self, swap_in, swap_out) -> None:
+        pass
+
+    def execute(self, rows) -> torch.Tensor:
+        start = time.perf_counter()
+        time.sleep(self.wait)
+        ends = np.cumsum(rows.num_new)[rows.num_logits > 0] - 1
+        logits = self.table[torch.from_numpy(rows.token_ids[ends])]
+        self.forwards.append(time.perf_counter() - start)
+        return logits
+
+
+def overlap_case(args, rows: int, overlap: bool, tokens: int) -> tuple[float, float, int]:
+    """Median decode-step wall time (ms) and stand-in forward time (ms) of `rows` greedy rows
+    generating `tokens` tokens on the weightless engine, and the steps planned ahead."""
+    shape = EngineShape(num_blocks=rows * h.blocks_for(32 + tokens, 16) + 16, block_size=16,
+                        max_model_len=64 + tokens, max_num_seqs=rows,
+                        max_num_batched_tokens=max(8192, rows * 32), vocab_size=args.vocab_size,
+                        eos_token_ids=[2])
+    runner = StandInRunner(args.standin_ms, args.vocab_size)
+    engine = build_engine(shape, runner, overlap)
+    requests, _ = build_frontend(shape, None)
+    prompts = [{"prompt_token_ids": p}
+               for p in h.make_prompts(rows, 16, 32, args.vocab_size, seed=0)]
+    groups = requests.build(prompts, SamplingParams(temperature=0, max_tokens=tokens,
+                                                    ignore_eos=True), SAMPLES)
+    marks: list[float] = []
+
+    def on_step(stats) -> None:
+        if stats.prompt_tokens == 0 and stats.output_tokens == rows:
+            marks.append(time.perf_counter())
+
+    engine.run(groups, on_step)
+    if engine.overlap is not None:
+        engine.overlap.queue.close()
+    steps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    ahead = engine.overlap.steps_ahead if engine.overlap is not None else 0
+    return (statistics.median(steps[4:]), statistics.median(runner.forwards) * 1e3, ahead)
+
+
+def overlap_main(args) -> dict:
+    """Serial vs async step time around the stand-in forward, lowest median of the repeats."""
+    info = h.start(args)
+    tokens = args.window[1]
+    best: dict = {}
+    for _ in range(args.repeats):
+        for rows in args.rows:
+            for mode in ("serial", "async"):
+                step, fwd, ahead = overlap_case(args, rows, mode == "async", tokens)
+                if (mode, rows) not in best or step < best[(mode, rows)][0]:
+                    best[(mode, rows)] = (step, fwd, ahead)
+    print(h.markdown_table(
+        ["engine", "rows", "stand-in forward ms", "step ms", "host ms not hidden",
+         "steps planned ahead"],
+        [[mode, rows, f"{fwd:.3f}", f"{step:.3f}", f"{step - fwd:.3f}", ahead]
+         for (mode, rows), (step, fwd, ahead) in best.items()]))
+    return h.finish(args, info, {"overlap": [
+        dict(engine=mode, rows=rows, step_ms=step, forward_ms=fwd, steps_ahead=ahead)
+        for (mode, rows), (step, fwd, ahead) in best.items()]})
+
+
 def window(values: list[float], first: int, last: int) -> float:
     """Median over the decode steps sampling tokens first..last (token 1: the prefill's)."""
     picked = values[max(first - 2, 0):max(last - 1, 1)]
@@ -93,6 +176,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--scenarios", type=lambda v: [s.strip() for s in v.split(",") if s.strip()],
                    default=",".join(SCENARIOS), help=f"a subset of {', '.join(SCENARIOS)}")
     p.add_argument("--skip-hf", action="store_true", help="skip HF generate")
+    p.add_argument("--overlap", action="store_true",
+                   help="only the overlap case: serial vs async steps around a stand-in forward")
+    p.add_argument("--standin-ms", type=float, default=2.0,
+                   help="the stand-in forward's wait (--overlap)")
     args = h.check_args(p, p.parse_args(argv))
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"unknown --scenarios {args.scenarios}; choose from {list(SCENARIOS)}")
@@ -105,6 +192,8 @@ def parse_args(argv: list[str] | None):
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.overlap:
+        return overlap_main(args)
     info = h.start(args)
     (first, last), long = args.window, args.long_tokens
     early, late = f"{first}-{last}", f"{long - (last - first)}-{long}"

@@ -29,12 +29,18 @@ class ForwardQueue:
         self._lock = threading.Lock()
 
     def submit(self, step: Callable[[], T]) -> Future[T]:
-        """Queue a step; its future holds the step's result or its exception."""
+        """Queue a step; its future holds the step's result or its exception. Returns once
+        the worker has taken the step: a host thread busy in Python would otherwise keep
+        the GIL from it (for up to the interpreter's switch interval, 5 ms) and the step
+        would start only when the host next waits."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(1, "batchgen-forward", self._enter)
                 weakref.finalize(self, self._pool.shutdown, wait=False)
-        return self._pool.submit(_in_inference_mode, step)
+        taken = threading.Event()
+        future = self._pool.submit(_in_inference_mode, step, taken)
+        taken.wait()
+        return future
 
     def drain(self) -> None:
         """Wait until every queued step is done (an aborted call frees its blocks only then:
@@ -59,7 +65,9 @@ def _nothing() -> None:
     """A step that marks the queue's end."""
 
 
-def _in_inference_mode(step: Callable[[], T]) -> T:
-    """Inference mode is per thread: the worker's steps run under it as the caller's do."""
+def _in_inference_mode(step: Callable[[], T], taken: threading.Event) -> T:
+    """Run a step (inference mode is per thread: the worker's steps run under it as the
+    caller's do), saying first that it is taken."""
+    taken.set()
     with torch.inference_mode():
         return step()
