@@ -13,6 +13,7 @@ import pytest
 
 from batchgen.attention.metadata import StepRows
 from batchgen.config import EngineConfig
+from batchgen.engine import lookahead
 from batchgen.kinds import SAMPLES
 from batchgen.params import BeamSearchParams, SamplingParams
 from tests.fake_engine import VOCAB, FakeLLM, FakeRunner
@@ -37,7 +38,8 @@ def _params(seed: int, n: int) -> list[SamplingParams]:
     rng = random.Random(seed)
     return [SamplingParams(n=rng.randint(1, 3), temperature=rng.choice([0.0, 0.8, 1.0]),
                            seed=rng.randrange(99), max_tokens=rng.randint(1, 24),
-                           logprobs=rng.choice([None, 2]), ignore_eos=rng.random() < 0.2)
+                           logprobs=rng.choice([None, 2]),
+                           ignore_eos=seed == 2 or rng.random() < 0.2)
             for _ in range(n)]
 
 
@@ -67,12 +69,16 @@ def _assert_whole(llm: FakeLLM) -> None:
 
 
 @pytest.mark.parametrize("pool", list(POOLS))
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1, 2])
 def test_overlapped_engine_equals_the_serial_one(pool, seed):
+    """Seed 2: every sample ignores EOS, so steps are launched before the previous one's
+    tokens (blind) while no row reaches its max_tokens."""
     serial, expected = _run(False, POOLS[pool], seed)
     overlapped, got = _run(True, POOLS[pool], seed)
     assert got == expected
     assert overlapped.engine.overlap.steps_ahead > 0
+    if seed == 2 and pool in ("roomy", "few rows"):  # (the others admit, then preempt)
+        assert overlapped.engine.overlap.steps_blind > 0
     _assert_whole(overlapped)
     if pool == "tight":
         assert got[14].preemptions > 0  # the workload preempts
@@ -87,30 +93,33 @@ def test_beams_are_not_planned_ahead():
 
 
 class HandshakeRunner(FakeRunner):
-    """A forward that runs while the host works, as a device's does: once a step was
-    launched ahead, the host's apply of the previous step waits until this forward has
-    started, records whether it still runs, and only then lets it return."""
+    """A forward that runs while the host works, as a device's does: a marked step (one
+    launched ahead) says when it starts and returns only once the host's apply of the
+    previous step has seen it running."""
 
     def __init__(self, *args, **kw) -> None:
         super().__init__(*args, **kw)
+        self.marked: list = []  # the marked steps' slot arrays (held: ids stay unique)
         self.started, self.applied = threading.Event(), threading.Event()
         self.running = False
 
     def execute(self, rows: StepRows):
+        if not any(rows.slots is m for m in self.marked):
+            return super().execute(rows)
         self.running = True
         self.started.set()
         try:
-            if self.handshake:
-                assert self.applied.wait(10), "the host never applied the previous step"
+            assert self.applied.wait(10), "the host never applied the previous step"
             return super().execute(rows)
         finally:
-            self.running = self.handshake = False
+            self.running = False
             self.applied.clear()
 
-    handshake = False
 
-
-def test_the_host_applies_a_step_while_the_next_forward_runs():
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_host_applies_a_step_while_the_next_forward_runs(ignore_eos):
+    """With EOS possible the next step is launched once this one's tokens are in; without,
+    before them (blind: the device feeds them in)."""
     llm = FakeLLM(num_blocks=400, block_size=4, overlap=True)
     runner = HandshakeRunner(400, 4, 256, 256, 256)
     llm.engine.runner = runner
@@ -121,21 +130,37 @@ def test_the_host_applies_a_step_while_the_next_forward_runs():
         if overlap.steps_ahead > seen[0]:  # the next step is in flight
             seen[0] = overlap.steps_ahead
             assert runner.started.wait(10)
+            runner.started.clear()
             during.append(runner.running)
             runner.applied.set()
         return apply(*args, **kw)
 
     outputs.apply = watched_apply
-    launch_ahead = overlap.launch_ahead
 
-    def flagged(plan):
-        runner.started.clear()  # set again by this step's forward
-        runner.handshake = True
-        return launch_ahead(plan)
+    def marking(launch):
+        def marked(plan, *rest):
+            runner.marked.append(plan.slots)
+            return launch(plan, *rest)
+        return marked
 
-    overlap.launch_ahead = flagged
-    llm.generate(_prompts(5, 8), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert len(during) == overlap.steps_ahead > 8 and all(during)
+    overlap.launch_ahead = marking(overlap.launch_ahead)
+    overlap.launch_blind = marking(overlap.launch_blind)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=ignore_eos)
+    llm.generate(_prompts(5, 8), sp)
+    assert len(during) == overlap.steps_ahead > 3 and all(during)
+    assert (overlap.steps_blind > 8) == ignore_eos and overlap.steps_dropped == 0
+
+
+def test_blind_steps_dropped_when_a_row_ends_change_nothing(monkeypatch):
+    """Steps launched before the previous one's tokens even where a row may end: those
+    after a step where one did are dropped, and the outputs stay the serial engine's."""
+    _, expected = _run(False, POOLS["roomy"], 4)
+    monkeypatch.setattr(lookahead, "may_end", lambda scheduler, n: False)
+    llm, got = _run(True, POOLS["roomy"], 4)
+    assert got[:-1] == expected[:-1]  # the runner ran the dropped steps too
+    assert len(got[-1]) == len(expected[-1]) + llm.engine.overlap.steps_dropped
+    assert llm.engine.overlap.steps_dropped > 0 and llm.engine.overlap.steps_blind > 0
+    _assert_whole(llm)
 
 
 class FailingRunner(FakeRunner):

@@ -13,7 +13,7 @@ import torch
 from batchgen.attention.metadata import StepRows
 from batchgen.engine.layout import LogitsLayout, PromptRows, step_layout
 from batchgen.engine.output_processor import OutputProcessor, SampleSlots, StepStats
-from batchgen.engine.overlap import Feed, Overlap
+from batchgen.engine.overlap import Feed, Overlap, TokenFeed
 from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import SequenceGroup
 from batchgen.model.forward_queue import ForwardQueue
@@ -149,8 +149,12 @@ class Engine:
         return self.kv.batch.sampling_columns(at.slots, at.index) if layout.samplers else None
 
     def device_step(self, plan: StepPlan, rows: StepRows, layout: LogitsLayout,
-                    cols: SamplingColumns | None) -> tuple[torch.Tensor, SamplerOutput | None]:
-        """What the device does for a step: block moves, the forward, the samplers' draws."""
+                    cols: SamplingColumns | None, feed: TokenFeed | None = None
+                    ) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """What the device does for a step: block moves, the forward, the samplers' draws
+        (`feed`: the decode rows' input tokens are the previous step's draws)."""
+        if feed is not None:
+            feed.fill(rows.token_ids)
         self.block_ops(plan)
         logits = self.runner.execute(rows)
         if cols is None:
