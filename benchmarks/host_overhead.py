@@ -11,6 +11,7 @@ scheduling (the forward and sampler on the ForwardQueue while the host plans the
     PYTHONPATH=. python benchmarks/host_overhead.py --overlap --rows 256 --repeats 5
 """
 
+import math
 import statistics
 import sys
 import time
@@ -157,8 +158,30 @@ def overlap_case(args, rows: int, overlap: bool, tokens: int) -> tuple[float, fl
     return (statistics.median(steps[4:]), statistics.median(runner.forwards) * 1e3, ahead)
 
 
+def model_overlap(args, rows: int, tokens: int) -> dict[str, float]:
+    """Wall ms per decode step (a call's wall over its tokens, lowest of the repeats) of the
+    random model, serial vs async scheduling, asserting both give the same tokens."""
+    prompts = h.make_prompts(rows, 16, 32, args.vocab_size, seed=0)
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    best: dict[str, float] = {}
+    with h.prepare_model_dir(args, 64 + tokens + 64) as model_dir:
+        llms = {mode: LLM(str(model_dir), max_num_seqs=rows, enable_prefix_caching=False,
+                          seed=0, device=args.device, async_scheduling=mode == "async")
+                for mode in ("serial", "async")}
+        outs = {}
+        for _ in range(args.repeats):
+            for mode, llm in llms.items():
+                outs[mode], wall = h.timed(lambda llm=llm: h.bg_tokens(llm, prompts, sp),
+                                           args.device)
+                best[mode] = min(best.get(mode, math.inf), wall * 1e3 / tokens)
+        if outs["serial"] != outs["async"]:
+            raise RuntimeError("async scheduling changed the tokens")
+    return best
+
+
 def overlap_main(args) -> dict:
-    """Serial vs async step time around the stand-in forward, lowest median of the repeats."""
+    """Serial vs async step time around the stand-in forward, lowest median of the repeats;
+    with --overlap-model also around the random model's real forward."""
     info = h.start(args)
     tokens = args.window[1]
     best: dict = {}
@@ -168,6 +191,12 @@ def overlap_main(args) -> dict:
                 step, fwd, ahead = overlap_case(args, rows, mode == "async", tokens)
                 if (mode, rows) not in best or step < best[(mode, rows)][0]:
                     best[(mode, rows)] = (step, fwd, ahead)
+    model = {rows: model_overlap(args, rows, tokens) for rows in args.rows
+             } if args.overlap_model else {}
+    if model:
+        print(h.markdown_table(["model forward", "rows", "serial ms / step", "async ms / step"],
+                               [["random Llama", rows, f"{m['serial']:.3f}", f"{m['async']:.3f}"]
+                                for rows, m in model.items()]))
     print(h.markdown_table(
         ["engine", "rows", "stand-in forward ms", "step ms", "host ms not hidden",
          "steps launched before the last one's tokens"],
@@ -175,7 +204,8 @@ def overlap_main(args) -> dict:
          for (mode, rows), (step, fwd, ahead) in best.items()]))
     return h.finish(args, info, {"overlap": [
         dict(engine=mode, rows=rows, step_ms=step, forward_ms=fwd, steps_ahead=ahead)
-        for (mode, rows), (step, fwd, ahead) in best.items()]})
+        for (mode, rows), (step, fwd, ahead) in best.items()], "overlap_model": [
+        dict(rows=rows, **m) for rows, m in model.items()]})
 
 
 def window(values: list[float], first: int, last: int) -> float:
@@ -201,6 +231,8 @@ def parse_args(argv: list[str] | None):
                    help="only the overlap case: serial vs async steps around a stand-in forward")
     p.add_argument("--standin-ms", type=float, default=2.0,
                    help="the stand-in forward's wait (--overlap)")
+    p.add_argument("--overlap-model", action="store_true",
+                   help="with --overlap: also serial vs async around the random model's forward")
     args = h.check_args(p, p.parse_args(argv))
     if set(args.scenarios) - set(SCENARIOS):
         p.error(f"unknown --scenarios {args.scenarios}; choose from {list(SCENARIOS)}")
