@@ -76,9 +76,11 @@ class Engine:
             else:
                 yield from self.overlap.steps(feed, max_waiting_seqs, on_step)
         except BaseException:  # GeneratorExit too: a stream closed early frees its blocks
-            if self.overlap is not None:
-                self.overlap.queue.drain()
-            self.scheduler.abort_all()
+            try:
+                if self.overlap is not None:
+                    self.overlap.queue.drain()
+            finally:  # (a second Ctrl-C while draining still frees them)
+                self.scheduler.abort_all()
             raise
 
     def _serial(self, feed: Feed, max_waiting_seqs: int,
