@@ -168,6 +168,8 @@ def model_overlap(args, rows: int, tokens: int) -> dict[str, float]:
         llms = {mode: LLM(str(model_dir), max_num_seqs=rows, enable_prefix_caching=False,
                           seed=0, device=args.device, async_scheduling=mode == "async")
                 for mode in ("serial", "async")}
+        for llm in llms.values():  # untimed warm-up
+            h.bg_tokens(llm, prompts[:2], SamplingParams(temperature=0, max_tokens=4))
         outs = {}
         for _ in range(args.repeats):
             for mode, llm in llms.items():

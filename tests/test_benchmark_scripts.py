@@ -86,3 +86,17 @@ def test_benchmark_script_runs(script, tmp_path):
     assert out.is_file() and proc.stdout
     for line in EXPECT.get(script, []):
         assert line in proc.stdout, proc.stdout[-3000:]
+
+
+def test_host_overhead_overlap_case_runs(tmp_path):
+    """host_overhead.py --overlap: serial vs async steps around the stand-in device, and
+    around the random model's forward (same tokens asserted inside)."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--overlap",
+                           "--overlap-model", "--rows", "8", "--window", "3,10", "--repeats",
+                           "1", "--threads", "1", "--standin-ms", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("| random Llama", "| serial |", "| async  |"):
+        assert line in proc.stdout, proc.stdout[-3000:]
