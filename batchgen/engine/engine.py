@@ -1,6 +1,7 @@
-"""The step loop: schedule → lay out → advance → (swap and copy blocks → run → sample) → apply.
+"""The step loop: schedule → swap and copy blocks → lay out → run → advance → sample → apply.
 
-Serial by default; overlapped (async scheduling, engine/overlap.py) with a ForwardQueue."""
+Serial by default; overlapped (async scheduling, engine/overlap.py) with a ForwardQueue: there
+a step's rows advance first and its block moves, forward and sampler run on the queue."""
 
 from __future__ import annotations
 
@@ -140,31 +141,39 @@ class Engine:
 
     def step(self, plan: StepPlan) -> StepStats:
         """Execute one planned step and apply its results. The rows' bookkeeping (`advance`)
-        comes before the forward: it reads only the plan."""
+        runs while a GPU's forward does (its kernels are queued by then)."""
         rows, layout = step_layout(plan, self.kv.batch)
+        self.block_ops(plan)
+        logits = self.runner.execute(rows)
         at = self.outputs.advance(plan, layout)
-        logits, sampled = self.device_step(plan, rows, layout, self.columns(layout, at))
+        sampled = self.sample(logits, layout, self.columns(layout, at))
         return self.finish(layout, at, logits, sampled)
 
     def columns(self, layout: LogitsLayout, at: SampleSlots) -> SamplingColumns | None:
         """What the step's sampler reads (None when no sequence samples)."""
         return self.kv.batch.sampling_columns(at.slots, at.index) if layout.samplers else None
 
+    def sample(self, logits: torch.Tensor, layout: LogitsLayout, cols: SamplingColumns | None
+               ) -> SamplerOutput | None:
+        """The samplers' draws from their logits rows."""
+        if cols is None:
+            return None
+        picked = logits
+        if layout.sample_rows is not None:
+            picked = logits[to_device(layout.sample_rows, logits.device)]
+        return self.sampler(picked, cols)
+
     def device_step(self, plan: StepPlan, rows: StepRows, layout: LogitsLayout,
                     cols: SamplingColumns | None, feed: TokenFeed | None = None
                     ) -> tuple[torch.Tensor, SamplerOutput | None]:
-        """What the device does for a step: block moves, the forward, the samplers' draws
-        (`feed`: the decode rows' input tokens are the previous step's draws)."""
+        """What the device does for a step of the overlapped loop (its rows advanced before):
+        block moves, the forward, the samplers' draws (`feed`: the decode rows' input tokens
+        are the previous step's draws)."""
         if feed is not None:
             feed.fill(rows.token_ids)
         self.block_ops(plan)
         logits = self.runner.execute(rows)
-        if cols is None:
-            return logits, None
-        picked = logits
-        if layout.sample_rows is not None:
-            picked = logits[to_device(layout.sample_rows, logits.device)]
-        return logits, self.sampler(picked, cols)
+        return logits, self.sample(logits, layout, cols)
 
     def finish(self, layout: LogitsLayout, at: SampleSlots, logits: torch.Tensor,
                sampled: SamplerOutput | None, codes: np.ndarray | None = None) -> StepStats:
