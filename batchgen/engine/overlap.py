@@ -1,17 +1,15 @@
 """The overlapped step loop (async scheduling): the device never waits for the host's planning.
 
 Each step's block moves, forward and sampler run on the engine's ForwardQueue. While step t
-runs there, the host advances step t's rows and decides whether step t+1 can be planned
-before t's tokens are known (engine/lookahead.py). When no row can end in step t, t+1 is
-launched at once (blind: the device feeds t's tokens into it) and confirmed when t's tokens
-arrive, so the device goes from step to step without waiting for the host. Otherwise, when
-t's tokens arrive they are settled into the batch's columns (vector ops, stop codes); if no
-row ended, step t+1 is committed and launched (its decode rows read t's tokens from the
-columns). Either way step t's results are applied (token lists, logprob records, stop
-strings, finishes, beams) while t+1 runs. Otherwise step t is applied first and the
-scheduler plans t+1 as the serial loop does. Both orders make
-the scheduler's decisions, the block operations and the draws of the serial loop, so the
-outputs are the same bit for bit.
+runs there, the host advances its rows and asks engine/lookahead.py whether step t+1 can be
+planned before t's tokens are known. If no row can end in t, t+1 is launched at once (blind:
+the device feeds t's tokens into it) and confirmed when they arrive, so the device goes from
+step to step without waiting for the host; else, if t+1 was planned ahead and no row ended
+once t's tokens are settled into the columns (vector ops, stop codes), it is committed and
+launched then. Either way t's results are applied (token lists, logprob records, stop strings,
+finishes) while t+1 runs. In any other case t is applied first and the scheduler plans t+1 as
+the serial loop does. Every path makes the serial loop's decisions, block operations and
+draws, so the outputs are the same bit for bit.
 """
 
 from __future__ import annotations
