@@ -4,6 +4,7 @@ max concurrency, the start-up capacity line)."""
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,10 @@ from batchgen.model.loader import KVGeometry
 from batchgen.sampling.logprobs_mode import check_logprobs_mode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+# async_scheduling=None: this environment variable ("1" or "0"), else the default (measured:
+# benchmarks/host_overhead.py --overlap, RESULTS.md)
+ASYNC_SCHEDULING_ENV = "BATCHGEN_ASYNC_SCHEDULING"
+ASYNC_SCHEDULING_DEFAULT = False
 DEFAULT_MAX_MODEL_LEN = 2048
 # The shortest useful sequence: one prompt token and one generated token. A max_model_len or a
 # pool under it could run no request at all.
@@ -67,6 +72,7 @@ class EngineConfig:
     model_impl: str = "auto"
     distributed_executor_backend: str | None = None
     quantization: str | None = None
+    async_scheduling: bool | None = None  # None: $BATCHGEN_ASYNC_SCHEDULING, else the default
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -88,6 +94,7 @@ class EngineConfig:
         self.seed = check_seed(self.seed)
         self._check_swap()
         self._check_vllm_args()
+        self._check_async()
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
@@ -102,6 +109,20 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend 'uni' runs one rank: it needs "
                              f"tensor_parallel_size=1, got {self.tensor_parallel_size}")
         check_choice(self.quantization, "quantization", QUANTIZATIONS)
+
+    def _check_async(self) -> None:
+        """async_scheduling (the next step planned while this one's forward runs): True or
+        False; None takes $BATCHGEN_ASYNC_SCHEDULING ("1" or "0"; how CI runs the parity
+        tests both ways), else ASYNC_SCHEDULING_DEFAULT, and is False with tensor
+        parallelism (whose runner must run on the main thread: it holds Ctrl-C there)."""
+        if self.async_scheduling is None:
+            env = os.environ.get(ASYNC_SCHEDULING_ENV)
+            check_choice(env, ASYNC_SCHEDULING_ENV, (None, "0", "1"))
+            wanted = ASYNC_SCHEDULING_DEFAULT if env is None else env == "1"
+            self.async_scheduling = wanted and self.tensor_parallel_size == 1
+        check_flag(self.async_scheduling, "async_scheduling")
+        check(not (self.async_scheduling and self.tensor_parallel_size > 1), "async_scheduling",
+              "False with tensor_parallel_size > 1", self.async_scheduling)
 
     def _check_swap(self) -> None:
         """swap_space: GiB >= 0 that the host can give (every rank has its own host pool);

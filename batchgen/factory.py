@@ -39,6 +39,7 @@ from batchgen.kv.swap import HostPool
 from batchgen.log import logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
+from batchgen.model.forward_queue import ForwardQueue
 from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
@@ -355,9 +356,9 @@ class EngineShape:
     logprobs_mode: str = "raw_logprobs"
 
 
-def build_engine(shape: EngineShape, runner: Runner) -> Engine:
+def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> Engine:
     """Block manager, persistent batch, KV manager, scheduler, sampler and output processor
-    around a runner."""
+    around a runner; `overlap`: the forward runs on a ForwardQueue (async scheduling)."""
     bm = BlockManager(shape.num_blocks, shape.block_size, shape.enable_prefix_caching,
                       shape.num_host_blocks)
     batch = PersistentBatch(shape.max_num_seqs, shape.vocab_size,
@@ -366,8 +367,9 @@ def build_engine(shape: EngineShape, runner: Runner) -> Engine:
     kv = KVManager(bm, batch)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
+    queue = ForwardQueue(shape.device) if overlap else None
     return Engine(scheduler, runner, Sampler(logprobs_mode=shape.logprobs_mode),
-                  OutputProcessor(kv))
+                  OutputProcessor(kv), queue)
 
 
 def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
@@ -446,7 +448,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
                                         plan.layout.bytes_per_token, pool.num_host_blocks),
                      pool.max_model_len, local.cache, chosen[0],
-                     build_engine(shape, executor.runner(local)), requests, results, reserve)
+                     build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
+                     requests, results, reserve)
 
 
 def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,

@@ -55,7 +55,8 @@ class LLM:
                  preemption_mode: str | None = None, logprobs_mode: str = "raw_logprobs",
                  enable_sleep_mode: bool = False, model_impl: str = "auto",
                  distributed_executor_backend: str | None = None,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, async_scheduling: bool | None = None
+                 ) -> None:
         configure_logging()
         cfg = EngineConfig(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -68,7 +69,8 @@ class LLM:
             trust_remote_code=trust_remote_code, swap_space=swap_space,
             preemption_mode=preemption_mode, logprobs_mode=logprobs_mode,
             enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
-            distributed_executor_backend=distributed_executor_backend, quantization=quantization)
+            distributed_executor_backend=distributed_executor_backend, quantization=quantization,
+            async_scheduling=async_scheduling)
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config = plan.config

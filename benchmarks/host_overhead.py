@@ -3,21 +3,31 @@
 Hooks time every forward of a near-free model; a step's host time is the gap between two decode
 forwards: the median over the decode steps of tokens ``--window``, lowest of ``--repeats``, and
 in the growth run (64 rows) of the last tokens too, with the host's function calls per step.
+``--overlap`` instead times whole decode steps of the weightless engine around a stand-in
+forward that waits ``--standin-ms`` like a device (a sleep: the GIL is free), serial vs async
+scheduling (the forward and sampler on the ForwardQueue while the host plans the next step).
 
     PYTHONPATH=. python benchmarks/host_overhead.py --repeats 3 --threads 2
 
 ``--beams``: instead, beam search of width ``BEAM_WIDTH`` over ``BEAM_PROMPTS`` prompts (256 rows
 a step), host ms per decode step at tokens ``--beam-windows`` (early, late: flat in length?),
 against HF ``generate(num_beams=4)``'s own host time per beam step on the same rows (early).
+
+    PYTHONPATH=. python benchmarks/host_overhead.py --beams --repeats 3
+    PYTHONPATH=. python benchmarks/host_overhead.py --overlap --rows 256 --repeats 5
 """
 
+import math
 import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.factory import EngineShape, build_engine, build_frontend
+from batchgen.kinds import SAMPLES
 from benchmarks import common as h
 
 LONG_ROWS = 64  # rows of the growth run
@@ -79,6 +89,134 @@ class ForwardClock:
             handle.remove()
 
 
+class StandInRunner:
+    """The engine's Runner with a forward that is a fixed device time, as a GPU's is to the
+    host: `execute` returns at once (kernels queued) with each logits row from a fixed random
+    table indexed by the row's last query token (so tokens feed the next step as a model's
+    would) and the device is busy `forward_ms` from then; reading the sampled tokens waits for
+    it (`ClockedSampler`: a sleep, the GIL free). Block moves are free."""
+
+    def __init__(self, forward_ms: float, vocab_size: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.table = torch.randn(vocab_size, vocab_size, generator=g) * 3
+        self.wait = forward_ms / 1e3
+        self.start = self.ready = 0.0
+        self.forwards: list[float] = []  # device start to the tokens read, per step
+
+    def copy_blocks(self, copies) -> None:
+        pass
+
+    def swap_blocks(self, swap_in, swap_out) -> None:
+        pass
+
+    def execute(self, rows) -> torch.Tensor:
+        self.start = time.perf_counter()
+        self.ready = self.start + self.wait
+        ends = np.cumsum(rows.num_new)[rows.num_logits > 0] - 1
+        return self.table[torch.from_numpy(rows.token_ids[ends])]
+
+    def synchronize(self) -> None:
+        """Wait for the device: until the step's forward is done."""
+        left = self.ready - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        self.forwards.append(time.perf_counter() - self.start)
+
+
+class ClockedSampler:
+    """The engine's sampler, whose draws are read once the stand-in device is done (its
+    kernels' launch, here the CPU sampler itself, overlaps the forward, as on a GPU)."""
+
+    def __init__(self, sampler, runner: StandInRunner) -> None:
+        self.sampler, self.runner = sampler, runner
+
+    def __call__(self, logits, cols):
+        out = self.sampler(logits, cols)
+        self.runner.synchronize()
+        return out
+
+
+def overlap_case(args, rows: int, overlap: bool, tokens: int) -> tuple[float, float, int]:
+    """Median decode-step wall time (ms) and stand-in forward time (ms) of `rows` greedy rows
+    generating `tokens` tokens on the weightless engine, and the steps launched blind."""
+    shape = EngineShape(num_blocks=rows * h.blocks_for(32 + tokens, 16) + 16, block_size=16,
+                        max_model_len=64 + tokens, max_num_seqs=rows,
+                        max_num_batched_tokens=max(8192, rows * 32), vocab_size=args.vocab_size,
+                        eos_token_ids=[2])
+    runner = StandInRunner(args.standin_ms, args.vocab_size)
+    engine = build_engine(shape, runner, overlap)
+    engine.sampler = ClockedSampler(engine.sampler, runner)
+    requests, _ = build_frontend(shape, None)
+    prompts = [{"prompt_token_ids": p}
+               for p in h.make_prompts(rows, 16, 32, args.vocab_size, seed=0)]
+    groups = requests.build(prompts, SamplingParams(temperature=0, max_tokens=tokens,
+                                                    ignore_eos=True), SAMPLES)
+    marks: list[float] = []
+
+    def on_step(stats) -> None:
+        if stats.prompt_tokens == 0 and stats.output_tokens == rows:
+            marks.append(time.perf_counter())
+
+    engine.run(groups, on_step)
+    if engine.overlap is not None:
+        engine.overlap.queue.close()
+    steps = [(b - a) * 1e3 for a, b in zip(marks, marks[1:])]
+    ahead = engine.overlap.steps_blind if engine.overlap is not None else 0
+    return (statistics.median(steps[4:]), statistics.median(runner.forwards) * 1e3, ahead)
+
+
+def model_overlap(args, rows: int, tokens: int) -> dict[str, float]:
+    """Wall ms per decode step (a call's wall over its tokens, lowest of the repeats) of the
+    random model, serial vs async scheduling, asserting both give the same tokens."""
+    prompts = h.make_prompts(rows, 16, 32, args.vocab_size, seed=0)
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    best: dict[str, float] = {}
+    with h.prepare_model_dir(args, 64 + tokens + 64) as model_dir:
+        llms = {mode: LLM(str(model_dir), max_num_seqs=rows, enable_prefix_caching=False,
+                          seed=0, device=args.device, async_scheduling=mode == "async")
+                for mode in ("serial", "async")}
+        for llm in llms.values():  # untimed warm-up
+            h.bg_tokens(llm, prompts[:2], SamplingParams(temperature=0, max_tokens=4))
+        outs = {}
+        for _ in range(args.repeats):
+            for mode, llm in llms.items():
+                outs[mode], wall = h.timed(lambda llm=llm: h.bg_tokens(llm, prompts, sp),
+                                           args.device)
+                best[mode] = min(best.get(mode, math.inf), wall * 1e3 / tokens)
+        if outs["serial"] != outs["async"]:
+            raise RuntimeError("async scheduling changed the tokens")
+    return best
+
+
+def overlap_main(args) -> dict:
+    """Serial vs async step time around the stand-in forward, lowest median of the repeats;
+    with --overlap-model also around the random model's real forward."""
+    info = h.start(args)
+    tokens = args.window[1]
+    best: dict = {}
+    for _ in range(args.repeats):
+        for rows in args.rows:
+            for mode in ("serial", "async"):
+                step, fwd, ahead = overlap_case(args, rows, mode == "async", tokens)
+                if (mode, rows) not in best or step < best[(mode, rows)][0]:
+                    best[(mode, rows)] = (step, fwd, ahead)
+    model = {rows: model_overlap(args, rows, tokens) for rows in args.rows
+             } if args.overlap_model else {}
+    if model:
+        print(h.markdown_table(["model forward", "rows", "serial ms / step", "async ms / step"],
+                               [["random Llama", rows, f"{m['serial']:.3f}", f"{m['async']:.3f}"]
+                                for rows, m in model.items()]))
+    print(h.markdown_table(
+        ["engine", "rows", "stand-in forward ms", "step ms", "host ms not hidden",
+         "steps launched before the last one's tokens"],
+        [[mode, rows, f"{fwd:.3f}", f"{step:.3f}", f"{step - fwd:.3f}", ahead]
+         for (mode, rows), (step, fwd, ahead) in best.items()]))
+    return h.finish(args, info, {"overlap": [
+        dict(engine=mode, rows=rows, step_ms=step, forward_ms=fwd, steps_ahead=ahead)
+        for (mode, rows), (step, fwd, ahead) in best.items()], "overlap_model": [
+        dict(rows=rows, **m) for rows, m in model.items()]})
+
+
 def window(values: list[float], first: int, last: int) -> float:
     """Median over the decode steps sampling tokens first..last (token 1: the prefill's)."""
     picked = values[max(first - 2, 0):max(last - 1, 1)]
@@ -102,6 +240,12 @@ def parse_args(argv: list[str] | None):
                    help=f"run the beam case ({BEAM_PROMPTS} prompts x width {BEAM_WIDTH}) instead")
     p.add_argument("--beam-windows", type=h.int_list, default="9,24,497,512",
                    help="the beam case's early and late windows: first,last,first,last token")
+    p.add_argument("--overlap", action="store_true",
+                   help="only the overlap case: serial vs async steps around a stand-in forward")
+    p.add_argument("--standin-ms", type=float, default=2.0,
+                   help="the stand-in forward's wait (--overlap)")
+    p.add_argument("--overlap-model", action="store_true",
+                   help="with --overlap: also serial vs async around the random model's forward")
     args = h.check_args(p, p.parse_args(argv))
     w = args.beam_windows
     if len(w) != 4 or not 2 <= w[0] <= w[1] < w[2] <= w[3]:
@@ -169,6 +313,8 @@ def beam_case(args, info: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.overlap:
+        return overlap_main(args)
     info = h.start(args)
     if args.beams:
         return beam_case(args, info)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared run for a GPU host (the `device` tool), under 8 minutes: FlashInfer from the
 # offline bundle when the host lacks it, the GPU tests, then the GPU benchmark (issue 9's bar)
-# and the host overhead per decode step on CUDA (issue 17), printing short tables; on a host with
+# and the host overhead per decode step on CUDA (issue 17), then async scheduling on CUDA (issue
+# 33: serial vs async steps of the random model, same tokens asserted; the GPU tests include its
+# bit-for-bit check), printing short tables; on a host with
 # two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19, at most 2 more minutes;
 # skipped with one line otherwise). Full logs go to $OUT when it is set. Exits non-zero if a step fails.
 #
@@ -58,6 +60,13 @@ if timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 
 else
   rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
   tail -20 "$logs/host_overhead.log"
+fi
+if timeout 120 python3 benchmarks/host_overhead.py --device cuda --overlap --overlap-model \
+  --rows 64,256 --repeats 2 --json "$logs/overlap.json" > "$logs/overlap.log" 2>&1; then
+  sed -n '/^| model forward/,$p' "$logs/overlap.log"
+else
+  rc=$?; status=1; echo "gpu_check: host_overhead --overlap FAILED (rc $rc); the end of its log:"
+  tail -20 "$logs/overlap.log"
 fi
 # Tensor parallelism needs a GPU per rank: a 600M-parameter Llama in bf16, TP=1 vs TP=2.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)

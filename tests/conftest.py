@@ -44,3 +44,13 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
         return cache[key]
 
     return factory
+
+
+@pytest.fixture(params=["serial", "async"])
+def engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The key parity tests run with both engines: serial, and async scheduling (the next step
+    planned while this one's forward runs), by flipping the LLM's default through
+    BATCHGEN_ASYNC_SCHEDULING. `BATCHGEN_ASYNC_SCHEDULING=1 pytest` runs every other test
+    with the async engine too."""
+    monkeypatch.setenv("BATCHGEN_ASYNC_SCHEDULING", "1" if request.param == "async" else "0")
+    return request.param

@@ -16,6 +16,7 @@ import random
 import torch
 
 from batchgen.attention.metadata import StepRows
+from batchgen.config import EngineConfig
 from batchgen.engine.beam import BeamSearchState
 from batchgen.engine.sequence import sample_seed
 from batchgen.factory import EngineShape, build_engine, build_frontend
@@ -98,16 +99,21 @@ class FakeLLM:
     def __init__(self, num_blocks: int, block_size: int = 4, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 256, enable_prefix_caching: bool = True,
                  max_model_len: int = 256, min_rows: int = 0, num_host_blocks: int = 0,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", overlap: bool | None = None) -> None:
+        """`overlap`: async scheduling (None: as EngineConfig resolves it, from
+        $BATCHGEN_ASYNC_SCHEDULING)."""
+        if overlap is None:
+            overlap = bool(EngineConfig(num_kv_blocks=num_blocks).async_scheduling)
         shape = EngineShape(num_blocks, block_size, max_model_len, max_num_seqs,
                             max_num_batched_tokens, VOCAB, [EOS], enable_prefix_caching,
                             num_host_blocks, preemption_mode)
         self.runner = FakeRunner(num_blocks, block_size, max_num_batched_tokens, max_num_seqs,
                                  max_model_len, min_rows, num_host_blocks)
-        self.engine = build_engine(shape, self.runner)
+        self.engine = build_engine(shape, self.runner, overlap)
         step = self.engine.step
 
-        def checked_step(plan):  # the persistent batch mirrors the sequences after every step
+        def checked_step(plan):  # the persistent batch mirrors the sequences after every
+            # serial step (an overlapped engine's steps do not go through here)
             stats = step(plan)
             check_batch(self.engine)
             return stats

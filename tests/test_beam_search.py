@@ -83,7 +83,8 @@ def test_beams_equal_hf_on_the_pytorch_path(family_dir, prompts, width):
 
 @pytest.mark.parametrize("layout", ["block1", "preempt"])
 @pytest.mark.parametrize("width", [4, 8])
-def test_beams_equal_hf_at_block_size_1_and_under_preemption(family_dir, prompts, layout, width):
+def test_beams_equal_hf_at_block_size_1_and_under_preemption(family_dir, prompts, layout, width,
+                                                             engine_mode):
     llm = _llm(family_dir, layout, width, max(map(len, prompts)))
     _check(llm, family_dir, prompts, width, 1.0, False)
     if layout == "preempt":

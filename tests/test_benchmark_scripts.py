@@ -107,3 +107,15 @@ def test_host_overhead_beam_case(tmp_path):
                  "| HF generate | 64 x W=4 | 2-3", "growth (beams): host ms at tokens 5-6"):
         assert line in proc.stdout, proc.stdout[-3000:]
     assert out.is_file()
+def test_host_overhead_overlap_case_runs(tmp_path):
+    """host_overhead.py --overlap: serial vs async steps around the stand-in device, and
+    around the random model's forward (same tokens asserted inside)."""
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--overlap",
+                           "--overlap-model", "--rows", "8", "--window", "3,10", "--repeats",
+                           "1", "--threads", "1", "--standin-ms", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for line in ("| random Llama", "| serial |", "| async  |"):
+        assert line in proc.stdout, proc.stdout[-3000:]

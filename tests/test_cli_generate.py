@@ -213,6 +213,14 @@ def test_swap_flags_reach_the_llm_arguments() -> None:
     assert (kw["swap_space"], kw["preemption_mode"]) == (1.5, "recompute")
 
 
+def test_the_async_scheduling_flag_reaches_the_llm_arguments() -> None:
+    argv = ["generate", "--model", "m", "--input", "x.jsonl", "--output", "o"]
+    assert engine_kwargs(build_parser().parse_args(argv), None)["async_scheduling"] is None
+    for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        args = build_parser().parse_args([*argv, flag])
+        assert engine_kwargs(args, None)["async_scheduling"] is value
+
+
 def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,
                                          capsys) -> None:
     """A real --tensor-parallel-size 2 job (one worker process, a few seconds to start):

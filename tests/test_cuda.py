@@ -67,7 +67,7 @@ def test_a_decode_step_synchronises_only_to_read_its_tokens(model_dir, prompts):
     checked = 0
     while sched.has_unfinished():
         out = sched.schedule()
-        decode = len(out.rows.token_ids) == out.rows.num_rows
+        decode = out.decode_rows == len(out.seqs)
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -81,3 +81,21 @@ def test_a_decode_step_synchronises_only_to_read_its_tokens(model_dir, prompts):
             assert not syncs, syncs[:3]
             checked += 1
     assert checked >= 5
+
+
+def test_async_scheduling_on_cuda_equals_the_serial_engine(model_dir, prompts):
+    """The forward and sampler on the worker thread, steps launched before the last one's
+    tokens with the worker feeding them in: the serial engine's tokens and logprobs, bit for
+    bit (greedy with EOS; n=2 seeded samples with logprobs to their max_tokens)."""
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    sps = [SamplingParams(temperature=0, max_tokens=24),
+           SamplingParams(n=2, temperature=0.8, seed=1, max_tokens=16, logprobs=2,
+                          ignore_eos=True)]
+    results, llm = [], None
+    for overlap in (False, True):
+        llm = LLM(model_dir, device="cuda", block_size=16, num_kv_blocks=512,
+                  async_scheduling=overlap)
+        results.append([[(c.token_ids, c.cumulative_logprob, c.logprobs) for c in o.outputs]
+                        for sp in sps for o in llm.generate(reqs, sp, use_tqdm=False)])
+    assert results[0] == results[1]
+    assert llm.engine.overlap.steps_blind > 0 and llm.engine.overlap.steps_dropped == 0

@@ -1,10 +1,12 @@
 """scripts/fingerprint.py, the behaviour-as-bytes check for refactors: its workloads preempt
 by recompute and by swap, hit the prefix cache and copy on write, and two runs of the same
-checkout give the same bytes."""
+checkout give the same bytes, the second with async scheduling (the next step planned while
+this one's forward runs)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +18,9 @@ def test_the_fingerprint_covers_preemption_swaps_and_sharing_and_repeats(tiny_mo
     model = tiny_model_factory("llama")
     cmd = [sys.executable, str(ROOT / "scripts" / "fingerprint.py"), str(model.parent),
            model.name]
-    runs = [subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
-            for _ in range(2)]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT,
+                           env={**os.environ, "BATCHGEN_ASYNC_SCHEDULING": mode}).stdout
+            for mode in ("0", "1")]
     assert runs[0] == runs[1]
     fp = json.loads(runs[0])
     assert sorted(fp) == sorted(f"{model.name}/{p}" for p in ("roomy", "tight", "swap", "bs1"))

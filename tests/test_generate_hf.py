@@ -36,7 +36,7 @@ def family_case(request, tiny_model_factory, prompts):
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_greedy_equals_hf_generate(family_case, prompts, layout):
+def test_greedy_equals_hf_generate(family_case, prompts, layout, engine_mode):
     family, path, expected = family_case
     block_size, blocks, budget, seqs, backend = LAYOUTS[layout]
     llm = LLM(path, block_size=block_size, num_kv_blocks=blocks, max_num_batched_tokens=budget,

@@ -59,15 +59,17 @@ def test_the_fake_model_reads_what_was_written():
     _assert_whole(llm)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), block_size=st.sampled_from([1, 2, 4, 16]),
        caching=st.booleans(), slack=st.integers(0, 12), budget=st.sampled_from([8, 16, 256]),
        max_seqs=st.sampled_from([3, 8, 256]), host=st.sampled_from([0, 4, 64]))
-def test_fuzzed_requests_equal_the_unpaged_reference(seed, block_size, caching, slack, budget,
-                                                     max_seqs, host):
+def test_fuzzed_requests_equal_the_unpaged_reference(overlap, seed, block_size, caching, slack,
+                                                     budget, max_seqs, host):
     """Random prompts (some sharing a prefix), n samples and beams, in pools from the exact
     bound of the largest request upwards, preempting by recompute or (with a host pool of
-    `host` blocks) by swap where it has room: every output equals the reference."""
+    `host` blocks) by swap where it has room: every output equals the reference, with the
+    serial engine and the overlapped one."""
     rng = random.Random(seed)
     prompts = _prompts(rng, rng.randint(1, 6), rng.choice([0, 5, 9]), 1, 14)
     params = []
@@ -83,7 +85,8 @@ def test_fuzzed_requests_equal_the_unpaged_reference(seed, block_size, caching, 
                for q, p in zip(prompts, params))
     llm = FakeLLM(num_blocks=need + slack, block_size=block_size, max_num_seqs=max_seqs,
                   max_num_batched_tokens=budget, enable_prefix_caching=caching,
-                  num_host_blocks=host, preemption_mode="swap" if host else "recompute")
+                  num_host_blocks=host, preemption_mode="swap" if host else "recompute",
+                  overlap=overlap)
     samples = [(q, p) for q, p in zip(prompts, params) if isinstance(p, SamplingParams)]
     beams = [(q, p) for q, p in zip(prompts, params) if isinstance(p, BeamSearchParams)]
     if samples:

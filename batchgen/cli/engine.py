@@ -29,6 +29,9 @@ def engine_args(p: argparse.ArgumentParser) -> None:
                    help="GiB of CPU RAM to swap preempted groups' KV blocks into (default 0)")
     e.add_argument("--preemption-mode", default=None, choices=("recompute", "swap"),
                    help="default: swap with --swap-space, else recompute")
+    e.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="plan the next step while this one's forward runs (same outputs); "
+                        "default: $BATCHGEN_ASYNC_SCHEDULING, else off")
 
 
 def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict[str, Any]:
@@ -41,4 +44,4 @@ def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict
                 num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, swap_space=args.swap_space,
-                preemption_mode=args.preemption_mode)
+                preemption_mode=args.preemption_mode, async_scheduling=args.async_scheduling)

@@ -1,4 +1,7 @@
-"""The step loop: schedule → swap and copy blocks → lay out → run → advance → sample → apply."""
+"""The step loop: schedule → swap and copy blocks → lay out → run → advance → sample → apply.
+
+Serial by default; overlapped (async scheduling, engine/overlap.py) with a ForwardQueue: there
+a step's rows advance first and its block moves, forward and sampler run on the queue."""
 
 from __future__ import annotations
 
@@ -10,13 +13,22 @@ import torch
 
 from batchgen.attention.metadata import StepRows
 from batchgen.engine.beam_step import BeamSpans
-from batchgen.engine.layout import PromptRows, step_layout
-from batchgen.engine.output_processor import OutputProcessor, StepStats
+from batchgen.engine.layout import LogitsLayout, PromptRows, step_layout
+from batchgen.engine.output_processor import OutputProcessor, SampleSlots, StepStats
+from batchgen.engine.overlap import Feed, Overlap, TokenFeed
 from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import RowSpec, SequenceGroup
+from batchgen.model.forward_queue import ForwardQueue
 from batchgen.sampling.grammar import mask_beams
 from batchgen.sampling.logprobs_mode import RAW_LOGPROBS, is_processed, reported
-from batchgen.sampling.sampler import RankedLogprobs, Sampler, apply_warpers, ranked_logprobs
+from batchgen.sampling.sampler import (
+    RankedLogprobs,
+    Sampler,
+    SamplerOutput,
+    SamplingColumns,
+    apply_warpers,
+    ranked_logprobs,
+)
 from batchgen.transfer import to_device
 
 
@@ -35,15 +47,18 @@ class Engine:
     """Runs sequence groups to completion. Each step the scheduler decides (a frozen plan),
     the runner computes what `step_layout` lays out, the sampler draws, and the output
     processor applies the results; the KVManager carries out every block change. The engine
-    holds no request state of its own."""
+    holds no request state of its own. With a `queue` (async scheduling) the forward and the
+    sampler run on the queue's thread while the host plans the next step (engine/overlap.py);
+    the outputs are the same, bit for bit."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, sampler: Sampler,
-                 outputs: OutputProcessor) -> None:
+                 outputs: OutputProcessor, queue: ForwardQueue | None = None) -> None:
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.runner = runner
         self.sampler = sampler
         self.outputs = outputs
+        self.overlap = None if queue is None else Overlap(self, queue)
 
     def run(self, groups: list[SequenceGroup],
             on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -56,33 +71,47 @@ class Engine:
         """Run groups pulled lazily from `groups`, yielding each as it finishes. Before every
         step the waiting queue is topped up to `max_waiting_seqs` sequences (so the batch
         stays full while only a bounded window of requests is held). An error, an interrupt
-        (Ctrl-C) or closing the stream early aborts every group and frees every block."""
-        source = iter(groups)
-        more, idle = True, 0
+        (Ctrl-C) or closing the stream early aborts every group and frees every block (once
+        the forward in flight, if any, is done)."""
+        feed = Feed(iter(groups))
         self.outputs.beams.reset()
         try:
-            while True:
-                if more:
-                    more = self._top_up(source, max_waiting_seqs)
-                if not self.scheduler.has_unfinished():
-                    return
-                plan = self.scheduler.schedule()
-                if not plan.scheduled:
-                    self._block_ops(plan)  # swaps and copies must not wait for a forward
-                    idle += 1
-                    if idle > 2:  # a scheduling bug, never a silent spin
-                        raise RuntimeError(
-                            f"batchgen scheduler made no progress ({len(self.scheduler.waiting)}"
-                            f" waiting, {self.kv.num_free_blocks()} free blocks)")
-                    continue
-                idle = 0
-                stats = self.step(plan)
-                if on_step is not None:
-                    on_step(stats)
-                yield from stats.finished
+            if self.overlap is None:
+                yield from self._serial(feed, max_waiting_seqs, on_step)
+            else:
+                yield from self.overlap.steps(feed, max_waiting_seqs, on_step)
         except BaseException:  # GeneratorExit too: a stream closed early frees its blocks
-            self.scheduler.abort_all()
+            try:
+                if self.overlap is not None:
+                    self.overlap.queue.drain()
+            finally:  # (a second Ctrl-C while draining still frees them)
+                self.scheduler.abort_all()
             raise
+
+    def _serial(self, feed: Feed, max_waiting_seqs: int,
+                on_step: Callable[[StepStats], None] | None) -> Iterator[SequenceGroup]:
+        """One step at a time: plan, run, apply."""
+        while (plan := self.next_plan(feed, max_waiting_seqs)) is not None:
+            stats = self.step(plan)
+            if on_step is not None:
+                on_step(stats)
+            yield from stats.finished
+
+    def next_plan(self, feed: Feed, max_waiting_seqs: int) -> StepPlan | None:
+        """Top the queue up, then the scheduler's next step with rows; None once every group
+        is done. A plan without rows makes its block moves at once (swaps and copies must
+        not wait for a forward); three in a row are a scheduling bug, never a silent spin."""
+        for _ in range(3):
+            if feed.more:
+                feed.more = self._top_up(feed.source, max_waiting_seqs)
+            if not self.scheduler.has_unfinished():
+                return None
+            plan = self.scheduler.schedule()
+            if plan.scheduled:
+                return plan
+            self.block_ops(plan)
+        raise RuntimeError(f"batchgen scheduler made no progress ({len(self.scheduler.waiting)}"
+                           f" waiting, {self.kv.num_free_blocks()} free blocks)")
 
     def _top_up(self, source: Iterator[SequenceGroup], max_waiting_seqs: int) -> bool:
         """Queue groups from `source` until `max_waiting_seqs` sequences wait (at least one
@@ -99,28 +128,65 @@ class Engine:
             waiting += len(group.seqs)
         return True
 
-    def _block_ops(self, plan: StepPlan) -> None:
+    def would_top_up(self, feed: Feed, max_waiting_seqs: int) -> bool:
+        """Whether the next `next_plan` would pull groups from the source (an overlapped step
+        plans ahead only when it would not: the pull waits for this step's results)."""
+        queue = self.scheduler.waiting
+        if not feed.more or len(queue) >= max_waiting_seqs:
+            return False
+        return (sum(len(g.seqs) for g in queue) < max_waiting_seqs
+                or not self.scheduler.has_unfinished())
+
+    def block_ops(self, plan: StepPlan) -> None:
         """The step's block moves before anything writes: swaps in, swaps out, then the
         copy-on-write copies (one batched copy each)."""
         self.runner.swap_blocks(list(plan.swap_in), list(plan.swap_out))
         self.runner.copy_blocks(list(plan.copies))
 
     def step(self, plan: StepPlan) -> StepStats:
-        """Execute one planned step and apply its results."""
-        self._block_ops(plan)
+        """Execute one planned step and apply its results. The rows' bookkeeping (`advance`)
+        runs while a GPU's forward does (its kernels are queued by then)."""
         rows, layout = step_layout(plan, self.kv.batch)
+        self.block_ops(plan)
         logits = self.runner.execute(rows)
         at = self.outputs.advance(plan, layout)
-        sampled = None
-        if layout.samplers:
-            picked = logits
-            if layout.sample_rows is not None:
-                picked = logits[to_device(layout.sample_rows, logits.device)]
-            sampled = self.sampler(picked, self.kv.batch.sampling_columns(at.slots, at.index))
+        sampled = self.sample(logits, layout, self.columns(layout, at))
+        return self.finish(layout, at, logits, sampled)
+
+    def columns(self, layout: LogitsLayout, at: SampleSlots) -> SamplingColumns | None:
+        """What the step's sampler reads (None when no sequence samples)."""
+        return self.kv.batch.sampling_columns(at.slots, at.index) if layout.samplers else None
+
+    def sample(self, logits: torch.Tensor, layout: LogitsLayout, cols: SamplingColumns | None
+               ) -> SamplerOutput | None:
+        """The samplers' draws from their logits rows."""
+        if cols is None:
+            return None
+        picked = logits
+        if layout.sample_rows is not None:
+            picked = logits[to_device(layout.sample_rows, logits.device)]
+        return self.sampler(picked, cols)
+
+    def device_step(self, plan: StepPlan, rows: StepRows, layout: LogitsLayout,
+                    cols: SamplingColumns | None, feed: TokenFeed | None = None
+                    ) -> tuple[torch.Tensor, SamplerOutput | None]:
+        """What the device does for a step of the overlapped loop (its rows advanced before):
+        block moves, the forward, the samplers' draws (`feed`: the decode rows' input tokens
+        are the previous step's draws)."""
+        if feed is not None:
+            feed.fill(rows.token_ids)
+        self.block_ops(plan)
+        logits = self.runner.execute(rows)
+        return logits, self.sample(logits, layout, cols)
+
+    def finish(self, layout: LogitsLayout, at: SampleSlots, logits: torch.Tensor,
+               sampled: SamplerOutput | None, codes: np.ndarray | None = None) -> StepStats:
+        """Score beams and prompt rows, apply the step's results (`codes`: the samplers'
+        tokens are settled already) and retire the groups it finished."""
         beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else None
         prompt = (prompt_logprobs(logits, layout.prompt_rows, self.sampler.logprobs_mode)
                   if layout.prompt_rows else [])
-        stats = self.outputs.apply(layout, at, sampled, beams, prompt)
+        stats = self.outputs.apply(layout, at, sampled, beams, prompt, codes)
         self.scheduler.retire(stats.finished)
         return stats
 

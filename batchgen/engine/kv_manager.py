@@ -169,6 +169,20 @@ class KVManager:
             b.block_table[opening, at] = blocks
             c["num_blocks"][opening] = at + 1
 
+    def stage_decodes(self, opening: np.ndarray) -> np.ndarray | None:
+        """The blocks `grow_decodes(opening)` will give these slots (each opens one) if
+        nothing is freed or taken before, written into their table rows past `num_blocks`
+        (read by nobody but a step launched before the reservation, which addresses them);
+        None when they would evict cached blocks. Reserves nothing."""
+        if not len(opening):
+            return np.zeros(0, np.int64)
+        blocks = self.block_manager.next_free(len(opening))
+        if blocks is None:
+            return None
+        staged = np.array(blocks, np.int64)
+        self.batch.block_table[opening, self.batch.cols["num_blocks"][opening]] = staged
+        return staged
+
     # ---- after the forward --------------------------------------------------------------------
     def computed(self, seqs: tuple[Sequence, ...], slots: np.ndarray, starts: np.ndarray,
                  num_new: np.ndarray) -> None:

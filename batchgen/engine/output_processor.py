@@ -72,34 +72,43 @@ class OutputProcessor:
         slots = plan.slots[:k] if not len(rest) else np.concatenate((plan.slots[:k], rest))
         return SampleSlots(slots, self.batch.rows(slots))
 
+    def settle(self, at: SampleSlots, sampled: SamplerOutput) -> np.ndarray:
+        """The samplers' tokens into the batch's columns (vector ops), and each row's stop
+        code (stop.py's; stop strings and grammars are decided in `apply`). An overlapped
+        engine calls it first, to know whether any row ends before it launches the next
+        step; `apply` then takes the codes."""
+        self.batch.append(at.slots, sampled.token_ids, sampled.logprobs, at.index)
+        return self.batch.stop_codes(at.slots, sampled.token_ids, at.index)
+
     def apply(self, layout: LogitsLayout, at: SampleSlots, sampled: SamplerOutput | None,
               beam_logprobs: tuple[torch.Tensor, BeamSpans] | None,
-              prompt_logprobs: list[RankedLogprobs | None]) -> StepStats:
+              prompt_logprobs: list[RankedLogprobs | None],
+              codes: np.ndarray | None = None) -> StepStats:
         """Apply one step's results: prompt logprobs (the entries of the layout's prompt
-        rows, in order), the samplers' tokens, then the beam groups' steps (their log-probs
-        and each group's rows in them) as operations."""
+        rows, in order), the samplers' tokens (`codes`: `settle` already ran), then the beam
+        groups' steps (their log-probs and each group's rows in them) as operations."""
         _store_prompt_logprobs(layout, prompt_logprobs)
         done: dict[SequenceGroup, None] = {}
         new_tokens = 0
         if sampled is not None and layout.samplers:
-            new_tokens = self._apply_samples(list(layout.samplers), at, sampled, done)
+            if codes is None:
+                codes = self.settle(at, sampled)
+            new_tokens = self._apply_samples(list(layout.samplers), sampled, codes, at, done)
         if beam_logprobs is not None:
             lps, spans = beam_logprobs
             new_tokens += self._apply_beams(self.beams.step(lps, spans, self.kv.table))
             done.update(dict.fromkeys(spans))
         return StepStats(layout.num_prompt_tokens, new_tokens, [g for g in done if g.finished])
 
-    def _apply_samples(self, seqs: list[Sequence], at: SampleSlots, res: SamplerOutput,
-                       done: dict[SequenceGroup, None]) -> int:
-        """Every sampler's new token at once: the batch's columns by vector ops, the token
-        lists in one loop, stop checks on columns (stop-string rows through their checkers);
+    def _apply_samples(self, seqs: list[Sequence], res: SamplerOutput, codes: np.ndarray,
+                       at: SampleSlots, done: dict[SequenceGroup, None]) -> int:
+        """Every sampler's new token (already in the batch's columns, with its stop code):
+        the token lists in one loop, stop-string rows through their checkers, grammars;
         per-row Python for rows that finish or asked for logprobs. Returns the tokens added."""
-        tokens, index = res.token_ids, at.index
-        self.batch.append(at.slots, tokens, res.logprobs, index)
-        token_list = tokens.tolist()
+        index = at.index
+        token_list = res.token_ids.tolist()
         for seq, t in zip(seqs, token_list):
             seq.token_ids.append(t)
-        codes = self.batch.stop_codes(at.slots, tokens, index)
         reasons: Reasons = {}
         strings = self.batch.cols["stop_strings"][index]
         for j in np.flatnonzero(strings).tolist():  # the checker decides these rows alone

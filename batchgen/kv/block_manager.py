@@ -207,6 +207,11 @@ class BlockManager:
         self._track_peak()
         return new
 
+    def next_free(self, k: int) -> list[int] | None:
+        """The blocks the next `k` allocations hand out, in order, while the free list has
+        them (None when they would evict cached blocks). Reads only."""
+        return self._free[len(self._free) - k:][::-1] if k <= len(self._free) else None
+
     def slot_index(self, seq_id: Hashable, token_pos: int) -> int:
         """Flat pool slot (phys_block * block_size + offset) of a logical token position."""
         return slot_of(self._tables[seq_id], token_pos, self.block_size)
