@@ -24,7 +24,7 @@ from batchgen.attention.registry import (
     build_backend,
     reserved_bytes,
 )
-from batchgen.attention.spec import AttentionSpec, probe_specs
+from batchgen.attention.spec import AttentionSpec
 from batchgen.config import CacheConfig, EngineConfig, KVLayout, PoolSize, kv_layout, size_pool
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.engine import Engine, Runner
@@ -45,6 +45,11 @@ from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
+from batchgen.state.cache import StateCache
+from batchgen.state.layout import StateLayout
+from batchgen.state.pool import StatePool
+from batchgen.state.probe import probe_layers
+from batchgen.state.slots import StateSlots
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -225,6 +230,7 @@ class ModelParts:
     pad_token_id: int | None
     vocab_size: int  # the lm_head's rows
     specs: list[AttentionSpec]  # probed from the loaded model's attention layers
+    state: StateLayout | None = None  # its mixers' per-sequence state (None: attention only)
 
 
 def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
@@ -236,16 +242,21 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
     model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
                               cfg.trust_remote_code, cfg.tensor_parallel_size)
     gen = loader.load_generation_config(plan.path)
+    specs, state = probe_layers(model, plan.geo.num_layers, plan.device)
+    if state is not None and cfg.tensor_parallel_size > 1:
+        raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
+                         f"({plan.config.model_type}), got {cfg.tensor_parallel_size}")
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
-                      model.get_output_embeddings().weight.shape[0],
-                      probe_specs(model, plan.geo.num_layers, plan.device))
+                      model.get_output_embeddings().weight.shape[0], specs, state)
 
 
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
-                 make_backend: Callable[[KVCache], AttentionBackend]) -> ModelRunner:
-    """A rank's runner: its pool (its KV heads), the backend over it, its step buffers and
-    its host swap pool."""
+                 make_backend: Callable[[KVCache], AttentionBackend],
+                 state: StateLayout | None = None) -> ModelRunner:
+    """A rank's runner: its pool (its KV heads), the backend over it, its step buffers, its
+    host swap pool and, for a model with state mixers, the state pool (a slot per sequence
+    of max_num_seqs, growing when n samples or beams hold more) behind the cache seam."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device)
     backend = make_backend(cache)
@@ -253,7 +264,8 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
                         device)
     host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
-    return ModelRunner(model, cache, backend, inputs, host)
+    seam = StateCache(StatePool(state, rows, device)) if state is not None else None
+    return ModelRunner(model, cache, backend, inputs, host, seam)
 
 
 @dataclass(frozen=True)
@@ -271,6 +283,7 @@ class EngineShape:
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     device: torch.device = torch.device("cpu")
+    has_state: bool = False  # the model has state mixers: sequences hold state slots
 
 
 def build_engine(shape: EngineShape, runner: Runner) -> Engine:
@@ -281,7 +294,7 @@ def build_engine(shape: EngineShape, runner: Runner) -> Engine:
     batch = PersistentBatch(shape.max_num_seqs, shape.vocab_size,
                             blocks_for(shape.max_model_len, shape.block_size),
                             shape.eos_token_ids, shape.device)
-    kv = KVManager(bm, batch)
+    kv = KVManager(bm, batch, StateSlots() if shape.has_state else None)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
     return Engine(scheduler, runner, Sampler(), OutputProcessor(kv))
@@ -339,12 +352,13 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
         return backend
 
     setup = _runner_setup(plan, cfg, pool, "")
-    local = build_runner(parts.model, setup, plan.device, make_backend)
+    local = build_runner(parts.model, setup, plan.device, make_backend, parts.state)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
-                        cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
-                        plan.device)
+                        cfg.enable_prefix_caching and parts.state is None,
+                        pool.num_host_blocks, cfg.preemption_mode, plan.device,
+                        parts.state is not None)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
@@ -360,6 +374,10 @@ def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
     if tp_size > 1:
         logger.info("enforce_eager=False: CUDA graphs are not captured with "
                     "tensor_parallel_size > 1 (every rank would need them); running eagerly")
+        return
+    if runner.mixers is not None:
+        logger.info("enforce_eager=False: CUDA graphs are not captured for models with "
+                    "state mixers; running eagerly")
         return
     if plan.device.type != "cuda" or not runner.backend.supports_graphs:
         logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "

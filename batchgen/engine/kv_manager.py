@@ -21,6 +21,7 @@ import numpy as np
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
+from batchgen.state.slots import StateSlots
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -40,9 +41,12 @@ def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
 class KVManager:
     """Block tables, their batch rows and prefix-cache memos of the running sequences."""
 
-    def __init__(self, block_manager: BlockManager, batch: PersistentBatch) -> None:
+    def __init__(self, block_manager: BlockManager, batch: PersistentBatch,
+                 state: StateSlots | None = None) -> None:
         self.block_manager = block_manager
         self.batch = batch
+        self.state = state  # models with state mixers: each sequence's state slot
+        self._state_of: dict[Sequence, int] = {}
         self.block_size = block_manager.block_size
         self._swapped: dict[Sequence, int] = {}  # swapped out: tokens computed
         self._hashes: dict[Sequence, list[bytes]] = {}  # the prefix-hash memo (runs ahead)
@@ -111,6 +115,8 @@ class KVManager:
         leader.status = SequenceStatus.RUNNING
         self._published[leader] = len(hit)
         self.batch.enter(leader, self.block_manager.table(leader), len(hit) * self.block_size)
+        if self.state is not None:
+            self._set_state(leader, self.state.alloc())
 
     # ---- reservation --------------------------------------------------------------------------
     def reserve(self, seqs: list[Sequence], counts: list[int]) -> list[tuple[int, int]]:
@@ -170,6 +176,8 @@ class KVManager:
         self._published[child] = min(self._published.get(parent, 0), shared)
         child.status = SequenceStatus.RUNNING
         self.batch.enter(child, self.block_manager.table(child), num_tokens)
+        if self.state is not None:  # state is overwritten each step: a copy, not a share
+            self._set_state(child, self.state.fork(self._state_of[parent]))
         cow = self.batch.cols["cow_check"]
         cow[parent.slot] = cow[child.slot] = True
 
@@ -208,6 +216,8 @@ class KVManager:
         """Free the sequence's slot and block table if it has them; returns its blocks."""
         if seq.slot >= 0:
             self.batch.remove(seq)
+        if self.state is not None and seq in self._state_of:
+            self.state.free(self._state_of.pop(seq))
         bm = self.block_manager
         if not bm.has_table(seq):
             return []
@@ -223,6 +233,9 @@ class KVManager:
         self._swapped.clear()
         self._hashes.clear()
         self._published.clear()
+        if self.state is not None:
+            self.state.clear()
+            self._state_of.clear()
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -252,8 +265,20 @@ class KVManager:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
             self.batch.enter(seq, self.block_manager.table(seq), self._swapped.pop(seq))
+            if self.state is not None:  # its state stayed in its slot while swapped
+                self._set_state(seq, self._state_of[seq])
             cow[seq.slot] = True
         return pairs
+
+    # ---- mixer state ----------------------------------------------------------------------------
+    def _set_state(self, seq: Sequence, slot: int) -> None:
+        """The sequence holds state slot `slot` (its batch column says so to the runner)."""
+        self._state_of[seq] = slot
+        self.batch.cols["state_slot"][seq.slot] = slot
+
+    def take_state_copies(self) -> np.ndarray | None:
+        """The state copies owed before the next forward ([2, n]), or None without state."""
+        return None if self.state is None else self.state.take_copies()
 
     # ---- prefix caching -----------------------------------------------------------------------
     def _hashes_of(self, seq: Sequence, num_tokens: int) -> list[bytes]:

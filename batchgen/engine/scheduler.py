@@ -47,6 +47,7 @@ class StepPlan:
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst) device blocks
     swap_in: tuple[tuple[int, int], ...] = ()  # (host, device)
     swap_out: tuple[tuple[int, int], ...] = ()  # (device, host)
+    state_copies: np.ndarray | None = None  # [2, n] (src, dst) state slots (forks, beams)
 
     @property
     def scheduled(self) -> bool:
@@ -161,7 +162,8 @@ class Scheduler:
         starts = np.concatenate((c["num_computed"][slots[:k]], np.fromiter(
             (self.kv.num_computed(s) for s in d.seqs[k:]), np.int64, len(d.seqs) - k)))
         return StepPlan(tuple(d.seqs), slots, starts, np.array(d.num_new, np.int64), k,
-                        tuple(d.copies), tuple(d.swap_in), tuple(d.swap_out))
+                        tuple(d.copies), tuple(d.swap_in), tuple(d.swap_out),
+                        self.kv.take_state_copies() if d.seqs else None)
 
     def _ready(self, group: SequenceGroup) -> list[Sequence]:
         """The group's running sequences with exactly one token left to compute."""

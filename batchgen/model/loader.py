@@ -117,7 +117,10 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
 def kv_geometry(config: PretrainedConfig) -> KVGeometry:
     """Layers, KV heads and head dim of the attention layers, from the config."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
+    heads = getattr(text, "num_attention_heads", None)
+    if heads is None:  # a pure state-space model (mamba2): no attention layer reads the pool
+        return KVGeometry(text.num_hidden_layers, 1, 1,
+                          getattr(text, "max_position_embeddings", None))
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     max_pos = getattr(text, "max_position_embeddings", None)
