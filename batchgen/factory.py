@@ -41,6 +41,7 @@ from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
+from batchgen.model.state_probe import probe_layers
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -48,7 +49,6 @@ from batchgen.sampling.stop import StopFactory
 from batchgen.state.cache import StateCache
 from batchgen.state.layout import StateLayout
 from batchgen.state.pool import StatePool
-from batchgen.state.probe import probe_layers
 from batchgen.state.slots import StateSlots
 
 if TYPE_CHECKING:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 from helpers import make_prompt_token_ids
@@ -143,12 +142,13 @@ def _check_scores(model_dir: str, prompt: list[int], out) -> None:
         assert abs(float(lp.sum()) - seq.cumulative_logprob) < 1e-3
 
 
-def test_state_slots_compose_copies_over_forks_and_reuse():
+def test_state_slots_compose_copies_over_forks_swaps_and_reuse():
     """A fork of a fork copies from the original source; a freed source's slot reused as a
     destination still gives the earlier fork the source's old state (one simultaneous
-    gather); a freed destination owes nothing."""
+    gather); a freed destination owes nothing; a swapped-out slot owed a copy is saved from
+    that copy's source, and a restore lands after the copies."""
     s = StateSlots()
-    a, b = s.alloc(), s.alloc()
+    a, b, g = s.alloc(), s.alloc(), s.alloc()
     c = s.fork(a)
     d = s.fork(c)  # d's state is a's: c has not been written yet
     s.free(a)
@@ -156,11 +156,15 @@ def test_state_slots_compose_copies_over_forks_and_reuse():
     assert e == a
     f = s.fork(b)
     s.free(f)
-    copies = s.take_copies()
-    assert {(int(x), int(y)) for x, y in copies.T} == {(a, c), (a, d), (b, e)}
-    assert s.take_copies().shape == (2, 0)
+    h = s.fork(g)
+    key = s.save(h)  # never written: its state is g's
+    ops = s.take_ops()
+    assert {(int(x), int(y)) for x, y in ops.copies.T} == {(a, c), (a, d), (b, e)}
+    assert ops.saves.T.tolist() == [[g, key]] and ops.restores.shape == (2, 0)
+    assert s.take_ops().empty
     pool = torch.arange(8.0)[:, None].repeat(1, 2)
-    src, dst = (torch.from_numpy(x) for x in copies)
+    src, dst = (torch.from_numpy(x) for x in ops.copies)
     pool[dst] = pool[src]
     assert pool[c, 0] == pool[d, 0] == a and pool[e, 0] == b
-    assert np.array_equal(np.sort(copies[1]), np.sort([c, d, e]))
+    back = s.restore(key)
+    assert s.take_ops().restores.T.tolist() == [[key, back]]

@@ -15,9 +15,9 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
      "batchgen.outputs", "batchgen.defaults", "batchgen.threads"),  # values and utilities
-    ("batchgen.kv", "batchgen.sampling"),  # the pool's bookkeeping and bytes; the sampler
+    ("batchgen.kv", "batchgen.sampling",
+     "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
-    ("batchgen.state",),  # mixers' per-sequence state: layout, pool, slots, the cache seam
     ("batchgen.model",),  # loading, the runner, step inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.config",

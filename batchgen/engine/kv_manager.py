@@ -21,7 +21,7 @@ import numpy as np
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
-from batchgen.state.slots import StateSlots
+from batchgen.state.slots import StateOps, StateSlots
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -47,6 +47,7 @@ class KVManager:
         self.batch = batch
         self.state = state  # models with state mixers: each sequence's state slot
         self._state_of: dict[Sequence, int] = {}
+        self._state_saved: dict[Sequence, int] = {}  # swapped out: the key of its saved state
         self.block_size = block_manager.block_size
         self._swapped: dict[Sequence, int] = {}  # swapped out: tokens computed
         self._hashes: dict[Sequence, list[bytes]] = {}  # the prefix-hash memo (runs ahead)
@@ -218,6 +219,7 @@ class KVManager:
             self.batch.remove(seq)
         if self.state is not None and seq in self._state_of:
             self.state.free(self._state_of.pop(seq))
+        self._state_saved.pop(seq, None)
         bm = self.block_manager
         if not bm.has_table(seq):
             return []
@@ -236,6 +238,7 @@ class KVManager:
         if self.state is not None:
             self.state.clear()
             self._state_of.clear()
+            self._state_saved.clear()
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -248,6 +251,8 @@ class KVManager:
             self._swapped[seq] = self.num_computed(seq)
             self.batch.remove(seq)
             seq.status = SequenceStatus.SWAPPED
+            if self.state is not None:  # its state goes to host memory with its blocks
+                self._state_saved[seq] = self.state.save(self._state_of.pop(seq))
         return self.block_manager.swap_out(seqs)
 
     def swapped_seqs(self, group: SequenceGroup) -> list[Sequence]:
@@ -265,8 +270,8 @@ class KVManager:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
             self.batch.enter(seq, self.block_manager.table(seq), self._swapped.pop(seq))
-            if self.state is not None:  # its state stayed in its slot while swapped
-                self._set_state(seq, self._state_of[seq])
+            if self.state is not None:  # its state comes back from host memory
+                self._set_state(seq, self.state.restore(self._state_saved.pop(seq)))
             cow[seq.slot] = True
         return pairs
 
@@ -276,9 +281,9 @@ class KVManager:
         self._state_of[seq] = slot
         self.batch.cols["state_slot"][seq.slot] = slot
 
-    def take_state_copies(self) -> np.ndarray | None:
-        """The state copies owed before the next forward ([2, n]), or None without state."""
-        return None if self.state is None else self.state.take_copies()
+    def take_state_ops(self) -> StateOps | None:
+        """The state moves owed before the next forward, or None without state."""
+        return None if self.state is None else self.state.take_ops()
 
     # ---- prefix caching -----------------------------------------------------------------------
     def _hashes_of(self, seq: Sequence, num_tokens: int) -> list[bytes]:

@@ -74,7 +74,7 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     runner_rows = StepRows(plan.slots, plan.starts, plan.num_new,
                            np.concatenate(num_logits).astype(np.int64, copy=False),
                            np.concatenate(tokens).astype(np.int64, copy=False),
-                           batch.block_table, _state_slots(plan, batch), plan.state_copies)
+                           batch.block_table, _state_slots(plan, batch), plan.state_ops)
     identity = row == k and not sample_rows
     layout = LogitsLayout(tuple(samplers), None if identity else np.concatenate(
         (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
@@ -97,6 +97,6 @@ def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: i
 
 def _state_slots(plan: StepPlan, batch: PersistentBatch) -> np.ndarray | None:
     """Each row's state slot (models with state mixers; None otherwise)."""
-    if plan.state_copies is None:
+    if plan.state_ops is None:
         return None
     return batch.cols["state_slot"][plan.slots]

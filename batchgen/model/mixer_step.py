@@ -18,6 +18,7 @@ from batchgen.attention.metadata import StepRows
 from batchgen.kv.cache import KVCache
 from batchgen.model.inputs import StepInputs
 from batchgen.state.cache import StateCache
+from batchgen.state.slots import StateOps
 
 
 class MixerStep:
@@ -30,16 +31,15 @@ class MixerStep:
         self.backend = backend
         self.inputs = inputs
         self.state = state
+        self.saved: dict[int, dict] = {}  # swapped-out sequences' state, host memory, by key
 
     def execute(self, rows: StepRows) -> torch.Tensor:
         """float32 logits [R, vocab] in the step's row order (as ModelRunner.execute)."""
         assert rows.state_slots is not None, "a model with state mixers needs state slots"
         pool = self.state.pool
         pool.ensure(int(rows.state_slots.max(initial=0)))
-        if rows.state_copies is not None and rows.state_copies.shape[1]:
-            pool.ensure(int(rows.state_copies.max()))
-            src, dst = (torch.from_numpy(x).to(pool.device) for x in rows.state_copies)
-            pool.copy(src, dst)
+        if rows.state_ops is not None and not rows.state_ops.empty:
+            self._move(rows.state_ops)
         solo = np.zeros(rows.num_rows, np.bool_)
         if not pool.layout.continues_chunks:
             rows, solo = _token_rows(rows)
@@ -59,6 +59,21 @@ class MixerStep:
             out[torch.from_numpy(at).to(out.device)] = logits
         assert out is not None
         return out
+
+    def _move(self, ops: StateOps) -> None:
+        """Swapped-out states to host memory, forks' copies, swapped-in states back."""
+        pool = self.state.pool
+        pool.ensure(int(max(ops.copies.max(initial=0), ops.restores[1].max(initial=0))))
+        if ops.saves.shape[1]:
+            slots, keys = ops.saves
+            saved = pool.to_host(torch.from_numpy(slots).to(pool.device))
+            for j, key in enumerate(keys.tolist()):
+                self.saved[key] = {e: t[j:j + 1] for e, t in saved.items()}
+        if ops.copies.shape[1]:
+            src, dst = (torch.from_numpy(x).to(pool.device) for x in ops.copies)
+            pool.copy(src, dst)
+        for key, slot in ops.restores.T.tolist():
+            pool.from_host(self.saved.pop(key), torch.tensor([slot], device=pool.device))
 
     def _forward(self, rows: StepRows, batched: bool) -> torch.Tensor:
         """One forward: `batched` rows of one token each as [rows, 1] (padded on the CPU with
@@ -97,7 +112,7 @@ def _subset(rows: StepRows, idx: np.ndarray) -> StepRows:
     assert rows.state_slots is not None
     return replace(rows, slots=rows.slots[idx], starts=rows.starts[idx],
                    num_new=rows.num_new[idx], num_logits=rows.num_logits[idx],
-                   token_ids=tokens, state_slots=rows.state_slots[idx], state_copies=None)
+                   token_ids=tokens, state_slots=rows.state_slots[idx], state_ops=None)
 
 
 def _token_rows(rows: StepRows) -> tuple[StepRows, np.ndarray]:

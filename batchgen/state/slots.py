@@ -4,7 +4,28 @@ sequence's memory lives); the runner's StatePool holds the tensors."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
+
+
+def _pairs() -> np.ndarray:
+    return np.zeros((2, 0), np.int64)
+
+
+@dataclass(frozen=True)
+class StateOps:
+    """The state moves owed before a step's forward, in this order: `saves` (slot, key): a
+    swapped-out sequence's state to host memory under `key`; `copies` (src, dst): forks, as
+    one simultaneous gather; `restores` (key, slot): a swapped-in sequence's state back."""
+
+    copies: np.ndarray = field(default_factory=_pairs)
+    saves: np.ndarray = field(default_factory=_pairs)
+    restores: np.ndarray = field(default_factory=_pairs)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.copies.shape[1] or self.saves.shape[1] or self.restores.shape[1])
 
 
 class StateSlots:
@@ -16,6 +37,9 @@ class StateSlots:
         self._free: list[int] = []
         self._next = 0
         self._pending: dict[int, int] = {}  # dst -> src (src never a pending dst)
+        self._saves: list[tuple[int, int]] = []  # (slot, key)
+        self._restores: list[tuple[int, int]] = []  # (key, slot)
+        self._keys = 0
         self.in_use = 0
         self.peak = 0
 
@@ -40,12 +64,30 @@ class StateSlots:
         self._pending[dst] = self._pending.get(src, src)
         return dst
 
-    def take_copies(self) -> np.ndarray:
-        """The owed copies as [2, n] int64 (sources, destinations); the list is emptied."""
-        pairs = np.array([list(self._pending.values()), list(self._pending)], np.int64
-                         ).reshape(2, -1)
+    def save(self, slot: int) -> int:
+        """A swapped-out sequence's state leaves for host memory (read before any copy: a slot
+        still owed a fork's copy is saved from that copy's source); its slot is free.
+        Returns the key that restores it."""
+        self._keys += 1
+        self._saves.append((self._pending.pop(slot, slot), self._keys))
+        self._free.append(slot)
+        self.in_use -= 1
+        return self._keys
+
+    def restore(self, key: int) -> int:
+        """A slot for a swapped-in sequence, its saved state written back after the copies."""
+        slot = self.alloc()
+        self._restores.append((key, slot))
+        return slot
+
+    def take_ops(self) -> StateOps:
+        """The owed moves (emptied here)."""
+        ops = StateOps(_array(list(zip(self._pending.values(), self._pending))),
+                       _array(self._saves), _array(self._restores))
         self._pending.clear()
-        return pairs
+        self._saves.clear()
+        self._restores.clear()
+        return ops
 
     @property
     def capacity(self) -> int:
@@ -56,4 +98,11 @@ class StateSlots:
         self._free.clear()
         self._next = 0
         self._pending.clear()
+        self._saves.clear()
+        self._restores.clear()
         self.in_use = 0
+
+
+def _array(pairs: list[tuple[int, int]]) -> np.ndarray:
+    """Pairs as [2, n] int64."""
+    return np.array(pairs, np.int64).reshape(-1, 2).T.copy()
