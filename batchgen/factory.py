@@ -283,7 +283,7 @@ class EngineShape:
     num_host_blocks: int = 0
     preemption_mode: str = "recompute"
     device: torch.device = torch.device("cpu")
-    has_state: bool = False  # the model has state mixers: sequences hold state slots
+    state_bytes_per_seq: int = 0  # the model has state mixers: sequences hold state slots
 
 
 def build_engine(shape: EngineShape, runner: Runner) -> Engine:
@@ -294,7 +294,8 @@ def build_engine(shape: EngineShape, runner: Runner) -> Engine:
     batch = PersistentBatch(shape.max_num_seqs, shape.vocab_size,
                             blocks_for(shape.max_model_len, shape.block_size),
                             shape.eos_token_ids, shape.device)
-    kv = KVManager(bm, batch, StateSlots() if shape.has_state else None)
+    kv = KVManager(bm, batch, StateSlots(shape.state_bytes_per_seq)
+                   if shape.state_bytes_per_seq else None)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
     return Engine(scheduler, runner, Sampler(), OutputProcessor(kv))
@@ -333,11 +334,14 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     pool, reserve = plan.pool, None
     if pool is None:
         reserve = _gpu_reserve(plan, cfg, parts.specs)
+        # the mixers' state pool (a slot per sequence, and the scratch one) is made after
+        # the KV pool: keep its bytes out of the KV budget
+        kept = sum(reserve) + (cfg.max_num_seqs + 1) * (
+            parts.state.bytes_per_seq if parts.state else 0)
         budget = executor.kv_budget(
-            (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
-             sum(reserve)),
+            (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization, kept),
             lambda: device_kv_budget(parts.model, plan.max_step_tokens(cfg), cfg.max_num_seqs,
-                                     plan.device, cfg.gpu_memory_utilization, sum(reserve)))
+                                     plan.device, cfg.gpu_memory_utilization, kept))
         pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
     if pool.max_model_len < plan.layout.target_len:
         logger.info("max_model_len = %d, what the KV pool holds (the model allows %d)",
@@ -358,12 +362,14 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                         cfg.enable_prefix_caching and parts.state is None,
                         pool.num_host_blocks, cfg.preemption_mode, plan.device,
-                        parts.state is not None)
+                        parts.state.bytes_per_seq if parts.state else 0)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
+    state = parts.state.bytes_per_seq if parts.state else 0
     return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
-                                        plan.layout.bytes_per_token, pool.num_host_blocks),
+                                        plan.layout.bytes_per_token, pool.num_host_blocks,
+                                        state, cfg.max_num_seqs if state else 0),
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local)), requests, results, reserve)
 

@@ -133,6 +133,27 @@ def test_beams_equal_hf_beam_search(family_dirs, family):
         assert [s.token_ids for s in o.sequences] == want
 
 
+def test_state_is_counted_per_sequence(family_dirs, caplog):
+    """The capacity line and kv_stats count the mixers' state per sequence (not per token):
+    the bytes of the state tensors HF's own cache holds for one sequence."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    d = family_dirs["qwen3_next"]
+    ids = torch.tensor([[1, 5, 9]])
+    cache = _hf(d)(input_ids=ids, use_cache=True).past_key_values
+    want = sum(t[0].numel() * t.element_size() for layer in cache.layers
+               if isinstance(layer, LinearAttentionCacheLayerMixin)
+               for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+               if t is not None)
+    with caplog.at_level("INFO", logger="batchgen"):
+        llm = LLM(d, block_size=4, num_kv_blocks=64, max_num_seqs=3)
+    assert f"mixer state: {want} bytes/sequence (any length), 3 slots" in caplog.text
+    llm.generate(_ids(_prompts()[:2]), SamplingParams(n=2, max_tokens=2, seed=0),
+                 use_tqdm=False)
+    stats = llm.kv_stats()
+    assert stats.state_bytes_per_seq == want and stats.peak_state_slots == 4
+
+
 def _check_scores(model_dir: str, prompt: list[int], out) -> None:
     """Each beam's cumulative logprob equals HF's full forward over prompt + beam."""
     for seq in out.sequences:

@@ -310,3 +310,5 @@ class KVManager:
     def reset_stats(self) -> None:
         """A new measurement window for peak usage, COW copies, prefix hits and swaps."""
         self.block_manager.reset_stats()
+        if self.state is not None:
+            self.state.reset_peak()

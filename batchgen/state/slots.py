@@ -33,7 +33,8 @@ class StateSlots:
     simultaneous gather before the forward gives every destination its source's state as it
     was when the fork happened."""
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_per_seq: int = 0) -> None:
+        self.bytes_per_seq = bytes_per_seq  # the pool's, for the figures
         self._free: list[int] = []
         self._next = 0
         self._pending: dict[int, int] = {}  # dst -> src (src never a pending dst)
@@ -88,6 +89,10 @@ class StateSlots:
         self._saves.clear()
         self._restores.clear()
         return ops
+
+    def reset_peak(self) -> None:
+        """A new measurement window: the peak restarts from the slots held now."""
+        self.peak = self.in_use
 
     @property
     def capacity(self) -> int:
