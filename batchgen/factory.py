@@ -41,7 +41,7 @@ from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
-from batchgen.model.state_probe import probe_layers
+from batchgen.model.state_probe import config_state, probe_layers
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -75,6 +75,7 @@ class EnginePlan:
     layout: KVLayout
     backends: list[Candidate]  # best first
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
+    state: StateLayout | None = None  # state mixers, planned on the meta device
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -173,7 +174,12 @@ def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
         dev, model_dtype, layout.kv_dtype, geo.head_dim))
     pool = (None if pool_from_gpu_memory(dev, cfg)
             else size_pool(cfg, layout, dev, None, cfg.swap_space))
-    return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool)
+    state = config_state(config, model_dtype, cfg.trust_remote_code)  # refusals: no weights
+    if state is not None and k > 1:
+        raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
+                         f"({config.model_type}), got {k}")
+    return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool,
+                      state)
 
 
 def pool_from_gpu_memory(device: torch.device, cfg: EngineConfig) -> bool:
@@ -243,9 +249,6 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
                               cfg.trust_remote_code, cfg.tensor_parallel_size)
     gen = loader.load_generation_config(plan.path)
     specs, state = probe_layers(model, plan.geo.num_layers, plan.device)
-    if state is not None and cfg.tensor_parallel_size > 1:
-        raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
-                         f"({plan.config.model_type}), got {cfg.tensor_parallel_size}")
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
                       model.get_output_embeddings().weight.shape[0], specs, state)

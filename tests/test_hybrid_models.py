@@ -189,3 +189,38 @@ def test_state_slots_compose_copies_over_forks_swaps_and_reuse():
     assert pool[c, 0] == pool[d, 0] == a and pool[e, 0] == b
     back = s.restore(key)
     assert s.take_ops().restores.T.tolist() == [[key, back]]
+
+
+def test_a_layer_without_managed_memory_is_refused_before_the_weights_load(tmp_path,
+                                                                           monkeypatch):
+    """RWKV's blocks keep their state outside transformers' cache: refused from the config,
+    naming the family and the layer kind; the weights are never loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from batchgen.model import loader
+
+    config = AutoConfig.for_model("rwkv", hidden_size=32, num_hidden_layers=2, vocab_size=64,
+                                  attention_hidden_size=32, intermediate_size=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+
+    def never(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(loader, "load_model", never)
+    with pytest.raises(ValueError, match=r"family 'rwkv': layers \[0, 1\] \(RwkvBlock\)"):
+        LLM(str(tmp_path), num_kv_blocks=16)
+
+
+def test_kv_plan_reports_state_bytes_per_sequence(family_dirs):
+    """kv-plan, from the config alone (the model built on the meta device), reports the
+    state the loaded model holds per sequence."""
+    from transformers import AutoConfig
+
+    from batchgen.kv_plan import plan_kv
+
+    d = family_dirs["falcon_h1"]
+    plan = plan_kv(AutoConfig.from_pretrained(d), max_num_seqs=4)
+    llm = LLM(d, num_kv_blocks=16, max_num_seqs=4)
+    llm.generate(_ids(_prompts()[:1]), SamplingParams(max_tokens=1), use_tqdm=False)
+    assert plan.state_bytes_per_seq == llm.kv_stats().state_bytes_per_seq > 0
+    assert "mixer state" in plan.capacity_line()

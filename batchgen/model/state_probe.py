@@ -40,9 +40,21 @@ def state_layout(cache: Any, num_layers: int) -> StateLayout | None:
     return StateLayout(tuple(entries), CACHE_API, num_layers) if entries else None
 
 
+class UnsupportedLayers(ValueError):
+    """A layer batchgen would run without its memory (the refusal, not a model's own error)."""
+
+
+def _layer_kinds(model: torch.nn.Module, layers: list[int]) -> str:
+    """The class names of these decoder layers (the model's list of num_layers blocks)."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > max(layers):
+            return ", ".join(sorted({type(m[i]).__name__ for i in layers}))
+    return "unknown kind"
+
+
 @torch.inference_mode()
-def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device
-                 ) -> tuple[list[AttentionSpec], StateLayout | None]:
+def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device,
+                 check_chunks: bool = True) -> tuple[list[AttentionSpec], StateLayout | None]:
     """Every layer's attention spec (a layer without attention gets a placeholder: its rows
     of the KV pool are never read) and the state layout. A layer that neither attends
     through batchgen's function nor keeps its memory in the cache (a mixer batchgen would run
@@ -62,10 +74,11 @@ def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device
     missing = [i for i in range(num_layers) if i not in probe.specs and i not in served]
     if missing:
         family = getattr(getattr(model, "config", None), "model_type", "?")
-        raise ValueError(f"model family {family!r}: layers {missing} neither attend through "
-                         "batchgen's attention nor keep their state in transformers' cache: "
-                         "this architecture is not supported")
-    if layout is not None:
+        raise UnsupportedLayers(
+            f"model family {family!r}: layers {missing} ({_layer_kinds(model, missing)}) "
+            "neither attend through batchgen's attention nor keep their state in "
+            "transformers' cache: this architecture is not supported")
+    if layout is not None and check_chunks:
         layout = replace(layout, continues_chunks=_continues_chunks(model, layout, device))
     some = next(iter(probe.specs.values()), None)
     filler = some or AttentionSpec(1, 1, 1, 1, 1.0, None, None, model.dtype)
@@ -97,3 +110,42 @@ def _continues_chunks(model: torch.nn.Module, layout: StateLayout, device: torch
     run(0, 4, True)
     chunked = run(4, 8, False)
     return bool(torch.allclose(whole, chunked, rtol=1e-3, atol=1e-3 * whole.abs().max()))
+
+
+def config_state(config: Any, dtype: torch.dtype, trust_remote_code: bool = False
+                 ) -> StateLayout | None:
+    """`plan_state`, or None when the model cannot run on the meta device (a data-dependent
+    op): the probe after the weights load then decides, and refuses, alone."""
+    try:
+        return plan_state(config, dtype, trust_remote_code)
+    except UnsupportedLayers:
+        raise
+    except Exception as e:  # any family's meta-device failure: not a verdict on the model
+        from batchgen.log import logger
+
+        logger.debug("state layout not planned from the config (%s): probed at load", e)
+        return None
+
+
+def plan_state(config: Any, dtype: torch.dtype, trust_remote_code: bool = False
+               ) -> StateLayout | None:
+    """The state layout from the config alone, before any weight loads: the model built on
+    the meta device (no memory) in bfloat16 (the MoE kernels' meta path wants it) and probed
+    as at load; a bfloat16 state is the model dtype's. Refuses what the loaded probe would
+    (ValueError naming the family and layers)."""
+    from transformers import AutoModelForCausalLM
+
+    from batchgen.attention.interface import register
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=register(),
+            trust_remote_code=trust_remote_code).eval()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    _, layout = probe_layers(model, text.num_hidden_layers, torch.device("meta"),
+                             check_chunks=False)
+    if layout is None:
+        return None
+    entries = tuple(replace(e, dtype=dtype if e.dtype == torch.bfloat16 else e.dtype)
+                    for e in layout.entries)
+    return replace(layout, entries=entries)
