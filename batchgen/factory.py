@@ -363,7 +363,7 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
-                        cfg.enable_prefix_caching and parts.state is None,
+                        cfg.enable_prefix_caching,
                         pool.num_host_blocks, cfg.preemption_mode, plan.device,
                         parts.state.bytes_per_seq if parts.state else 0)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)

@@ -143,4 +143,4 @@ class KVStats:
     blocks_swapped_out: int = 0  # distinct blocks copied to the host pool
     blocks_swapped_in: int = 0  # and back
     state_bytes_per_seq: int = 0  # models with state mixers: each sequence's state (any length)
-    peak_state_slots: int = 0  # most sequences holding state at once
+    peak_state_slots: int = 0  # most state slots held at once (sequences, prefix snapshots)

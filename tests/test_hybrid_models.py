@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_prompt_token_ids
@@ -146,7 +147,8 @@ def test_state_is_counted_per_sequence(family_dirs, caplog):
                for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
                if t is not None)
     with caplog.at_level("INFO", logger="batchgen"):
-        llm = LLM(d, block_size=4, num_kv_blocks=64, max_num_seqs=3)
+        llm = LLM(d, block_size=4, num_kv_blocks=64, max_num_seqs=3,
+                  enable_prefix_caching=False)  # snapshots would hold slots too
     assert f"mixer state: {want} bytes/sequence (any length), 3 slots" in caplog.text
     llm.generate(_ids(_prompts()[:2]), SamplingParams(n=2, max_tokens=2, seed=0),
                  use_tqdm=False)
@@ -224,3 +226,31 @@ def test_kv_plan_reports_state_bytes_per_sequence(family_dirs):
     llm.generate(_ids(_prompts()[:1]), SamplingParams(max_tokens=1), use_tqdm=False)
     assert plan.state_bytes_per_seq == llm.kv_stats().state_bytes_per_seq > 0
     assert "mixer state" in plan.capacity_line()
+
+
+@pytest.mark.parametrize("family", CORE)
+def test_prefix_caching_hits_state_snapshots_and_changes_no_output(family_dirs, family):
+    """Prompts sharing a 14-token head (different tails), then the same prompts again: the
+    state at block ends is snapshotted (the head's last full block, each prompt's last), so
+    later prompts start from a snapshot; the tokens equal a run without the cache, the
+    logprobs to the last bits (a mixer's state summed over other chunk splits rounds
+    differently: not bit-identical)."""
+    d = family_dirs[family]
+    head = _prompts(5)[0][:1] + list(range(10, 23))
+    prompts = [head + p[1:] for p in _prompts(6)]
+    prompts += prompts[:2]
+    sp = SamplingParams(temperature=0, max_tokens=T, min_tokens=T, logprobs=1)
+    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=2, num_kv_blocks=256)
+
+    def run(cache: bool):
+        llm = LLM(d, enable_prefix_caching=cache, **kw)
+        outs = llm.generate(_ids(prompts), sp, use_tqdm=False)
+        return ([[(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                  for c in o.outputs] for o in outs], llm.kv_stats())
+
+    (on, stats), (off, _) = run(True), run(False)
+    assert stats.prefix_hit_tokens > 0
+    assert [[t for t, _ in o] for o in on] == [[t for t, _ in o] for o in off]
+    for o_on, o_off in zip(on, off):
+        for (_, a), (_, b) in zip(o_on, o_off):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -162,9 +162,10 @@ class Scheduler:
             slots = np.concatenate((d.decode_slots, slots)) if len(slots) else d.decode_slots
         starts = np.concatenate((c["num_computed"][slots[:k]], np.fromiter(
             (self.kv.num_computed(s) for s in d.seqs[k:]), np.int64, len(d.seqs) - k)))
-        return StepPlan(tuple(d.seqs), slots, starts, np.array(d.num_new, np.int64), k,
-                        tuple(d.copies), tuple(d.swap_in), tuple(d.swap_out),
-                        self.kv.take_state_ops() if d.seqs else None)
+        seqs, num_new = tuple(d.seqs), np.array(d.num_new, np.int64)
+        return StepPlan(seqs, slots, starts, num_new, k, tuple(d.copies), tuple(d.swap_in),
+                        tuple(d.swap_out),
+                        self.kv.take_state_ops(seqs, starts, num_new) if seqs else None)
 
     def _ready(self, group: SequenceGroup) -> list[Sequence]:
         """The group's running sequences with exactly one token left to compute."""

@@ -36,13 +36,13 @@ class MixerStep:
     def execute(self, rows: StepRows) -> torch.Tensor:
         """float32 logits [R, vocab] in the step's row order (as ModelRunner.execute)."""
         assert rows.state_slots is not None, "a model with state mixers needs state slots"
-        pool = self.state.pool
+        pool, ops = self.state.pool, rows.state_ops
         pool.ensure(int(rows.state_slots.max(initial=0)))
-        if rows.state_ops is not None and not rows.state_ops.empty:
-            self._move(rows.state_ops)
-        solo = np.zeros(rows.num_rows, np.bool_)
+        if ops is not None and not ops.empty:
+            self._move(ops)
+        rows, solo, after = _split_at_snaps(rows, ops)
         if not pool.layout.continues_chunks:
-            rows, solo = _token_rows(rows)
+            rows, solo, after = _token_rows(rows, solo, after)
         continuing = (rows.num_new == 1) & (rows.starts > 0) & ~solo
         groups = [np.flatnonzero(continuing)] if continuing.any() else []
         groups += [np.array([i]) for i in np.flatnonzero(~continuing).tolist()]
@@ -51,6 +51,7 @@ class MixerStep:
         batched_first = bool(continuing.any())
         for i, idx in enumerate(groups):
             logits = self._forward(_subset(rows, idx), batched=batched_first and i == 0)
+            self._snapshot(rows, idx, after)
             if out is None:
                 out = logits.new_empty(int(ends[-1]) if len(ends) else 0, logits.shape[-1])
             nl = rows.num_logits[idx]
@@ -59,6 +60,16 @@ class MixerStep:
             out[torch.from_numpy(at).to(out.device)] = logits
         assert out is not None
         return out
+
+    def _snapshot(self, rows: StepRows, idx: np.ndarray, after: np.ndarray) -> None:
+        """Rows of the forward just run that end on a snapshot: their state to its slot."""
+        keep = idx[after[idx] >= 0]
+        if len(keep):
+            assert rows.state_slots is not None
+            pool = self.state.pool
+            pool.ensure(int(after[keep].max()))
+            pool.copy(*(torch.from_numpy(x).to(pool.device)
+                        for x in (rows.state_slots[keep], after[keep])))
 
     def _move(self, ops: StateOps) -> None:
         """Swapped-out states to host memory, forks' copies, swapped-in states back."""
@@ -115,14 +126,47 @@ def _subset(rows: StepRows, idx: np.ndarray) -> StepRows:
                    token_ids=tokens, state_slots=rows.state_slots[idx], state_ops=None)
 
 
-def _token_rows(rows: StepRows) -> tuple[StepRows, np.ndarray]:
+def _split_at_snaps(rows: StepRows, ops: StateOps | None
+                    ) -> tuple[StepRows, np.ndarray, np.ndarray]:
+    """Rows cut where a snapshot is taken (a block end inside a prompt chunk): the pieces of
+    a cut row run one forward each, in order (`solo`), and `after` names the slot a piece's
+    final state is copied to (-1: none). Each piece keeps the logits of its positions among
+    the row's last `num_logits`."""
+    n = rows.num_rows
+    if ops is None or not ops.snaps.shape[1]:
+        return rows, np.zeros(n, np.bool_), np.full(n, -1, np.int64)
+    cuts: dict[int, list[tuple[int, int]]] = {}
+    for row, offset, slot in ops.snaps.T.tolist():
+        cuts.setdefault(row, []).append((offset, slot))
+    first = np.concatenate(([0], np.cumsum(rows.num_new)))
+    pieces: list[tuple[int, int, int, int]] = []  # (row, from, to, slot)
+    for i in range(n):
+        a, length = 0, int(rows.num_new[i])
+        for offset, slot in sorted(cuts.get(i, [])):
+            pieces.append((i, a, offset, slot))
+            a = offset
+        if a < length:
+            pieces.append((i, a, length, -1))
+    row, lo, hi, slot = (np.array(x, np.int64) for x in zip(*pieces))
+    tail = rows.num_new[row] - rows.num_logits[row]  # the first position keeping logits
+    tokens = np.concatenate([rows.token_ids[first[r] + a:first[r] + b]
+                             for r, a, b in zip(row.tolist(), lo.tolist(), hi.tolist())])
+    assert rows.state_slots is not None
+    cut = np.isin(row, list(cuts))
+    return replace(rows, slots=rows.slots[row], starts=rows.starts[row] + lo,
+                   num_new=hi - lo, num_logits=np.clip(hi - np.maximum(lo, tail), 0, None),
+                   token_ids=tokens, state_slots=rows.state_slots[row]), cut, slot
+
+
+def _token_rows(rows: StepRows, solo: np.ndarray, after: np.ndarray
+                ) -> tuple[StepRows, np.ndarray, np.ndarray]:
     """For mixers that restart a multi-token forward from zero: every chunk that continues a
     sequence becomes one row per token (each continues from the state the previous token
-    left; they run one forward each, in order: the mask says which). Logits rows are
-    unchanged."""
+    left; they run one forward each, in order: `solo` says which; a snapshot after a chunk
+    moves to its last token). Logits rows are unchanged."""
     split = (rows.starts > 0) & (rows.num_new > 1)
     if not split.any():
-        return rows, np.zeros(rows.num_rows, np.bool_)
+        return rows, solo, after
     n = np.where(split, rows.num_new, 1)
     row = np.repeat(np.arange(rows.num_rows), n)
     j = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
@@ -130,5 +174,7 @@ def _token_rows(rows: StepRows) -> tuple[StepRows, np.ndarray]:
     last = rows.num_new[row] - rows.num_logits[row]  # the first position keeping logits
     num_logits = np.where(split[row], (j >= last).astype(np.int64), rows.num_logits[row])
     assert rows.state_slots is not None
-    return replace(rows, slots=rows.slots[row], starts=rows.starts[row] + j, num_new=num_new,
-                   num_logits=num_logits, state_slots=rows.state_slots[row]), split[row]
+    last_token = ~split[row] | (j == rows.num_new[row] - 1)
+    return (replace(rows, slots=rows.slots[row], starts=rows.starts[row] + j, num_new=num_new,
+                    num_logits=num_logits, state_slots=rows.state_slots[row]),
+            split[row] | solo[row], np.where(last_token, after[row], -1))

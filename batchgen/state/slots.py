@@ -22,6 +22,9 @@ class StateOps:
     copies: np.ndarray = field(default_factory=_pairs)
     saves: np.ndarray = field(default_factory=_pairs)
     restores: np.ndarray = field(default_factory=_pairs)
+    # prefix caching: [3, m] (row, tokens into its chunk, slot): after that many of the row's
+    # tokens, its state is copied to the slot (a snapshot at a block boundary)
+    snaps: np.ndarray = field(default_factory=lambda: np.zeros((3, 0), np.int64))
 
     @property
     def empty(self) -> bool:
@@ -81,10 +84,11 @@ class StateSlots:
         self._restores.append((key, slot))
         return slot
 
-    def take_ops(self) -> StateOps:
-        """The owed moves (emptied here)."""
+    def take_ops(self, snaps: np.ndarray | None = None) -> StateOps:
+        """The owed moves (emptied here), with the step's snapshots."""
         ops = StateOps(_array(list(zip(self._pending.values(), self._pending))),
-                       _array(self._saves), _array(self._restores))
+                       _array(self._saves), _array(self._restores),
+                       np.zeros((3, 0), np.int64) if snaps is None else snaps)
         self._pending.clear()
         self._saves.clear()
         self._restores.clear()
