@@ -45,6 +45,9 @@ ALONE = {  # scripts with their own small settings
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
     "startup.py": ["--repeats", "1", "--top", "3"],  # fresh interpreters: no model at all
+    "hybrid.py": ["--num-prompts", "2", "--output-len", "2", "--min-len", "4", "--max-len",
+                  "12", "--beam-prompts", "1", "--hidden-size", "64", "--vocab-size", "512",
+                  "--hf-batch", "2", "--threads", "1"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -62,6 +65,8 @@ EXPECT = {  # lines a script must print with the settings above
     "tensor_parallel.py": ["| TP | wall s", "| all-reduce (rowwise o_proj, down_proj)",
                            "communication share of the step forward: ",
                            "greedy agreement TP=2 vs TP=1: "],
+    "hybrid.py": ["greedy agreement with HF one prompt at a time: 2/2 prompts",
+                  "| beams W=4 | batchgen", "| n=8 top-p | HF generate"],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
