@@ -143,7 +143,7 @@ class KVLayout:
     """What a token costs in the pool and how long a sequence may be, from the config alone."""
 
     kv_dtype: torch.dtype
-    bytes_per_token: int  # β = 2 · L · H_kv · d_h · b
+    bytes_per_token: int  # β = L · H_kv · (d_k + d_v) · b
     target_len: int  # max_model_len wanted (the pool may cap it)
 
 
@@ -160,7 +160,8 @@ def kv_layout(cfg: EngineConfig, geo: KVGeometry, model_dtype: torch.dtype) -> K
     """The pool's dtype, β for this rank's KV heads (`geo`), and the wanted max_model_len."""
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
     beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
-                          torch.empty((), dtype=kv_dtype).element_size())
+                          torch.empty((), dtype=kv_dtype).element_size(),
+                          head_dim_v=geo.head_dim_v)
     return KVLayout(kv_dtype, beta, target_max_model_len(cfg, geo.max_position_embeddings))
 
 

@@ -24,7 +24,7 @@ from batchgen.attention.registry import (
     build_backend,
     reserved_bytes,
 )
-from batchgen.attention.spec import AttentionSpec
+from batchgen.attention.spec import AttentionSpec, check_pool_geometry
 from batchgen.config import CacheConfig, EngineConfig, KVLayout, PoolSize, kv_layout, size_pool
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.engine import Engine, Runner
@@ -103,6 +103,7 @@ class RunnerSetup:
     max_step_tokens: int
     inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
     num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
+    head_dim_v: int | None = None  # values' width when it differs from the keys' (MLA)
 
 
 class Executor(Protocol):
@@ -261,7 +262,7 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     host swap pool and, for a model with state mixers, the state pool (a slot per sequence
     of max_num_seqs, growing when n samples or beams hold more) behind the cache seam."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
-                    setup.head_dim, setup.kv_dtype, device)
+                    setup.head_dim, setup.kv_dtype, device, setup.head_dim_v)
     backend = make_backend(cache)
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
@@ -359,6 +360,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
         return backend
 
     setup = _runner_setup(plan, cfg, pool, "")
+    check_pool_geometry(parts.specs, setup.num_kv_heads, setup.head_dim,
+                        setup.head_dim_v or setup.head_dim)
     local = build_runner(parts.model, setup, plan.device, make_backend, parts.state)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
@@ -401,10 +404,10 @@ def log_capacity(built: Assembled, tp_size: int) -> None:
     beyond the pool when it was sized from free memory, the backend, and on the CPU a warning
     when torch's threads outnumber the cores free to run them."""
     logger.info(built.cache_config.capacity_line(built.max_model_len))
-    if built.cache.pool.device.type == "cpu":
+    if built.cache.device.type == "cpu":
         threads.warn_if_oversubscribed()
     if tp_size > 1:
-        pool, heads = built.cache.pool.nbytes / 2**20, built.cache.num_kv_heads
+        pool, heads = built.cache.nbytes / 2**20, built.cache.num_kv_heads
         logger.info("tensor parallel: %d ranks, each with that pool over %d of the model's "
                     "%d KV heads (%.1f MiB per rank, %.1f MiB in all)", tp_size, heads,
                     heads * tp_size, pool, pool * tp_size)
@@ -425,7 +428,7 @@ def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: 
     return RunnerSetup(geo.num_layers, geo.num_kv_heads, geo.head_dim, pool.num_blocks,
                        cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
                        (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
-                        plan.min_rows()), pool.num_host_blocks)
+                        plan.min_rows()), pool.num_host_blocks, geo.head_dim_v)
 
 
 def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]

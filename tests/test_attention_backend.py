@@ -181,6 +181,22 @@ def test_kv_cache_bytes_and_pool_layout():
     assert torch.equal(cache.pool[:, :, 2], cache.pool[:, :, 4])
 
 
+def test_keys_and_values_of_different_widths_get_a_tensor_each():
+    """MLA decompressed: 12-wide keys, 8-wide values; writes, layer views and COW copies."""
+    cache = KVCache(2, 5, 4, 2, 12, torch.float32, "cpu", head_dim_v=8)
+    assert cache.pool is None and [t.shape for t in cache.tensors] == [
+        (2, 1, 6, 4, 2, 12), (2, 1, 6, 4, 2, 8)]
+    assert cache.bytes_per_token == kv_cache_bytes(2, 2, 12, 1, 4, head_dim_v=8) == 2 * 2 * 20 * 4
+    assert cache.nbytes == 6 * 4 * cache.bytes_per_token
+    k, v = torch.randn(2, 2, 12), torch.randn(2, 2, 8)
+    cache.write(1, k, v, torch.tensor([5, 19]))
+    kb, vb = cache.layer_kv(1)
+    assert torch.equal(kb[1, 1], k[0]) and torch.equal(vb[4, 3], v[1])
+    cache.copy_blocks([(1, 0), (4, 2)])
+    for t in cache.tensors:
+        assert torch.equal(t[:, :, 0], t[:, :, 1]) and torch.equal(t[:, :, 2], t[:, :, 4])
+
+
 @BACKENDS
 @pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (9, None, False),
                                                   (None, 15.0, True), (40, None, False)])

@@ -237,3 +237,32 @@ def test_module_entry_point(llama2_13b: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     assert d["bytes_per_token"] == 819_200 and d["num_blocks"] == 6553
+
+
+# ---- (d) keys and values of different widths (MLA, decompressed) ---------------------------
+def test_deepseek_v3_plan_counts_192_wide_keys_and_128_wide_values(tmp_path: Path,
+                                                                     capsys) -> None:
+    """DeepSeek-V3's config says head_dim 64 (the rope part); attention gets 128 heads of
+    192-wide keys and 128-wide values per layer, and the pool holds exactly those."""
+    from transformers import DeepseekV3Config
+
+    DeepseekV3Config(dtype="bfloat16").save_pretrained(tmp_path)
+    plan = plan_kv(loader.load_config(tmp_path), memory=64 << 30)
+    assert (plan.num_layers, plan.num_kv_heads, plan.head_dim, plan.head_dim_v) == (
+        61, 128, 192, 128)
+    assert plan.bytes_per_token == 61 * 128 * (192 + 128) * 2
+    code, out, _ = run_cli(["kv-plan", "--model", str(tmp_path), "--memory", "64GiB"], capsys)
+    assert code == 0 and "d_k=192, d_v=128" in out
+    assert f"L * H_kv * (d_k + d_v) * b = {61 * 128 * 320 * 2:,} bytes/token" in out
+
+
+def test_mla_plan_matches_the_llm_pool(tmp_path: Path) -> None:
+    from tests.families import save_family_model
+
+    path = save_family_model("deepseek_v3", tmp_path)
+    llm = LLM(str(path), device="cpu", kv_cache_memory=1 << 20, block_size=8)
+    plan = plan_kv(loader.load_config(path), memory=1 << 20, block_size=8)
+    assert plan.capacity_line() == llm.cache_config.capacity_line(llm.max_model_len)
+    assert plan.bytes_per_token == llm.cache.bytes_per_token == 4 * 4 * (24 + 16) * 4
+    assert plan.pool_bytes == llm.cache.nbytes * llm.cache.num_blocks // (
+        llm.cache.num_blocks + 1)  # scratch block aside

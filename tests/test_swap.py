@@ -199,3 +199,19 @@ def test_the_host_pool_moves_blocks_bit_for_bit(dtype):
     got, want = cache.pool.view(torch.uint8), before.view(torch.uint8)
     assert torch.equal(got[:, :, 4], want[:, :, 1]) and torch.equal(got[:, :, 0], want[:, :, 3])
     assert not got[:, :, 1].any()
+
+
+def test_the_host_pool_moves_keys_and_values_of_different_widths():
+    cache = KVCache(2, 5, 4, 2, 12, torch.float32, "cpu", head_dim_v=8)
+    for t in cache.tensors:
+        t.copy_(torch.randn(t.shape))
+    before = [t.clone() for t in cache.tensors]
+    host = HostPool(cache, 3)
+    assert host.nbytes == cache.nbytes * 3 // 6
+    host.swap_out([(1, 2), (3, 0)])
+    for t in cache.tensors:
+        t.zero_()
+    host.swap_in([(2, 4), (0, 0)])
+    for got, want in zip(cache.tensors, before):
+        assert torch.equal(got[:, :, 4], want[:, :, 1]) and torch.equal(got[:, :, 0], want[:, :, 3])
+        assert not got[:, :, 1].any()

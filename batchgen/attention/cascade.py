@@ -117,11 +117,14 @@ def plan_cascades(qo: list[int], kv_lens: list[int], pages: list[list[int]], bs:
     return cascade, {i for m, _ in plans for i in m}
 
 
-def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
-                out: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)) -> None:
-    """Attention of the siblings' queries: shared prefix once per group, tails per row,
-    merged by log-sum-exp; writes their rows of `out` [T, Hq, Dv]."""
-    _, _, bs, hkv, d = kv_blocks.shape
+def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: tuple[torch.Tensor, torch.Tensor],
+                spec: AttentionSpec, out: torch.Tensor,
+                scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """Attention of the siblings' queries over the layer's (K, V) blocks [P, B, Hkv, Dk|Dv]:
+    shared prefix once per group, tails per row, merged by log-sum-exp; writes their rows of
+    `out` [T, Hq, Dv]."""
+    _, bs, hkv, d = kv_blocks[0].shape
+    dv = kv_blocks[1].shape[-1]
     hq = q.shape[1]
     g = hq // hkv
     gc, n = c.q_index.shape
@@ -130,7 +133,7 @@ def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: Atte
     # level 0: [Gc, Hkv, N*G, D] queries against each group's prefix [Gc, Hkv, Pmax, D]
     qa = q[c.q_index].view(gc, n, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(gc, hkv, n * g, d)
     ka = kv_blocks[0].index_select(0, c.prefix_pages).view(gc, -1, hkv, d).transpose(1, 2)
-    va = kv_blocks[1].index_select(0, c.prefix_pages).view(gc, -1, hkv, d).transpose(1, 2)
+    va = kv_blocks[1].index_select(0, c.prefix_pages).view(gc, -1, hkv, dv).transpose(1, 2)
     ks, vs = scales
     oa, la = _partial(qa, dequantize(ka, q.dtype, ks), dequantize(va, q.dtype, vs), mask_a,
                       scale, softcap)
@@ -140,7 +143,7 @@ def run_cascade(c: Cascade, q: torch.Tensor, kv_blocks: torch.Tensor, spec: Atte
     r = c.rows.numel()
     qb = q[c.rows].view(r, hkv, g, d)
     kb = kv_blocks[0].index_select(0, c.tail_pages).view(r, -1, hkv, d).transpose(1, 2)
-    vb = kv_blocks[1].index_select(0, c.tail_pages).view(r, -1, hkv, d).transpose(1, 2)
+    vb = kv_blocks[1].index_select(0, c.tail_pages).view(r, -1, hkv, dv).transpose(1, 2)
     ob, lb = _partial(qb, dequantize(kb, q.dtype, ks), dequantize(vb, q.dtype, vs), mask_t,
                       scale, softcap)
     lse = torch.logaddexp(la, lb)

@@ -71,7 +71,7 @@ class FlashInferBackend:
         self.specs = specs
         self.cache = cache
         self.fi = fi
-        dev = cache.pool.device
+        dev = cache.device
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         s0 = specs[0]
         self.out = torch.empty(max_num_tokens, s0.num_heads, s0.head_dim_v, dtype=s0.dtype,
@@ -108,7 +108,7 @@ class FlashInferBackend:
         spec = self.specs[layer]
         out = self.out[:q.shape[0]]
         wrapper = self._planned_wrapper(spec)
-        kv = (self.cache.pool[layer, 0], self.cache.pool[layer, 1])
+        kv = self.cache.layer_kv(layer)
         scales = dict(k_scale=self.cache.k_scales[layer], v_scale=self.cache.v_scales[layer])
         sinks = self.sinks[layer]
         if sinks is None:
@@ -121,7 +121,7 @@ class FlashInferBackend:
         """Plan and run one token per plan key and wrapper kind into the scratch block, so
         that FlashInfer builds (or loads) every kernel module now. KernelBuildFailed, with the
         cause and the fix, where they cannot be built here."""
-        dev = self.cache.pool.device
+        dev = self.cache.device
         one = torch.tensor([0, 1], dtype=torch.int32)
         page = torch.tensor([self.cache.scratch_block], dtype=torch.int32)
         meta = StepMetadata(one, one, page, torch.ones(1, dtype=torch.int32),
@@ -187,7 +187,7 @@ class FlashInferBackend:
 
     def reserve_graph_buffers(self, max_batch: int, max_pages: int) -> None:
         """Index buffers every captured batch size's decode wrappers slice (one set)."""
-        dev = self.cache.pool.device
+        dev = self.cache.device
         self.graph_buffers = {
             "indptr": torch.zeros(max_batch + 1, dtype=torch.int32, device=dev),
             "indices": torch.zeros(max_pages, dtype=torch.int32, device=dev),
@@ -227,9 +227,14 @@ def _sink_wrapper(fi: Any, kind: str, workspace: torch.Tensor, spec: AttentionSp
 def _check_specs(specs: list[AttentionSpec], kv_dtype: torch.dtype) -> None:
     """BackendUnavailable unless FlashInfer serves every layer safely."""
     for i, s in enumerate(specs):
-        if s.head_dim not in HEAD_DIMS or s.head_dim_v != s.head_dim:
-            raise BackendUnavailable(f"layer {i} has head_dim {s.head_dim}/{s.head_dim_v}; "
-                                     f"FlashInfer's fa2 kernels serve {HEAD_DIMS} (q = v)")
+        if s.head_dim_v != s.head_dim:
+            raise BackendUnavailable(
+                f"layer {i} has keys {s.head_dim} and values {s.head_dim_v} wide; "
+                "FlashInfer's paged decode kernels read K and V of one width, so the SDPA "
+                "backend (torch) runs these layers")
+        if s.head_dim not in HEAD_DIMS:
+            raise BackendUnavailable(f"layer {i} has head_dim {s.head_dim}; FlashInfer's fa2 "
+                                     f"kernels serve {HEAD_DIMS}")
         if s.dtype not in Q_DTYPES:
             raise BackendUnavailable(f"layer {i} computes in {s.dtype}; FlashInfer takes "
                                      f"{[str(d) for d in Q_DTYPES]}")

@@ -17,6 +17,11 @@ from batchgen.kv.cache import KVCache
 ATTN_IMPLEMENTATION = "batchgen"
 
 
+class NoStepContext(RuntimeError):
+    """The attention function ran without the engine's step: the model's layers did not pass
+    `batchgen_step` on to attention."""
+
+
 @dataclass
 class StepContext:
     """Who owns what in one forward: the pool (the LLM's), the planned backend, and the step's
@@ -47,7 +52,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """HF's attention signature; the work is the step context's."""
     ctx = kwargs.get("batchgen_step")
     if ctx is None:
-        raise RuntimeError("batchgen attention called outside a batchgen engine step")
+        raise NoStepContext("batchgen attention called outside a batchgen engine step")
     return ctx.attend(module, query, key, value, scaling, kwargs), None
 
 

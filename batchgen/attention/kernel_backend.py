@@ -40,6 +40,8 @@ class CpuKernelBackend(TiledBackend):
         super().__init__(specs, cache)
         self.kernel = kernel
         self.rows: _KernelRows | None = None
+        # the C kernel reads K and V of one width: values of another go through SDPA tiles
+        self.kernel_decodes = all(s.head_dim == s.head_dim_v for s in specs)
 
     def plan(self, meta: StepMetadata) -> None:
         """Decode rows to the kernel (vector ops over the step's page lists, no Python per row
@@ -48,15 +50,16 @@ class CpuKernelBackend(TiledBackend):
         kv_ptr = meta.kv_indptr.numpy()
         q_len = np.diff(qo)
         kv_lens = (np.diff(kv_ptr) - 1) * meta.block_size + meta.kv_last_page_len.numpy()
-        decode = np.flatnonzero(q_len == 1)
+        decode = np.flatnonzero(q_len == 1) if self.kernel_decodes else np.zeros(0, np.int64)
         self.rows = (_kernel_rows(decode, qo, kv_ptr, meta.kv_indices, kv_lens)
                      if decode.size else None)
-        prefill = np.flatnonzero(q_len > 1).tolist()
+        prefill = np.flatnonzero((q_len > 1) | (not self.kernel_decodes)).tolist()
         pages = {i: meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].tolist() for i in prefill}
         self.tiles.plan(qo.tolist() if prefill else [], kv_lens.tolist() if prefill else [],
                         pages, prefill, meta.block_size)
 
-    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+    def run_rest(self, layer: int, q: torch.Tensor,
+                 kv_blocks: tuple[torch.Tensor, torch.Tensor],
                  spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         """Decode rows straight from the pool's blocks; the page tables are checked against
         the pool on the step's first layer (the C code trusts them). An fp8 pool's k_scale

@@ -163,4 +163,4 @@ def build_backend(candidates: list[Candidate], specs: list[AttentionSpec], cache
             level = logging.WARNING if isinstance(e, KernelBuildFailed) else logging.INFO
             logger.log(level, "attention backend %r cannot run this model (%s); trying the "
                        "next", name, e)
-    raise ValueError(f"no attention backend runs this model on {cache.pool.device}")
+    raise ValueError(f"no attention backend runs this model on {cache.device}")

@@ -137,12 +137,13 @@ class SdpaTiles:
                       pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
                       base_mask=base.to(dev))
 
-    def run(self, q: torch.Tensor, kv_blocks: torch.Tensor, spec: AttentionSpec,
-            out: torch.Tensor, scales: tuple[float, float] = (1.0, 1.0)) -> None:
-        """Attention of the planned rows of q [T, Hq, D] over kv_blocks [2, P, B, Hkv, D]
-        (stored K and V times `scales`: an fp8 pool's dequantisation)."""
+    def run(self, q: torch.Tensor, kv_blocks: tuple[torch.Tensor, torch.Tensor],
+            spec: AttentionSpec, out: torch.Tensor,
+            scales: tuple[float, float] = (1.0, 1.0)) -> None:
+        """Attention of the planned rows of q [T, Hq, Dk] over the layer's (K, V) blocks
+        [P, B, Hkv, Dk|Dv] (stored K and V times `scales`: an fp8 pool's dequantisation)."""
         hq = q.shape[1]
-        hkv = kv_blocks.shape[3]
+        hkv = kv_blocks[0].shape[2]
         g = hq // hkv
         for grp in self.groups:
             s, mq = grp.num_seqs, grp.q_len
@@ -173,31 +174,33 @@ class TiledBackend:
     def __init__(self, specs: list[AttentionSpec], cache: KVCache) -> None:
         self.specs = specs
         self.cache = cache
-        self.tiles = SdpaTiles(cache.pool.device)
+        self.tiles = SdpaTiles(cache.device)
 
     def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         spec = self.specs[layer]
-        kv_blocks = self.cache.pool[layer]  # [2, P, B, Hkv, D]
+        kv_blocks = self.cache.layer_kv(layer)  # K [P, B, Hkv, Dk], V [P, B, Hkv, Dv]
         out = q.new_empty(q.shape[0], q.shape[1], spec.head_dim_v)
         scales = (self.cache.k_scales[layer], self.cache.v_scales[layer])
         self.tiles.run(q, kv_blocks, spec, out, scales)
         self.run_rest(layer, q, kv_blocks, spec, out, scales)
         return out
 
-    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+    def run_rest(self, layer: int, q: torch.Tensor,
+                 kv_blocks: tuple[torch.Tensor, torch.Tensor],
                  spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         """Attend the rows the tiles do not cover, into `out` (K, V stored / `scales`)."""
 
 
-def _gather(kv_blocks: torch.Tensor, pages: torch.Tensor, s: int, width: int,
+def _gather(kv_blocks: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, s: int,
+            width: int,
             dtype: torch.dtype, scales: tuple[float, float] = (1.0, 1.0)
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks of each sequence (contiguous block_size x Hkv x D rows, cheaper than
     per-slot gathers), cut to `width` keys: K and V as [S, Hkv, width, D] in the compute dtype,
     dequantised by `scales`."""
-    _, _, bs, hkv, d = kv_blocks.shape
+    hkv, d, dv = kv_blocks[0].shape[2], kv_blocks[0].shape[3], kv_blocks[1].shape[3]
     k = kv_blocks[0].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
-    v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, d)[:, :width].transpose(1, 2)
+    v = kv_blocks[1].index_select(0, pages).view(s, -1, hkv, dv)[:, :width].transpose(1, 2)
     return dequantize(k, dtype, scales[0]), dequantize(v, dtype, scales[1])
 
 

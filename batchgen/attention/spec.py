@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from batchgen.attention.interface import NoStepContext
+
 
 @dataclass(frozen=True)
 class AttentionSpec:
@@ -49,7 +51,9 @@ class SpecProbe:
         if layer in self.specs:
             raise ValueError(f"attention layer {layer} runs twice per forward (shared KV "
                              "layers are not supported)")
-        window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        # an explicit sliding_window=None (exaone4's full layers) means none
+        window = (kwargs["sliding_window"] if "sliding_window" in kwargs
+                  else getattr(module, "sliding_window", None))
         softcap = kwargs.get("softcap")
         self.specs[layer] = AttentionSpec(
             num_heads=query.shape[1], num_kv_heads=key.shape[1], head_dim=query.shape[-1],
@@ -66,10 +70,30 @@ def probe_specs(model: torch.nn.Module, num_layers: int, device: torch.device
                 ) -> list[AttentionSpec]:
     """Every attention layer's spec, from one forward of one token."""
     probe = SpecProbe()
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          use_cache=False, logits_to_keep=1, batchgen_step=probe)
+    family = getattr(getattr(model, "config", None), "model_type", "?")
+    try:
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              position_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
+              use_cache=False, logits_to_keep=1, batchgen_step=probe)
+    except NoStepContext as e:
+        raise ValueError(f"model family {family!r} is not supported: its layers do not pass "
+                         "the engine's step on to attention") from e
     if sorted(probe.specs) != list(range(num_layers)):
-        raise ValueError(f"the model's attention layers report indices {sorted(probe.specs)}, "
-                         f"expected 0..{num_layers - 1}: this architecture is not supported")
+        raise ValueError(f"model family {family!r} is not supported: its attention layers "
+                         f"report indices {sorted(probe.specs)}, expected 0..{num_layers - 1}")
     return [probe.specs[i] for i in range(num_layers)]
+
+
+def check_pool_geometry(specs: list[AttentionSpec], num_kv_heads: int, head_dim: int,
+                        head_dim_v: int) -> None:
+    """Every layer's K and V (as probed) fit the pool sized from the config: a ValueError
+    naming the first layer that does not, before the first step (never a crash in a copy)."""
+    want = (num_kv_heads, head_dim, head_dim_v)
+    for i, s in enumerate(specs):
+        got = (s.num_kv_heads, s.head_dim, s.head_dim_v)
+        if got != want:
+            raise ValueError(
+                f"attention layer {i} passes {got[0]} KV heads of keys {got[1]} and values "
+                f"{got[2]} wide, but the KV pool sized from the model's config holds "
+                f"{want[0]} heads of {want[1]}/{want[2]}: this attention layout is not "
+                "supported")

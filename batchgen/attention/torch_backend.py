@@ -28,11 +28,12 @@ class TorchBackend(TiledBackend):
     def plan(self, meta: StepMetadata) -> None:
         qo, kv_lens, pages = meta.as_lists()
         self.cascade, covered = plan_cascades(qo, kv_lens, pages, meta.block_size,
-                                              self.cache.pool.device)
+                                              self.cache.device)
         rest = (i for i in range(len(kv_lens)) if i not in covered)
         self.tiles.plan(qo, kv_lens, pages, rest, meta.block_size)
 
-    def run_rest(self, layer: int, q: torch.Tensor, kv_blocks: torch.Tensor,
+    def run_rest(self, layer: int, q: torch.Tensor,
+                 kv_blocks: tuple[torch.Tensor, torch.Tensor],
                  spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         if self.cascade is not None:
             run_cascade(self.cascade, q, kv_blocks, spec, out, scales)

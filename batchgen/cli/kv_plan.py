@@ -88,11 +88,15 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
               "GPU LLM sizes the pool from the memory left after the weights)"
               if plan.memory_is_default else f"{format_bytes(plan.memory_bytes)} "
               f"({plan.memory_bytes:,} bytes)")
+    widths, formula = f"d_h={plan.head_dim}", "2 * L * H_kv * d_h * b"
+    if plan.head_dim_v is not None:  # keys and values of different widths (MLA)
+        widths = f"d_k={plan.head_dim}, d_v={plan.head_dim_v} (K and V widths differ)"
+        formula = "L * H_kv * (d_k + d_v) * b"
     lines = [
         f"model: {model} ({plan.model_type}, {plan.model_dtype})",
         f"geometry: L={plan.num_layers} layers, H_kv={plan.num_kv_heads} KV heads, "
-        f"d_h={plan.head_dim}, KV dtype {plan.kv_dtype} (b={plan.dtype_bytes} bytes)",
-        f"beta = 2 * L * H_kv * d_h * b = {beta:,} bytes/token = {beta / 2**20:.3f} MiB/token",
+        f"{widths}, KV dtype {plan.kv_dtype} (b={plan.dtype_bytes} bytes)",
+        f"beta = {formula} = {beta:,} bytes/token = {beta / 2**20:.3f} MiB/token",
         f"block: {plan.block_size} tokens = {plan.bytes_per_block:,} bytes "
         f"({format_bytes(plan.bytes_per_block)})",
         f"one sequence of max_model_len={s} tokens: {format_bytes(plan.seq_bytes)} "

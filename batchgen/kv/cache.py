@@ -3,6 +3,9 @@
 KVCache owns the bytes; the BlockManager decides which block holds which tokens. Layer `l` is
 handed to attention as (pool[l, 0], pool[l, 1]), FlashInfer's NHD paged layout. The shape comes
 from `kv_pool_shape` alone; backends declare the layout they read (registry `kv_layout`).
+Keys and values of different widths (MLA decompressed: 192-wide keys, 128-wide values) get
+one tensor each, [layers, 1, blocks + 1, block_size, kv_heads, width]: `tensors` lists what
+holds the bytes (block axis 2 in every one), `layer_kv(l)` hands out a layer's K and V.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ from batchgen.transfer import to_device
 
 
 def kv_cache_bytes(num_layers: int, num_kv_heads: int, head_dim: int, seq_len: int,
-                   bytes_per_elem: int = 2, batch: int = 1) -> int:
-    """Exact KV-cache size in bytes (the chapter's formula). The leading 2 covers K and V."""
-    per_token = 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem
+                   bytes_per_elem: int = 2, batch: int = 1, head_dim_v: int | None = None
+                   ) -> int:
+    """Exact KV-cache size in bytes (the chapter's formula: 2 · L · H_kv · d_h · b per token,
+    K and V; with values `head_dim_v` wide, L · H_kv · (d_k + d_v) · b)."""
+    widths = head_dim + (head_dim if head_dim_v is None else head_dim_v)
+    per_token = num_layers * num_kv_heads * widths * bytes_per_elem
     return per_token * seq_len * batch
 
 
@@ -48,7 +54,8 @@ class KVCache:
     layout = NHD  # the layout kv_pool_shape lays out; a backend must declare the same
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 head_dim_v: int | None = None) -> None:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.quantized = dtype in FP8_DTYPES
@@ -58,21 +65,43 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.dtype = dtype
-        self.pool = torch.zeros(kv_pool_shape(num_layers, num_blocks, block_size, num_kv_heads,
-                                              head_dim), dtype=dtype, device=device)
+        self.device = torch.device(device)
+        shape = kv_pool_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        if self.head_dim_v == head_dim:
+            self.pool: torch.Tensor | None = torch.zeros(shape, dtype=dtype, device=device)
+            self.tensors = (self.pool,)
+            k_pool, v_pool = self.pool[:, 0], self.pool[:, 1]
+        else:  # no single [layers, 2, ...] tensor: K and V apart, each its own width
+            self.pool = None
+            k_all = torch.zeros((*shape[:1], 1, *shape[2:]), dtype=dtype, device=device)
+            v_all = torch.zeros((*shape[:1], 1, *shape[2:-1], self.head_dim_v), dtype=dtype,
+                                device=device)
+            self.tensors = (k_all, v_all)
+            k_pool, v_pool = k_all[:, 0], v_all[:, 0]
+        # per layer [blocks + 1, block_size, kv_heads, width]: what attention reads
+        self.k_blocks = list(k_pool.unbind(0))
+        self.v_blocks = list(v_pool.unbind(0))
         slots = (num_blocks + 1) * block_size
-        # Flat per-layer views [slots, kv_heads, head_dim]: writes index these.
-        self.k_flat = [self.pool[i, 0].view(slots, num_kv_heads, head_dim)
-                       for i in range(num_layers)]
-        self.v_flat = [self.pool[i, 1].view(slots, num_kv_heads, head_dim)
-                       for i in range(num_layers)]
+        # Flat per-layer views [slots, kv_heads, width]: writes index these.
+        self.k_flat = [k.view(slots, num_kv_heads, head_dim) for k in self.k_blocks]
+        self.v_flat = [v.view(slots, num_kv_heads, self.head_dim_v) for v in self.v_blocks]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V blocks, each [blocks + 1, block_size, kv_heads, width]."""
+        return self.k_blocks[layer], self.v_blocks[layer]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool (the scratch block included)."""
+        return sum(t.nbytes for t in self.tensors)
 
     @property
     def bytes_per_token(self) -> int:
-        """β = 2 · L · H_kv · d_h · b."""
+        """β = L · H_kv · (d_k + d_v) · b (2 · L · H_kv · d_h · b when the widths agree)."""
         return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
-                              self.pool.element_size())
+                              self.tensors[0].element_size(), head_dim_v=self.head_dim_v)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
@@ -100,5 +129,6 @@ class KVCache:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one
         indexed copy."""
         if copies:
-            src, dst = to_device(np.array(copies, np.int64), self.pool.device).unbind(1)
-            self.pool[:, :, dst] = self.pool[:, :, src]
+            src, dst = to_device(np.array(copies, np.int64), self.device).unbind(1)
+            for t in self.tensors:
+                t[:, :, dst] = t[:, :, src]

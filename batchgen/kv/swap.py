@@ -37,35 +37,41 @@ def host_available_bytes() -> int:
 
 
 class HostPool:
-    """`num_blocks` host blocks shaped as the device pool's [layers, 2, blocks, block_size,
-    kv_heads, head_dim] (no scratch block: padding never writes here)."""
+    """`num_blocks` host blocks shaped as each of the device pool's tensors ([layers, 2 (or 1
+    for K and V apart), blocks, block_size, kv_heads, width]; no scratch block: padding never
+    writes here)."""
 
     def __init__(self, cache: KVCache, num_blocks: int) -> None:
         self.cache = cache
         self.num_blocks = num_blocks
-        shape = list(cache.pool.shape)
-        shape[2] = num_blocks
-        pin = cache.pool.device.type == "cuda"
-        self.pool = torch.zeros(shape, dtype=cache.pool.dtype, pin_memory=pin)
+        pin = cache.device.type == "cuda"
+        self.tensors = tuple(
+            torch.zeros((*t.shape[:2], num_blocks, *t.shape[3:]), dtype=t.dtype, pin_memory=pin)
+            for t in cache.tensors)
+        self.pool = self.tensors[0]
 
     @property
     def nbytes(self) -> int:
-        return self.pool.nbytes
+        return sum(t.nbytes for t in self.tensors)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        """Host block → device block for every (host, device) pair, in one indexed copy."""
+        """Host block → device block for every (host, device) pair, one indexed copy per
+        pool tensor."""
         if pairs:
             src, dst = np.array(pairs, np.int64).T
-            dev = self.cache.pool.device
-            blocks = self.pool[:, :, torch.from_numpy(src)].to(dev, non_blocking=True)
-            _bytes(self.cache.pool)[:, :, to_device(dst, dev)] = _bytes(blocks)
+            dev = self.cache.device
+            for host, device in zip(self.tensors, self.cache.tensors):
+                blocks = host[:, :, torch.from_numpy(src)].to(dev, non_blocking=True)
+                _bytes(device)[:, :, to_device(dst, dev)] = _bytes(blocks)
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        """Device block → host block for every (device, host) pair, in one indexed copy."""
+        """Device block → host block for every (device, host) pair, one indexed copy per
+        pool tensor."""
         if pairs:
             src, dst = np.array(pairs, np.int64).T
-            blocks = self.cache.pool[:, :, to_device(src, self.cache.pool.device)].cpu()
-            _bytes(self.pool)[:, :, torch.from_numpy(dst)] = _bytes(blocks)
+            for host, device in zip(self.tensors, self.cache.tensors):
+                blocks = device[:, :, to_device(src, self.cache.device)].cpu()
+                _bytes(host)[:, :, torch.from_numpy(dst)] = _bytes(blocks)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,14 @@ from safetensors import safe_open
 if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
     from transformers import GenerationConfig, PretrainedConfig
 
-# Families whose attention does not route through transformers' AttentionInterface.
-UNSUPPORTED_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm")
+from batchgen.model.families import (
+    ModelLayout,
+    attention_layout,
+    check_served,
+    classify,
+    text_config,
+)
+
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
@@ -29,8 +35,9 @@ class KVGeometry:
 
     num_layers: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # the keys' width
     max_position_embeddings: int | None
+    head_dim_v: int | None = None  # the values' width when it differs (MLA decompressed)
 
 
 def resolve_model_dir(model: object, name: str = "model", marker: str = "config.json"
@@ -81,12 +88,11 @@ def check_weights(path: Path) -> None:
             raise ValueError(f"model weights {str(f)!r} cannot be read: {e}") from e
 
 
-def check_supported(config: PretrainedConfig) -> None:
-    """Refuse model families and RoPE scalings that batchgen cannot run exactly."""
-    if config.model_type in UNSUPPORTED_FAMILIES:
-        raise ValueError(
-            f"model family {config.model_type!r} is not supported: its attention bypasses "
-            f"transformers' AttentionInterface (unsupported: {', '.join(UNSUPPORTED_FAMILIES)})")
+def check_supported(config: PretrainedConfig) -> ModelLayout:
+    """Refuse model families, layer kinds and RoPE scalings that batchgen cannot run exactly,
+    from the config alone (before any weights are read); return the layers' classes."""
+    layout = classify(config)
+    check_served(layout)
     for attr in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, attr, None)
         if isinstance(rope, dict):
@@ -97,6 +103,7 @@ def check_supported(config: PretrainedConfig) -> None:
                 raise ValueError(
                     f"RoPE scaling {bad.pop()!r} is not supported: it depends on the longest "
                     f"sequence in the batch (unsupported: {', '.join(UNSUPPORTED_ROPE)})")
+    return layout
 
 
 def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.dtype:
@@ -115,15 +122,23 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
 
 
 def kv_geometry(config: PretrainedConfig) -> KVGeometry:
-    """Layers, KV heads and head dim of the attention layers, from the config."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """Layers, KV heads and K/V widths of the attention layers, from the config. MLA layers
+    (DeepSeek-V2/V3, Kimi-K2) hand attention decompressed keys of qk_nope + qk_rope and values
+    of v_head_dim per query head (the config's head_dim is only the rope part)."""
+    text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
-    if heads is None:  # a pure state-space model (mamba2): no attention layer reads the pool
+    if not heads:  # a pure state-space model (mamba2): no attention layer reads the pool
         return KVGeometry(text.num_hidden_layers, 1, 1,
                           getattr(text, "max_position_embeddings", None))
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     max_pos = getattr(text, "max_position_embeddings", None)
+    if attention_layout(text) == "mla":
+        k_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
+        v_dim = int(getattr(text, "v_head_dim", None) or k_dim)
+        return KVGeometry(text.num_hidden_layers, heads, k_dim, max_pos,
+                          None if v_dim == k_dim else v_dim)
+    kv_heads = (1 if getattr(text, "multi_query", False)  # gpt_bigcode's MQA flag
+                else getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
 
 

@@ -1,0 +1,186 @@
+"""Tiny configs for every text causal-LM family of the installed transformers, for the family
+matrix (tests/test_families.py) and the hybrid work.
+
+Each config comes from the family's own config class (`AutoConfig.for_model`) with the shared
+tiny sizes below set only where the class has the field, so every family keeps its own
+layer-type pattern (windows, sinks, MLA, MoE, alternating and hybrid layers): 4 layers, hidden
+64, 4 heads / 2 KV heads, sliding windows of 8 (short prompts cross them), small MoE, MLA and
+state sizes. `FAMILY_OVERRIDES` fixes the families whose own checks need other values.
+`NOT_SHRUNK` names the causal-LM families left out, and why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+VOCAB = 512
+WINDOW = 8
+
+TINY: dict[str, Any] = {
+    "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "head_dim": 16, "vocab_size": VOCAB,
+    "max_position_embeddings": 1024, "num_experts": 4, "num_local_experts": 4,
+    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
+    "kv_lora_rank": 32, "q_lora_rank": 48, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "n_group": 2, "topk_group": 1, "n_layer": 4, "n_head": 4, "n_embd": 64, "d_model": 64,
+    "num_layers": 4, "n_positions": 1024, "sliding_window": WINDOW,
+    "pad_token_id": PAD_ID, "bos_token_id": BOS_ID, "eos_token_id": EOS_ID,
+    "tie_word_embeddings": False,
+}
+
+# MLA families: the config's head_dim is the rope part (qk_rope_head_dim), set by the class;
+_MLA = {"head_dim": None, "num_key_value_heads": 4}  # K/V per query head, as the real ones
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite",
+                     "glm_moe_dsa", "longcat_flash", "minicpm3", "sarvam_mla", "youtu",
+                     "axk1", "axk2", "hy_v4", "kimi_linear", "bailing_hybrid"), _MLA),
+    "gemma3_text": {"num_hidden_layers": 6},  # its 5 sliding : 1 full pattern
+    "codegen": {"head_dim": None, "rotary_dim": 8},
+    "gptj": {"head_dim": None, "rotary_dim": 8},
+    "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1},
+    "dots3_note_text": {"num_key_value_heads": 4},
+    "zamba2": {"layer_types": ["mamba", "hybrid", "mamba", "hybrid"]},
+    "zaya": {"num_experts_per_tok": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 2]]},
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "cohere_compass_text": {"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    **dict.fromkeys(("lfm2", "lfm2_moe"),
+                    {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
+}
+
+# Kimi-K2 is a DeepSeek-V3 (model_type "deepseek_v3") with its own shape: no q LoRA, more
+# routed experts, one dense layer first; a separate matrix entry.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "kimi_k2": ("deepseek_v3", {"q_lora_rank": None, "n_routed_experts": 8,
+                                "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+}
+
+NOT_SHRUNK: dict[str, str] = {
+    "blt": "byte latent transformer: patcher and local encoder/decoder, no shared tiny shape",
+    "emu3": "image-generation model (VQ-VAE and text), not a text decoder",
+    "fuyu": "image-text model built around a vision patch embedding",
+    "gemma3": "multimodal: its text decoder is the gemma3_text entry",
+    "gemma3n": "multimodal (audio/vision towers): its text decoder is gemma3n_text",
+    "gemma4": "multimodal: its text decoder is the gemma4_text entry",
+    "gemma4_unified": "multimodal: its text decoder is gemma4_unified_text",
+    "gemma4_assistant": "draft head of gemma4 (needs a target model)",
+    "gemma4_unified_assistant": "draft head of gemma4_unified (needs a target model)",
+    "llama4": "multimodal: its text decoder is the llama4_text entry",
+    "mllama": "multimodal (cross-attention image layers)",
+    "qwen3_5": "multimodal: its text decoder is the qwen3_5_text entry",
+    "qwen3_5_moe": "multimodal: its text decoder is qwen3_5_moe_text",
+    "dots3_note": "multimodal: its text decoder is dots3_note_text",
+    "qwen4_exp": "multimodal: its text decoder is qwen4_exp_text",
+    "musicgen": "audio-codebook decoder (several token streams)",
+    "musicgen_melody": "audio-codebook decoder (several token streams)",
+    "moshi": "speech-text model (audio codebooks)",
+    "whisper": "speech encoder-decoder",
+    "trocr": "decoder of an image encoder-decoder",
+    "git": "image-text model",
+    "got_ocr2": "OCR image-text model",
+    "moss_transcribe_diarize": "speech model",
+    "phi4_multimodal": "multimodal (audio/vision towers)",
+    "xmod": "needs a language adapter chosen at call time",
+    "reformer": "LSH/local attention with its own cache, no tiny generic shape",
+    "xlnet": "permutation language model without a causal length limit",
+    "prophetnet": "n-gram encoder-decoder",
+}
+
+
+def families() -> list[str]:
+    """Every causal-LM family of the installed transformers that is shrunk here, plus the
+    variants, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(NOT_SHRUNK)
+    return sorted(names | set(VARIANTS))
+
+
+def _settable(config: Any, name: str) -> bool:
+    """Whether `config` has an attribute `name` a constructor keyword may set (not a
+    read-only property such as FalconConfig.head_dim)."""
+    prop = getattr(type(config), name, None)
+    return hasattr(config, name) and not (isinstance(prop, property) and prop.fset is None)
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """The tiny config of `family` (a model_type or a variant name), fp32."""
+    from transformers import AutoConfig
+
+    model_type, extra = VARIANTS.get(family, (family, {}))
+    base = AutoConfig.for_model(model_type)
+    fields = set(base.to_dict())
+    kw = {k: v for k, v in TINY.items() if k in fields or _settable(base, k)}
+    if getattr(base, "sliding_window", None) is None:
+        kw.pop("sliding_window", None)  # a family without a default window keeps none
+    kw.update(FAMILY_OVERRIDES.get(model_type, {}))
+    kw.update(extra)
+    kw.update(overrides)
+    kw = {k: v for k, v in kw.items() if not (v is None and k == "head_dim")}
+    config = AutoConfig.for_model(model_type, **kw)
+    config.dtype = torch.float32
+    return config
+
+
+def save_family_model(family: str, out_dir: str | Path, seed: int = 0,
+                      **overrides: Any) -> Path:
+    """Write a random tiny `family` model (weights, config, generation config) to `out_dir`."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from batchgen.tools.make_tiny_model import reinit_weights
+
+    out = Path(out_dir)
+    config = tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reinit_weights(model)
+    model.generation_config = GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+                                               pad_token_id=PAD_ID)
+    model.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def save_family_config(family: str, out_dir: str | Path, **overrides: Any) -> Path:
+    """Write only `family`'s tiny config.json (enough for a refusal before weights load)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tiny_config(family, **overrides).save_pretrained(out)
+    return out
+# Families equal to HF greedy (tests/test_families.py), and families refused before weights.
+PARITY_FAMILIES = (
+    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'beam', 'biogpt',
+    'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe', 'cohere_compass_text', 'ctrl',
+    'cwm', 'dbrx', 'deepseek_v2', 'deepseek_v3', 'doge', 'dots1', 'ernie4_5',
+    'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'gemma',
+    'gemma2', 'gemma3_text', 'glm', 'glm4', 'glm4_moe', 'glm4_moe_lite', 'gpt-sw3', 'gpt2',
+    'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj', 'granite', 'granite_swa', 'granitemoe',
+    'granitemoe_swa', 'granitemoeshared', 'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe',
+    'hy_v3', 'hyperclovax', 'internlm3', 'iquestcoder', 'jais2', 'kimi_k2', 'kolibri1',
+    'laguna', 'llama', 'mellum', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text',
+    'ministral', 'ministral3', 'mistral', 'mixtral', 'modernbert-decoder', 'nanochat',
+    'olmo', 'olmo2', 'olmo3', 'olmoe', 'opt', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2',
+    'qwen2_moe', 'qwen3', 'qwen3_moe', 'sarvam_mla', 'sarvam_moe', 'seed_oss', 'smollm3',
+    'solar_open', 'starcoder2', 'vaultgemma', 'youtu',
+)
+REFUSED_FAMILIES = (
+    'axk2', 'bailing_hybrid', 'bamba', 'bart', 'bert', 'bert-generation', 'big_bird',
+    'bigbird_pegasus', 'blenderbot', 'blenderbot-small', 'bloom', 'camembert', 'cpmant',
+    'data2vec-text', 'deepseek_v32', 'deepseek_v4', 'diffllama', 'dory', 'dots3_note_text',
+    'electra', 'ernie', 'falcon', 'falcon_h1', 'falcon_mamba', 'gemma3n_text',
+    'gemma4_text', 'gemma4_unified_text', 'glm_moe_dsa', 'gpt_neo', 'gpt_neox_japanese',
+    'granitemoehybrid', 'hrm_text', 'hy_v4', 'inkling2_loop_text', 'inkling2_text',
+    'inkling_text', 'jamba', 'jetmoe', 'kimi_linear', 'lara_mini', 'lfm2', 'lfm2_moe',
+    'lfm3', 'llama4_text', 'longcat_flash', 'mamba', 'mamba2', 'marian', 'mbart',
+    'megatron-bert', 'mimo_v2_flash', 'minimax', 'mpt', 'mvp', 'nemotron', 'nemotron_h',
+    'olmo_hybrid', 'openai-gpt', 'pegasus', 'plbart', 'qwen3_5_moe_text', 'qwen3_5_text',
+    'qwen3_next', 'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta',
+    'roberta-prelayernorm', 'roc_bert', 'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm',
+    'xlm-roberta', 'xlm-roberta-xl', 'xlstm', 'zamba', 'zamba2', 'zaya',
+)
+MATRIX = {**dict.fromkeys(PARITY_FAMILIES, "parity"), **dict.fromkeys(REFUSED_FAMILIES, "refused")}

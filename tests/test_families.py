@@ -1,0 +1,171 @@
+"""The family matrix: every causal-LM family of the installed transformers (tests/families.py)
+either equals HF greedy with chunked prefill on, or is refused from its config alone with one
+ValueError naming the family, before any weights are read. Plus the per-layer facts
+(windows read right, K/V widths checked against the pool) and MLA models end to end."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.attention.spec import check_pool_geometry, probe_specs
+from batchgen.model import loader
+from batchgen.model.families import check_served, classify
+from tests.families import (
+    MATRIX,
+    WINDOW,
+    families,
+    save_family_config,
+    save_family_model,
+    tiny_config,
+)
+from tests.helpers import hf_greedy, load_hf_model, make_prompt_token_ids
+
+MAX_TOKENS = 8
+# prompts longer than the families' windows (WINDOW), in chunks of 16 tokens
+PROMPTS = make_prompt_token_ids(3, 12, 30, vocab_size=512, seed=3)
+
+
+def _model_type(family: str) -> str:
+    return tiny_config(family).get_text_config().model_type
+
+
+def _batchgen_model(path):
+    """The model at `path` with batchgen's attention (as LLM loads it)."""
+    config = loader.load_config(path)
+    return loader.load_model(path, config, torch.float32, torch.device("cpu"))
+
+
+def _no_weights(*args, **kwargs):
+    raise AssertionError("weights were loaded for a model that must be refused")
+
+
+@pytest.mark.parametrize("family", families())
+def test_family_equals_hf_greedy_or_is_refused_before_weights(family, tmp_path, monkeypatch):
+    if MATRIX[family] == "refused":
+        save_family_config(family, tmp_path)  # no weights at all: refused before they count
+        monkeypatch.setattr(loader, "load_model", _no_weights)
+        with pytest.raises(ValueError, match=f"model family '{_model_type(family)}' is not "
+                                             "supported"):
+            LLM(tmp_path)
+        return
+    save_family_model(family, tmp_path)
+    want = hf_greedy(tmp_path, PROMPTS, MAX_TOKENS)
+    llm = LLM(tmp_path, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
+              max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+
+
+def test_the_matrix_covers_every_family():
+    assert sorted(MATRIX) == families()
+    assert set(MATRIX.values()) == {"parity", "refused"}
+
+
+def test_hf_output_depends_on_context_past_the_window(tmp_path):
+    """exaone4's full layers pass sliding_window=None: they see the whole prompt, so the
+    greedy output changes when only tokens outside the window change (the parity above then
+    says the full layers are read as full)."""
+    path = save_family_model("exaone4", tmp_path)
+    long = PROMPTS[2]
+    assert len(long) > 2 * WINDOW
+    changed = long[:1] + [t + 1 if t < 500 else 3 for t in long[1:-WINDOW]] + long[-WINDOW:]
+    assert hf_greedy(path, [long], MAX_TOKENS) != hf_greedy(path, [changed], MAX_TOKENS)
+    specs = probe_specs(_batchgen_model(path), 4, torch.device("cpu"))
+    types = tiny_config("exaone4").layer_types
+    assert [s.window for s in specs] == [WINDOW if t == "sliding_attention" else None
+                                         for t in types]
+
+
+def test_classification_from_the_config_alone():
+    ds = classify(tiny_config("deepseek_v3"))
+    assert ds.attention_layouts == {"mla"} and ds.attention_layers == [0, 1, 2, 3]
+    falcon = classify(tiny_config("falcon_h1"))
+    assert all(c.attention == "standard" and c.mixer == "mamba" for c in falcon.layers)
+    nemo = classify(tiny_config("nemotron_h"))
+    assert [(c.attention, c.mixer) for c in nemo.layers] == [
+        (None, "mamba"), (None, None), ("standard", None), (None, None)]
+    qwen = classify(tiny_config("qwen3_next"))
+    assert qwen.mixer_kinds == {"linear_attention"} and qwen.attention_layers == [3]
+    assert classify(tiny_config("lfm3")).mixer_kinds == {"conv"}
+    assert classify(tiny_config("minimax")).mixer_kinds == {"lightning_attention"}
+    llama4 = classify(tiny_config("llama4_text"))
+    assert llama4.layers[0].unsupported and llama4.layers[3].attention == "standard"
+
+
+@pytest.mark.parametrize("family, kind", [
+    ("mamba2", "'mamba' state mixer"), ("qwen3_next", "'linear_attention' state mixer"),
+    ("falcon_h1", "standard attention + 'mamba' state mixer"),
+    ("llama4_text", "'chunked_attention'"), ("bloom", "AttentionInterface"),
+    ("bart", "encoder-decoder")])
+def test_refusals_name_the_family_and_the_layer_kind(family, kind, tmp_path):
+    save_family_config(family, tmp_path)
+    with pytest.raises(ValueError) as e:
+        LLM(tmp_path)
+    assert f"model family '{_model_type(family)}'" in str(e.value) and kind in str(e.value)
+
+
+def test_served_mixers_let_a_hybrid_through():
+    layout = classify(tiny_config("qwen3_next"))
+    with pytest.raises(ValueError, match="state mixers are not served yet"):
+        check_served(layout)
+    check_served(layout, served=frozenset({"linear_attention"}))
+    with pytest.raises(ValueError, match="no layer attends or mixes tokens"):
+        check_served(classify(tiny_config("llama", num_hidden_layers=0)))
+
+
+def test_a_layer_that_does_not_fit_the_pool_is_refused_before_the_first_step(
+        tmp_path, monkeypatch):
+    path = save_family_model("llama", tmp_path)
+    real = loader.kv_geometry
+    monkeypatch.setattr(loader, "kv_geometry",
+                        lambda config: real(config).__class__(4, 2, 8, 1024))
+    with pytest.raises(ValueError, match="attention layer 0 passes 2 KV heads of keys 16 and "
+                                         "values 16 wide, but the KV pool .* 2 heads of 8/8"):
+        LLM(path, num_kv_blocks=16)
+    spec = probe_specs(_batchgen_model(path), 4, torch.device("cpu"))
+    check_pool_geometry(spec, 2, 16, 16)
+
+
+def _hf_beams(path, prompt, width):
+    model = load_hf_model(path)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=width,
+                         num_return_sequences=width, max_new_tokens=MAX_TOKENS,
+                         do_sample=False, output_scores=True, return_dict_in_generate=True,
+                         eos_token_id=2, pad_token_id=0, early_stopping=False)
+    seqs = [row[:row.index(2) + 1] if 2 in row else row
+            for row in out.sequences[:, len(prompt):].tolist()]
+    return seqs, out.sequences_scores.tolist()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_mla_models_equal_hf_greedy_and_beams(family, backend, tmp_path):
+    """K and V of different widths (keys qk_nope + qk_rope, values v_head_dim): greedy and
+    beams equal HF with chunked prefill, prefix hits (a shared prompt head) and preemption."""
+    path = save_family_model(family, tmp_path)
+    geo = loader.kv_geometry(tiny_config(family))
+    assert (geo.num_kv_heads, geo.head_dim, geo.head_dim_v) == (4, 24, 16)
+    head = PROMPTS[2][:17]
+    prompts = [head + p[1:9] for p in PROMPTS] + PROMPTS
+    llm = LLM(path, block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
+              max_num_seqs=6, attention_backend=backend)
+    assert llm.cache.k_blocks[0].shape[-1] == 24 and llm.cache.v_blocks[0].shape[-1] == 16
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)
+    stats = llm.kv_stats()
+    assert stats.prefix_hit_tokens > 0 and stats.preemptions > 0
+    beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS],
+                            BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS),
+                            use_tqdm=False)
+    for p, o in zip(PROMPTS, beams):
+        seqs, scores = _hf_beams(str(path), p, 3)
+        assert [s.token_ids for s in o.sequences] == seqs
+        assert all(math.isclose(s.score, w, rel_tol=1e-5, abs_tol=1e-4)
+                   for s, w in zip(o.sequences, scores))
