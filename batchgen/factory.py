@@ -41,7 +41,7 @@ from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
-from batchgen.model.state_probe import config_state, probe_layers
+from batchgen.model.state_probe import config_state, fill_specs, probe_layers
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -249,7 +249,10 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
     model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
                               cfg.trust_remote_code, cfg.tensor_parallel_size)
     gen = loader.load_generation_config(plan.path)
-    specs, state = probe_layers(model, plan.geo.num_layers, plan.device)
+    probed, state = probe_layers(model, plan.geo.num_layers, plan.device)
+    geo = plan.geo
+    specs = fill_specs(probed, geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim,
+                       plan.dtype)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
                       model.get_output_embeddings().weight.shape[0], specs, state)

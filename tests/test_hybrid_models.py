@@ -1,4 +1,4 @@
-"""Hybrid and state-space models (every family in tests/hybrid_families.py) against HF
+"""Hybrid and state-space models (the families of issue 29) against HF
 `generate` on the same weights: greedy with chunked prefill at block size 1 over mixed prompt
 lengths, preemption (recompute and swap), n samples forking the prompt's state, beams
 gathering it by parent; and the state slots' copy bookkeeping."""
@@ -11,10 +11,15 @@ import numpy as np
 import pytest
 import torch
 from helpers import make_prompt_token_ids
-from hybrid_families import FAMILIES, VOCAB, make_family_model
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.state.slots import StateSlots
+from tests.families import VOCAB, save_family_model
+
+# the hybrid and state-space families of issue 29 (tests/families.py has their tiny configs;
+# test_families.py runs every served one at block size 4)
+FAMILIES = ("qwen3_next", "qwen3_5_text", "granitemoehybrid", "nemotron_h", "jamba", "bamba",
+            "falcon_h1", "lfm2", "kimi_linear", "olmo_hybrid", "minimax", "mamba2")
 
 T = 8
 # a mixer that continues chunks from its state (Gated DeltaNet + attention), one that cannot
@@ -25,7 +30,7 @@ CORE = ("qwen3_next", "jamba", "lfm2", "minimax")
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrids")
-    return {f: str(make_family_model(f, root / f)) for f in FAMILIES}
+    return {f: str(save_family_model(f, root / f)) for f in FAMILIES}
 
 
 @functools.cache
@@ -195,11 +200,13 @@ def test_state_slots_compose_copies_over_forks_swaps_and_reuse():
 
 def test_a_layer_without_managed_memory_is_refused_before_the_weights_load(tmp_path,
                                                                            monkeypatch):
-    """RWKV's blocks keep their state outside transformers' cache: refused from the config,
-    naming the family and the layer kind; the weights are never loaded."""
+    """RWKV's blocks keep their state outside transformers' cache. The config's
+    classification refuses its mixer kind; were it served, the probe of the model built on the
+    meta device would still refuse it (naming the family and the layer kind), before the
+    weights load."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from batchgen.model import loader
+    from batchgen.model import families, loader
 
     config = AutoConfig.for_model("rwkv", hidden_size=32, num_hidden_layers=2, vocab_size=64,
                                   attention_hidden_size=32, intermediate_size=64)
@@ -209,6 +216,11 @@ def test_a_layer_without_managed_memory_is_refused_before_the_weights_load(tmp_p
         raise AssertionError("the weights were loaded")
 
     monkeypatch.setattr(loader, "load_model", never)
+    with pytest.raises(ValueError, match=r"family 'rwkv' is not supported: layer 0 is 'rwkv'"):
+        LLM(str(tmp_path), num_kv_blocks=16)
+    served = families.SERVED_MIXERS | {"rwkv"}
+    monkeypatch.setattr(loader, "check_served",
+                        lambda layout: families.check_served(layout, served))
     with pytest.raises(ValueError, match=r"family 'rwkv': layers \[0, 1\] \(RwkvBlock\)"):
         LLM(str(tmp_path), num_kv_blocks=16)
 

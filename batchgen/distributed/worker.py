@@ -21,7 +21,7 @@ from batchgen.factory import RunnerSetup, build_runner
 from batchgen.model import loader
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
-from batchgen.model.state_probe import probe_layers
+from batchgen.model.state_probe import fill_specs, probe_layers
 
 
 def serve(rank: int, spec: WorkerSpec) -> None:
@@ -37,7 +37,10 @@ def serve(rank: int, spec: WorkerSpec) -> None:
                               spec.trust_remote_code, tp_size=spec.tp_size)
     # the same probe forward as rank 0's (its collectives must match; state mixers never
     # reach here: tensor parallelism refuses them before the weights load)
-    specs, _ = probe_layers(model, loader.kv_geometry(spec.config).num_layers, device)
+    geo = loader.kv_geometry(spec.config)
+    probed, _ = probe_layers(model, geo.num_layers, device)
+    specs = fill_specs(probed, geo.num_kv_heads // spec.tp_size, geo.head_dim,
+                       geo.head_dim_v or geo.head_dim, spec.dtype)
     runner: ModelRunner | None = None
     while True:
         box: list[Any] = [None]

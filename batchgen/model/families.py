@@ -41,6 +41,8 @@ UNSUPPORTED_FAMILIES = {
     "stablelm": "decoder layers that do not pass the engine's step to attention",
     "dory": "recurrent depth (layers run several times per forward)",
     "dots3_note_text": "attention settings that differ between layers (per-layer configs)",
+    "zamba": "a transformer block shared between layers (its attention has no layer index)",
+    "zamba2": "a transformer block shared between layers (its attention has no layer index)",
 }
 
 # Attention layer types read per layer; the window comes from what each layer passes.

@@ -54,9 +54,10 @@ def _layer_kinds(model: torch.nn.Module, layers: list[int]) -> str:
 
 @torch.inference_mode()
 def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device,
-                 check_chunks: bool = True) -> tuple[list[AttentionSpec], StateLayout | None]:
-    """Every layer's attention spec (a layer without attention gets a placeholder: its rows
-    of the KV pool are never read) and the state layout. A layer that neither attends
+                 check_chunks: bool = True
+                 ) -> tuple[list[AttentionSpec | None], StateLayout | None]:
+    """Every layer's attention spec (None for a layer without attention: `fill_specs` gives
+    it the pool's geometry, its rows of the KV pool are never read) and the state layout. A layer that neither attends
     through batchgen's function nor keeps its memory in the cache (a mixer batchgen would run
     without its state) is refused."""
     from transformers.cache_utils import DummyLayer, LinearAttentionCacheLayerMixin
@@ -80,9 +81,16 @@ def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device,
             "transformers' cache: this architecture is not supported")
     if layout is not None and check_chunks:
         layout = replace(layout, continues_chunks=_continues_chunks(model, layout, device))
-    some = next(iter(probe.specs.values()), None)
-    filler = some or AttentionSpec(1, 1, 1, 1, 1.0, None, None, model.dtype)
-    return [probe.specs.get(i, filler) for i in range(num_layers)], layout
+    return [probe.specs.get(i) for i in range(num_layers)], layout
+
+
+def fill_specs(specs: list[AttentionSpec | None], num_kv_heads: int, head_dim: int,
+               head_dim_v: int, dtype: torch.dtype) -> list[AttentionSpec]:
+    """Layers without attention (mixers, feed-forward blocks) get a spec of the pool's own
+    geometry, so backends plan them like the rest; nothing ever runs them."""
+    filler = AttentionSpec(num_kv_heads, num_kv_heads, head_dim, head_dim_v,
+                           head_dim ** -0.5, None, None, dtype)
+    return [filler if s is None else s for s in specs]
 
 
 def _continues_chunks(model: torch.nn.Module, layout: StateLayout, device: torch.device
