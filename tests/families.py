@@ -42,7 +42,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_hidden_layers": 6},  # its 5 sliding : 1 full pattern
     "codegen": {"head_dim": None, "rotary_dim": 8},
     "gptj": {"head_dim": None, "rotary_dim": 8},
-    "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1},
+    "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1, "chunk_size": 8},
     "dots3_note_text": {"num_key_value_heads": 4},
     "zamba2": {"layer_types": ["mamba", "hybrid", "mamba", "hybrid"]},
     "zaya": {"num_experts_per_tok": 1},
@@ -53,10 +53,14 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     **dict.fromkeys(("lfm2", "lfm2_moe"),
                     {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
     # hybrids: attention among the mixers within 4 layers (HF's own generate needs one)
-    "bamba": {"attn_layer_indices": [1, 3]},
+    # SSD scans pad every forward to their chunk size (256 by default): 8 keeps them fast
+    "bamba": {"attn_layer_indices": [1, 3], "mamba_chunk_size": 8},
+    "falcon_h1": {"mamba_chunk_size": 8},
+    "nemotron_h": {"chunk_size": 8},
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1},
-    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"]},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"],
+                         "mamba_chunk_size": 8},
     "bailing_hybrid": {**_MLA, "layer_group_size": 2},
     "kimi_linear": {**_MLA, "linear_attn_config": {
         "full_attn_layers": [2, 4], "kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
