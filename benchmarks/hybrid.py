@@ -48,7 +48,7 @@ def hf_run(model: Any, prompts: list[list[int]], batch: int, tokens: int, **kw: 
     """HF generate in left-padded batches of `batch` prompts; every row's new tokens."""
     out: list[list[int]] = []
     for i in range(0, len(prompts), batch):
-        ids, mask = h.left_pad(prompts[i:i + batch])
+        ids, mask = h.left_pad(prompts[i:i + batch], model.device)
         new = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=tokens,
                              min_new_tokens=tokens, pad_token_id=0, **kw)[:, ids.shape[1]:]
         out.extend(new.tolist())
@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
                           ("--beam-prompts", 4), ("--seed", 0), ("--threads", 0)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--device", default="cpu", help="cpu or cuda (HF picks the mixers' CUDA "
+                   "kernels where fla / causal_conv1d / mamba_ssm are installed)")
     args = p.parse_args(argv)
     info = h.start(args)
     rng = random.Random(args.seed)
@@ -74,8 +76,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         make_model(folder, args)
-        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        llm = LLM(str(folder), block_size=16, max_num_seqs=64)
+        hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(
+            args.device).eval()
+        llm = LLM(str(folder), block_size=16, max_num_seqs=64, device=args.device)
         ids = h.token_prompts(prompts)
         llm.generate(ids[:2], h.greedy(4), use_tqdm=False)  # warm-ups
         hf_run(hf, prompts[:2], 2, 4, do_sample=False)
