@@ -122,8 +122,13 @@ def _continues_chunks(model: torch.nn.Module, layout: StateLayout, device: torch
 
 def config_state(config: Any, dtype: torch.dtype, trust_remote_code: bool = False
                  ) -> StateLayout | None:
-    """`plan_state`, or None when the model cannot run on the meta device (a data-dependent
-    op): the probe after the weights load then decides, and refuses, alone."""
+    """`plan_state` for a model whose config names state mixers (others skip the meta
+    build), or None when the model cannot run on the meta device (a data-dependent op): the
+    probe after the weights load then decides, and refuses, alone."""
+    from batchgen.model.families import classify
+
+    if not classify(config).mixer_kinds:
+        return None
     try:
         return plan_state(config, dtype, trust_remote_code)
     except UnsupportedLayers:
