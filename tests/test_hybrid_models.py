@@ -165,7 +165,8 @@ def _check_scores(model_dir: str, prompt: list[int], out) -> None:
     """Each beam's cumulative logprob equals HF's full forward over prompt + beam."""
     for seq in out.sequences:
         ids = torch.tensor([prompt + seq.token_ids])
-        logits = _hf(model_dir)(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        with torch.no_grad():
+            logits = _hf(model_dir)(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
         lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(seq.token_ids)[:, None])
         assert abs(float(lp.sum()) - seq.cumulative_logprob) < 1e-3
 
