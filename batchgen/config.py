@@ -161,7 +161,7 @@ def kv_layout(cfg: EngineConfig, geo: KVGeometry, model_dtype: torch.dtype) -> K
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
     beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
                           torch.empty((), dtype=kv_dtype).element_size(),
-                          head_dim_v=geo.head_dim_v)
+                          head_dim_v=geo.stored_v_width)
     return KVLayout(kv_dtype, beta, target_max_model_len(cfg, geo.max_position_embeddings))
 
 

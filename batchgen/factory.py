@@ -17,6 +17,7 @@ import torch
 
 from batchgen import cpu_allocator, threads
 from batchgen.attention.backend import AttentionBackend
+from batchgen.attention.mla import install_latent
 from batchgen.attention.registry import (
     BackendQuery,
     Candidate,
@@ -37,6 +38,7 @@ from batchgen.kv.swap import HostPool
 from batchgen.log import logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
+from batchgen.model.families import classify
 from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
 from batchgen.model.profile import device_kv_budget
@@ -104,6 +106,7 @@ class RunnerSetup:
     inputs: tuple[int, int, int, int]  # StepInputs(max tokens, max rows, max pages, min rows)
     num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
     head_dim_v: int | None = None  # values' width when it differs from the keys' (MLA)
+    latent: bool = False  # MLA latent: the values are the keys' first head_dim_v
 
 
 class Executor(Protocol):
@@ -169,6 +172,9 @@ def plan_engine(model: str | os.PathLike, tokenizer: str | os.PathLike | None,
     check_tp(config, k, dev)
     model_dtype = loader.resolve_dtype(dtype, config)
     geo = loader.kv_geometry(config)
+    if geo.latent and k > 1:
+        raise ValueError(f"tensor_parallel_size={k}: an MLA latent cache has one KV head to "
+                         "split; use tensor_parallel_size=1 or BATCHGEN_MLA_CACHE=decompressed")
     geo = replace(geo, num_kv_heads=geo.num_kv_heads // k)  # this rank's share
     layout = kv_layout(cfg, geo, model_dtype)
     backends = backend_candidates(cfg.attention_backend, BackendQuery(
@@ -249,6 +255,8 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
     model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
                               cfg.trust_remote_code, cfg.tensor_parallel_size)
     gen = loader.load_generation_config(plan.path)
+    if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
+        install_mla_latent(model, len(classify(plan.config).attention_layers))
     probed, state = probe_layers(model, plan.geo.num_layers, plan.device)
     geo = plan.geo
     specs = fill_specs(probed, geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim,
@@ -258,6 +266,16 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
                       model.get_output_embeddings().weight.shape[0], specs, state)
 
 
+def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
+    """Every MLA layer keeps its latent in the pool (attention/mla.py); a ValueError when the
+    model's modules do not all offer the seam."""
+    found = install_latent(model)
+    if found != num_layers:
+        raise ValueError(f"model family {model.config.model_type!r}: {found} of {num_layers} "
+                         "MLA layers offer expand_kv for the latent cache; set "
+                         "BATCHGEN_MLA_CACHE=decompressed")
+
+
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
                  make_backend: Callable[[KVCache], AttentionBackend],
                  state: StateLayout | None = None) -> ModelRunner:
@@ -265,7 +283,7 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     host swap pool and, for a model with state mixers, the state pool (a slot per sequence
     of max_num_seqs, growing when n samples or beams hold more) behind the cache seam."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
-                    setup.head_dim, setup.kv_dtype, device, setup.head_dim_v)
+                    setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent)
     backend = make_backend(cache)
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
@@ -431,7 +449,7 @@ def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: 
     return RunnerSetup(geo.num_layers, geo.num_kv_heads, geo.head_dim, pool.num_blocks,
                        cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
                        (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
-                        plan.min_rows()), pool.num_host_blocks, geo.head_dim_v)
+                        plan.min_rows()), pool.num_host_blocks, geo.head_dim_v, geo.latent)
 
 
 def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]

@@ -73,6 +73,7 @@ class KvPlan:
     swap_space: float = 0  # GiB of host RAM for swapped-out blocks
     num_host_blocks: int = 0  # the swap pool's blocks: whole blocks of swap_space
     head_dim_v: int | None = None  # d_v when values are not d_h wide (MLA decompressed)
+    latent: bool = False  # an MLA latent: one head of d_h = lora + rope, values inside it
     state_bytes_per_seq: int = 0  # state mixers: per sequence, whatever its length
 
     @property
@@ -90,7 +91,8 @@ class KvPlan:
     def bytes_per_token(self) -> int:
         """β = 2 · L · H_kv · d_h · b (L · H_kv · (d_k + d_v) · b when the widths differ)."""
         return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
-                              self.dtype_bytes, head_dim_v=self.head_dim_v)
+                              self.dtype_bytes,
+                              head_dim_v=0 if self.latent else self.head_dim_v)
 
     @property
     def bytes_per_block(self) -> int:
@@ -201,7 +203,7 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
         model_max_len=layout.target_len, max_model_len=pool.max_model_len,
         sliding=sliding_windows(config), swap_space=swap_space,
-        num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v,
+        num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent,
         state_bytes_per_seq=state.bytes_per_seq if state is not None else 0)
 
 

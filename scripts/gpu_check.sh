@@ -42,7 +42,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || status=1
 timeout 270 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py \
-  tests/test_cuda_flashinfer.py > "$logs/gpu_tests.log" 2>&1 || status=1
+  tests/test_cuda_flashinfer.py tests/test_cuda_flashinfer_mla.py > "$logs/gpu_tests.log" 2>&1 || status=1
 tail -20 "$logs/gpu_tests.log"
 # A step's tables when it passed; the tail of its log (the traceback) when it failed.
 if timeout 230 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" \

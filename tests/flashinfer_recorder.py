@@ -13,11 +13,13 @@ no evidence that FlashInfer's kernels are right, only that our calls reach them 
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,7 +27,13 @@ import torch
 
 PLAN_INFO = [0] * 64  # what a plan binding returns (FlashInfer keeps it opaque)
 # modules that import the compute-capability probe by name
-CAPABILITY_USERS = ("flashinfer.utils", "flashinfer.prefill", "flashinfer.decode")
+CAPABILITY_USERS = ("flashinfer.utils", "flashinfer.prefill", "flashinfer.decode",
+                    "flashinfer.mla._batch_mla._backends._fa_common")
+# an H100's shared memory and SMs, for the MLA planner's device checks
+DEVICE = SimpleNamespace(shared_memory_per_multiprocessor=233472,
+                         shared_memory_per_block_optin=232448, multi_processor_count=132)
+# modules whose planners read the device's properties by name
+PROPERTY_USERS = ("flashinfer.utils", "flashinfer.mla._batch_mla._backends._fa_common")
 
 
 @dataclass
@@ -58,6 +66,8 @@ class KernelRecorder:
             for a in args:
                 if torch.is_tensor(a) and a.data_ptr() == self.out.data_ptr():
                     a.fill_(1.0)
+        if fn == "plan_with_staged_workspace_bytes":  # the MLA plan: (info, staged bytes)
+            return PLAN_INFO, 0
         return PLAN_INFO if fn == "plan" else None
 
     def last(self, fn_part: str) -> Call:
@@ -118,7 +128,11 @@ def real_flashinfer(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Any, Kern
     monkeypatch.setattr(core.JitSpec, "build_and_load",
                         lambda spec: recorder.build_and_load(spec))  # a method: spec is self
     for name in CAPABILITY_USERS:
-        monkeypatch.setattr(sys.modules[name], "get_compute_capability", lambda device: (9, 0))
+        module = importlib.import_module(name)
+        monkeypatch.setattr(module, "get_compute_capability", lambda device: (9, 0))
+    for name in PROPERTY_USERS:
+        monkeypatch.setattr(importlib.import_module(name), "get_device_properties",
+                            lambda device: DEVICE)
     empty = torch.empty
 
     def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:

@@ -8,6 +8,7 @@ import torch
 
 from batchgen.attention import registry
 from batchgen.attention.flashinfer_backend import FlashInferBackend
+from batchgen.attention.flashinfer_mla import FlashInferMlaBackend
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.attention.spec import AttentionSpec
@@ -288,15 +289,16 @@ def test_fp8_pools_are_read_back_with_their_scales(kernel):
 
 def test_backends_declare_what_the_engine_needs():
     """Each registry entry's graph flag is its backend's `supports_graphs`; every entry reads
-    the pool's layout; only FlashInfer keeps memory beyond the pool."""
+    the pool's layout; only FlashInfer's backends keep memory beyond the pool."""
     classes = {"flashinfer": FlashInferBackend, "cpu_kernel": CpuKernelBackend,
-               "torch": TorchBackend}
+               "torch": TorchBackend, "flashinfer_mla": FlashInferMlaBackend}
     for name, entry in registry.BACKENDS.items():
         assert entry.graphs == classes[name].supports_graphs == (name == "flashinfer")
         assert entry.kv_layout == KVCache.layout
     spec = AttentionSpec(4, 2, 64, 64, 0.125, None, None, torch.bfloat16)
     assert registry.BACKENDS["torch"].reserve([spec], 64, [1, 2]) == 0
     assert registry.BACKENDS["flashinfer"].reserve([spec], 64, [1, 2]) > 256 << 20
+    assert registry.BACKENDS["flashinfer_mla"].reserve([spec], 64, None) > 256 << 20
 
 
 def test_a_backend_reading_another_pool_layout_is_refused_before_loading(monkeypatch):

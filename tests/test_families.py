@@ -27,6 +27,7 @@ from tests.helpers import hf_greedy, load_hf_model, make_prompt_token_ids
 MAX_TOKENS = 8
 # prompts longer than the families' windows (WINDOW), in chunks of 16 tokens
 PROMPTS = make_prompt_token_ids(3, 12, 30, vocab_size=512, seed=3)
+LONGEST = max(range(len(PROMPTS)), key=lambda i: len(PROMPTS[i]))
 
 
 def _model_type(family: str) -> str:
@@ -37,6 +38,12 @@ def _batchgen_model(path):
     """The model at `path` with batchgen's attention (as LLM loads it)."""
     config = loader.load_config(path)
     return loader.load_model(path, config, torch.float32, torch.device("cpu"))
+
+
+def _far_context_changed(prompt: list[int]) -> list[int]:
+    """`prompt` with every token but BOS and the last WINDOW replaced by another id."""
+    assert len(prompt) > 2 * WINDOW
+    return prompt[:1] + [t + 1 if t < 500 else 3 for t in prompt[1:-WINDOW]] + prompt[-WINDOW:]
 
 
 def _no_weights(*args, **kwargs):
@@ -54,6 +61,9 @@ def test_family_equals_hf_greedy_or_is_refused_before_weights(family, tmp_path, 
         return
     save_family_model(family, tmp_path)
     want = hf_greedy(tmp_path, PROMPTS, MAX_TOKENS)
+    # parity says something: HF's output changes with the tokens outside the window
+    assert hf_greedy(tmp_path, [_far_context_changed(PROMPTS[LONGEST])], MAX_TOKENS) != [
+        want[LONGEST]]
     llm = LLM(tmp_path, block_size=4, num_kv_blocks=64, max_num_batched_tokens=16,
               max_num_seqs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
@@ -71,14 +81,22 @@ def test_hf_output_depends_on_context_past_the_window(tmp_path):
     greedy output changes when only tokens outside the window change (the parity above then
     says the full layers are read as full)."""
     path = save_family_model("exaone4", tmp_path)
-    long = PROMPTS[2]
-    assert len(long) > 2 * WINDOW
-    changed = long[:1] + [t + 1 if t < 500 else 3 for t in long[1:-WINDOW]] + long[-WINDOW:]
-    assert hf_greedy(path, [long], MAX_TOKENS) != hf_greedy(path, [changed], MAX_TOKENS)
+    long = PROMPTS[LONGEST]
+    assert hf_greedy(path, [long], MAX_TOKENS) != hf_greedy(path, [_far_context_changed(long)],
+                                                            MAX_TOKENS)
     specs = probe_specs(_batchgen_model(path), 4, torch.device("cpu"))
     types = tiny_config("exaone4").layer_types
     assert [s.window for s in specs] == [WINDOW if t == "sliding_attention" else None
                                          for t in types]
+
+
+def test_a_bad_mla_cache_mode_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", "compressed")
+    save_family_model("deepseek_v3", tmp_path)
+    monkeypatch.setattr(loader, "load_model", _no_weights)
+    with pytest.raises(ValueError, match=r"BATCHGEN_MLA_CACHE must be one of \['latent', "
+                                         r"'decompressed'\], got 'compressed'"):
+        LLM(tmp_path)
 
 
 def test_classification_from_the_config_alone():
@@ -143,19 +161,31 @@ def _hf_beams(path, prompt, width):
     return seqs, out.sequences_scores.tolist()
 
 
+# the pool's (KV heads, key width, value width, bytes per token) of the tiny MLA models: the
+# latent (kv_lora_rank 32 + rope 8, one head; values its first 32) or decompressed (4 heads of
+# 16 + 8 wide keys and 16 wide values); 4 layers, float32
+MLA_POOLS = {"latent": (1, 40, 32, 4 * 40 * 4), "decompressed": (4, 24, 16, 4 * 4 * 40 * 4)}
+
+
 @pytest.mark.parametrize("family", ["deepseek_v3", "kimi_k2"])
 @pytest.mark.parametrize("backend", [None, "torch"])
-def test_mla_models_equal_hf_greedy_and_beams(family, backend, tmp_path):
-    """K and V of different widths (keys qk_nope + qk_rope, values v_head_dim): greedy and
+@pytest.mark.parametrize("mode", ["latent", "decompressed"])
+def test_mla_models_equal_hf_greedy_and_beams(family, backend, mode, tmp_path, monkeypatch):
+    """The latent cache and the decompressed one (K and V of different widths): greedy and
     beams equal HF with chunked prefill, prefix hits (a shared prompt head) and preemption."""
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", mode)
     path = save_family_model(family, tmp_path)
+    heads, k_width, v_width, beta = MLA_POOLS[mode]
     geo = loader.kv_geometry(tiny_config(family))
-    assert (geo.num_kv_heads, geo.head_dim, geo.head_dim_v) == (4, 24, 16)
+    assert (geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim) == (
+        heads, k_width, v_width)
     head = PROMPTS[2][:17]
     prompts = [head + p[1:9] for p in PROMPTS] + PROMPTS
     llm = LLM(path, block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
               max_num_seqs=6, attention_backend=backend)
-    assert llm.cache.k_blocks[0].shape[-1] == 24 and llm.cache.v_blocks[0].shape[-1] == 16
+    assert llm.cache.k_blocks[0].shape[-2:] == (heads, k_width)
+    assert llm.cache.v_blocks[0].shape[-2:] == (heads, v_width)
+    assert llm.cache.bytes_per_token == beta
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == hf_greedy(path, prompts, MAX_TOKENS)

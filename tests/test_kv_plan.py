@@ -240,12 +240,28 @@ def test_module_entry_point(llama2_13b: Path) -> None:
 
 
 # ---- (d) keys and values of different widths (MLA, decompressed) ---------------------------
-def test_deepseek_v3_plan_counts_192_wide_keys_and_128_wide_values(tmp_path: Path,
-                                                                     capsys) -> None:
-    """DeepSeek-V3's config says head_dim 64 (the rope part); attention gets 128 heads of
-    192-wide keys and 128-wide values per layer, and the pool holds exactly those."""
+def test_deepseek_v3_plan_is_the_latent(tmp_path: Path, capsys) -> None:
+    """DeepSeek-V3's pool holds the latent: kv_lora_rank 512 + rope 64 = 576 values per token
+    and layer (61 layers, bfloat16)."""
     from transformers import DeepseekV3Config
 
+    DeepseekV3Config(dtype="bfloat16").save_pretrained(tmp_path)
+    plan = plan_kv(loader.load_config(tmp_path), memory=64 << 30)
+    assert (plan.num_kv_heads, plan.head_dim, plan.latent) == (1, 576, True)
+    assert plan.bytes_per_token == 61 * 576 * 2 == 70_272
+    code, out, _ = run_cli(["kv-plan", "--model", str(tmp_path), "--memory", "64GiB"], capsys)
+    assert code == 0 and "latent d_h=576 (kv_lora_rank 512 + rope 64" in out
+    assert "L * H_kv * d_h * b = 70,272 bytes/token" in out
+
+
+def test_deepseek_v3_plan_counts_192_wide_keys_and_128_wide_values(tmp_path: Path, capsys,
+                                                                     monkeypatch) -> None:
+    """Decompressed (BATCHGEN_MLA_CACHE=decompressed): DeepSeek-V3's config says head_dim 64
+    (the rope part); attention gets 128 heads of 192-wide keys and 128-wide values per layer,
+    and the pool holds exactly those."""
+    from transformers import DeepseekV3Config
+
+    monkeypatch.setenv("BATCHGEN_MLA_CACHE", "decompressed")
     DeepseekV3Config(dtype="bfloat16").save_pretrained(tmp_path)
     plan = plan_kv(loader.load_config(tmp_path), memory=64 << 30)
     assert (plan.num_layers, plan.num_kv_heads, plan.head_dim, plan.head_dim_v) == (
@@ -263,6 +279,6 @@ def test_mla_plan_matches_the_llm_pool(tmp_path: Path) -> None:
     llm = LLM(str(path), device="cpu", kv_cache_memory=1 << 20, block_size=8)
     plan = plan_kv(loader.load_config(path), memory=1 << 20, block_size=8)
     assert plan.capacity_line() == llm.cache_config.capacity_line(llm.max_model_len)
-    assert plan.bytes_per_token == llm.cache.bytes_per_token == 4 * 4 * (24 + 16) * 4
+    assert plan.bytes_per_token == llm.cache.bytes_per_token == 4 * (32 + 8) * 4  # latent
     assert plan.pool_bytes == llm.cache.nbytes * llm.cache.num_blocks // (
         llm.cache.num_blocks + 1)  # scratch block aside

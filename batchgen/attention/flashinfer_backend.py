@@ -135,7 +135,7 @@ class FlashInferBackend:
                     self.planned = {spec.plan_key: self._plan(kind, spec, meta)}
                     self.run(layer, q)
         except (RuntimeError, OSError, ImportError) as e:
-            raise KernelBuildFailed(_build_failure(e)) from e
+            raise KernelBuildFailed(build_failure(e)) from e
         self.planned = {}
 
     # ---- plans and wrappers -----------------------------------------------------------------
@@ -194,7 +194,7 @@ class FlashInferBackend:
             "last_page_len": torch.ones(max_batch, dtype=torch.int32, device=dev)}
 
 
-def _build_failure(e: BaseException) -> str:
+def build_failure(e: BaseException) -> str:
     """The fallback's one line: what failed, and what to do about it."""
     lines = str(e).strip().splitlines()
     return (f"FlashInfer's attention kernels could not be built or loaded here "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from batchgen.attention.backend import AttentionBackend
+from batchgen.attention.mla import absorb_query, expand_output, is_latent
 from batchgen.kv.cache import KVCache
 
 ATTN_IMPLEMENTATION = "batchgen"
@@ -53,6 +54,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     ctx = kwargs.get("batchgen_step")
     if ctx is None:
         raise NoStepContext("batchgen attention called outside a batchgen engine step")
+    if is_latent(module):  # an MLA layer handing over its latent (attention/mla.py)
+        out = ctx.attend(module, absorb_query(module, query), key, value, scaling, kwargs)
+        return expand_output(module, out), None
     return ctx.attend(module, query, key, value, scaling, kwargs), None
 
 

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from batchgen.attention import cpu_kernel, flashinfer_backend
+from batchgen.attention import cpu_kernel, flashinfer_backend, flashinfer_mla
 from batchgen.attention.backend import AttentionBackend, BackendUnavailable, KernelBuildFailed
 from batchgen.attention.kernel_backend import CpuKernelBackend
 from batchgen.attention.spec import AttentionSpec
@@ -89,6 +89,18 @@ def _load_flashinfer() -> BackendFactory:
     return partial(flashinfer_backend.FlashInferBackend, fi=module)
 
 
+def _load_flashinfer_mla() -> BackendFactory:
+    try:
+        module = importlib.import_module("flashinfer")
+    except ImportError as e:
+        raise BackendUnavailable(f"flashinfer is not installed ({e}); pip install "
+                                 "'batchgen[cuda]'") from e
+    if not hasattr(module, "mla"):
+        raise BackendUnavailable(f"this FlashInfer ({getattr(module, '__version__', '?')}) "
+                                 "has no MLA wrapper")
+    return partial(flashinfer_mla.FlashInferMlaBackend, fi=module)
+
+
 def _load_cpu_kernel() -> BackendFactory:
     try:
         kernel = cpu_kernel.load()
@@ -98,6 +110,9 @@ def _load_cpu_kernel() -> BackendFactory:
 
 
 BACKENDS: dict[str, BackendEntry] = {
+    "flashinfer_mla": BackendEntry("flashinfer_mla", ("cuda",), flashinfer_mla.Q_DTYPES,
+                                   flashinfer_mla.KV_DTYPES, flashinfer_mla.HEAD_DIMS,
+                                   _load_flashinfer_mla, reserve=flashinfer_mla.reserved_bytes),
     "flashinfer": BackendEntry("flashinfer", ("cuda",), flashinfer_backend.Q_DTYPES,
                                flashinfer_backend.KV_DTYPES, flashinfer_backend.HEAD_DIMS,
                                _load_flashinfer, graphs=True,

@@ -89,7 +89,12 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
               if plan.memory_is_default else f"{format_bytes(plan.memory_bytes)} "
               f"({plan.memory_bytes:,} bytes)")
     widths, formula = f"d_h={plan.head_dim}", "2 * L * H_kv * d_h * b"
-    if plan.head_dim_v is not None:  # keys and values of different widths (MLA)
+    if plan.latent:  # an MLA latent: one head, the values are its first d_v columns
+        widths = (f"latent d_h={plan.head_dim} (kv_lora_rank {plan.head_dim_v} + rope "
+                  f"{plan.head_dim - (plan.head_dim_v or 0)}; values are its first "
+                  f"{plan.head_dim_v})")
+        formula = "L * H_kv * d_h * b"
+    elif plan.head_dim_v is not None:  # keys and values of different widths (MLA)
         widths = f"d_k={plan.head_dim}, d_v={plan.head_dim_v} (K and V widths differ)"
         formula = "L * H_kv * (d_k + d_v) * b"
     lines = [

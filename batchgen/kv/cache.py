@@ -55,7 +55,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 head_dim_v: int | None = None) -> None:
+                 head_dim_v: int | None = None, v_in_k: bool = False) -> None:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.quantized = dtype in FP8_DTYPES
@@ -69,7 +69,13 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         shape = kv_pool_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        if self.head_dim_v == head_dim:
+        self.v_in_k = v_in_k
+        if v_in_k:  # an MLA latent: the values are the keys' first head_dim_v (no V tensor)
+            self.pool = None
+            k_all = torch.zeros((*shape[:1], 1, *shape[2:]), dtype=dtype, device=device)
+            self.tensors = (k_all,)
+            k_pool, v_pool = k_all[:, 0], k_all[:, 0, ..., : self.head_dim_v]
+        elif self.head_dim_v == head_dim:
             self.pool: torch.Tensor | None = torch.zeros(shape, dtype=dtype, device=device)
             self.tensors = (self.pool,)
             k_pool, v_pool = self.pool[:, 0], self.pool[:, 1]
@@ -86,7 +92,8 @@ class KVCache:
         slots = (num_blocks + 1) * block_size
         # Flat per-layer views [slots, kv_heads, width]: writes index these.
         self.k_flat = [k.view(slots, num_kv_heads, head_dim) for k in self.k_blocks]
-        self.v_flat = [v.view(slots, num_kv_heads, self.head_dim_v) for v in self.v_blocks]
+        self.v_flat = ([] if v_in_k else
+                       [v.view(slots, num_kv_heads, self.head_dim_v) for v in self.v_blocks])
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V blocks, each [blocks + 1, block_size, kv_heads, width]."""
@@ -101,7 +108,8 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """β = L · H_kv · (d_k + d_v) · b (2 · L · H_kv · d_h · b when the widths agree)."""
         return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
-                              self.tensors[0].element_size(), head_dim_v=self.head_dim_v)
+                              self.tensors[0].element_size(),
+                              head_dim_v=0 if self.v_in_k else self.head_dim_v)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
@@ -110,7 +118,8 @@ class KVCache:
             k = self._quantize(k, self.k_scales[layer])
             v = self._quantize(v, self.v_scales[layer])
         self._write(self.k_flat[layer], k, slot_mapping)
-        self._write(self.v_flat[layer], v, slot_mapping)
+        if not self.v_in_k:  # a latent's values are its keys' first columns, written above
+            self._write(self.v_flat[layer], v, slot_mapping)
 
     def _write(self, flat: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         x = x.to(self.dtype)

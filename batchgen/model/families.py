@@ -17,7 +17,7 @@ from typing import Any
 # state pool backs per sequence (batchgen/state/); a family whose mixer keeps it elsewhere is
 # still refused by the probe on the meta device (model/state_probe.py), before any weight.
 SERVED_MIXERS: frozenset[str] = frozenset(
-    {"linear_attention", "mamba", "conv", "lightning_attention"})
+    {"linear_attention", "mamba", "conv", "lightning_attention", "cca"})
 
 # Families whose attention does not route through transformers' AttentionInterface.
 BYPASS_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm", "big_bird", "cpmant",
@@ -61,9 +61,10 @@ MIXER_KINDS = {
     **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid",
                      "kimi_linear", "lara_mini", "bailing_hybrid"), "linear_attention"),
     **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "jamba", "bamba", "granitemoehybrid",
-                     "nemotron_h", "zamba", "zamba2", "falcon_h1", "zaya"), "mamba"),
+                     "nemotron_h", "zamba", "zamba2", "falcon_h1"), "mamba"),
     **dict.fromkeys(("lfm2", "lfm2_moe", "lfm3"), "conv"),
     "minimax": "lightning_attention",
+    "zaya": "cca",  # compressed convolutional attention: conv and recurrent state per layer
     "recurrent_gemma": "rg_lru",
     "rwkv": "rwkv",
     "xlstm": "xlstm",

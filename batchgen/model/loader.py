@@ -13,6 +13,7 @@ from safetensors import safe_open
 if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
     from transformers import GenerationConfig, PretrainedConfig
 
+from batchgen.attention.mla import mla_cache_mode
 from batchgen.model.families import (
     ModelLayout,
     attention_layout,
@@ -38,6 +39,12 @@ class KVGeometry:
     head_dim: int  # the keys' width
     max_position_embeddings: int | None
     head_dim_v: int | None = None  # the values' width when it differs (MLA decompressed)
+    latent: bool = False  # an MLA latent: one head of lora + rope, values its first lora
+
+    @property
+    def stored_v_width(self) -> int:
+        """Values' width the pool stores apart from the keys (0: a latent's are its keys')."""
+        return 0 if self.latent else (self.head_dim_v or self.head_dim)
 
 
 def resolve_model_dir(model: object, name: str = "model", marker: str = "config.json"
@@ -123,14 +130,20 @@ def resolve_dtype(dtype: str | torch.dtype, config: PretrainedConfig) -> torch.d
 
 def kv_geometry(config: PretrainedConfig) -> KVGeometry:
     """Layers, KV heads and K/V widths of the attention layers, from the config. MLA layers
-    (DeepSeek-V2/V3, Kimi-K2) hand attention decompressed keys of qk_nope + qk_rope and values
-    of v_head_dim per query head (the config's head_dim is only the rope part)."""
+    (DeepSeek-V2/V3, Kimi-K2) keep their latent: one head of kv_lora_rank + qk_rope_head_dim
+    (attention/mla.py); decompressed (BATCHGEN_MLA_CACHE=decompressed) they hand attention
+    keys of qk_nope + qk_rope and values of v_head_dim per query head (the config's head_dim
+    is only the rope part)."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
     if not heads:  # a pure state-space model (mamba2): no attention layer reads the pool
         return KVGeometry(text.num_hidden_layers, 1, 1,
                           getattr(text, "max_position_embeddings", None))
     max_pos = getattr(text, "max_position_embeddings", None)
+    if attention_layout(text) == "mla" and mla_cache_mode() == "latent":
+        lora = int(text.kv_lora_rank)
+        return KVGeometry(text.num_hidden_layers, 1, lora + int(text.qk_rope_head_dim),
+                          max_pos, lora, latent=True)
     if attention_layout(text) == "mla":
         k_dim = int(text.qk_nope_head_dim) + int(text.qk_rope_head_dim)
         v_dim = int(getattr(text, "v_head_dim", None) or k_dim)
