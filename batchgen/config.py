@@ -148,6 +148,8 @@ class CacheConfig:
     num_blocks: int
     bytes_per_token: int  # β
     num_host_blocks: int = 0  # the swap pool's blocks (swap_space)
+    state_bytes_per_seq: int = 0  # models with state mixers: per sequence, not per token
+    state_slots: int = 0  # state slots preallocated (max_num_seqs; more when n/beams need)
 
     @property
     def num_tokens(self) -> int:
@@ -163,7 +165,15 @@ class CacheConfig:
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token (beta), "
                 f"{self.num_tokens * self.bytes_per_token / 2**20:.1f} MiB; maximum concurrency "
                 f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x"
-                + self.host_line())
+                + self.state_line() + self.host_line())
+
+    def state_line(self) -> str:
+        """The mixers' state pool's part of the capacity line (empty without one)."""
+        if not self.state_bytes_per_seq:
+            return ""
+        total = self.state_bytes_per_seq * self.state_slots
+        return (f"; mixer state: {self.state_bytes_per_seq} bytes/sequence (any length), "
+                f"{self.state_slots} slots = {total / 2**20:.1f} MiB")
 
     def host_line(self) -> str:
         """The swap pool's part of the capacity line (empty without one)."""

@@ -26,7 +26,7 @@ from batchgen.attention.registry import (
     build_backend,
     reserved_bytes,
 )
-from batchgen.attention.spec import AttentionSpec, check_pool_geometry, probe_specs
+from batchgen.attention.spec import AttentionSpec, check_pool_geometry
 from batchgen.config import CacheConfig, EngineConfig, KVLayout, PoolSize, kv_layout, size_pool
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.engine import Engine, Runner
@@ -39,6 +39,7 @@ from batchgen.kv.swap import HostPool
 from batchgen.log import logger
 from batchgen.model import loader
 from batchgen.model.cuda_graphs import GRAPH_POOL_BYTES, CudaGraphCapturer, capture_sizes
+from batchgen.model.families import classify
 from batchgen.model.forward_queue import ForwardQueue
 from batchgen.model.inputs import StepInputs
 from batchgen.model.loader import KVGeometry
@@ -51,10 +52,15 @@ from batchgen.model.shared import (
     module_folder,
     paged_forward,
 )
+from batchgen.model.state_probe import config_state, fill_specs, probe_layers
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
+from batchgen.state.cache import StateCache
+from batchgen.state.layout import StateLayout
+from batchgen.state.pool import StatePool
+from batchgen.state.slots import StateSlots
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -81,6 +87,7 @@ class EnginePlan:
     backends: list[Candidate]  # best first
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
     module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
+    state: StateLayout | None = None  # state mixers, planned on the meta device
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -231,7 +238,12 @@ def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torc
         dev, model_dtype, layout.kv_dtype, geo.head_dim))
     pool = (None if pool_from_gpu_memory(dev, cfg)
             else size_pool(cfg, layout, dev, None, cfg.swap_space))
-    return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool)
+    state = config_state(config, model_dtype, cfg.trust_remote_code)  # refusals: no weights
+    if state is not None and k > 1:
+        raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
+                         f"({config.model_type}), got {k}")
+    return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool,
+                      state)
 
 
 def pool_from_gpu_memory(device: torch.device, cfg: EngineConfig) -> bool:
@@ -288,6 +300,7 @@ class ModelParts:
     pad_token_id: int | None
     vocab_size: int  # the lm_head's rows
     specs: list[AttentionSpec]  # probed from the loaded model's attention layers
+    state: StateLayout | None = None  # its mixers' per-sequence state (None: attention only)
 
 
 def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
@@ -299,18 +312,20 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
                  if plan.tokenizer_path is not None else None)
     if plan.module is not None:  # the caller's model: no load, its attention switched per forward
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
-        with paged_forward(model):
-            specs = probe_specs(model, plan.geo.num_layers, plan.device)
     else:
         model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
                                   cfg.trust_remote_code, cfg.tensor_parallel_size)
         gen = loader.load_generation_config(plan.path)
-        if plan.geo.latent:
-            install_mla_latent(model, plan.geo.num_layers)
-        specs = probe_specs(model, plan.geo.num_layers, plan.device)
+        if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
+            install_mla_latent(model, len(classify(plan.config).attention_layers))
+    with paged_forward(model) if plan.module is not None else nullcontext():
+        probed, state = probe_layers(model, plan.geo.num_layers, plan.device)
+    geo = plan.geo
+    specs = fill_specs(probed, geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim,
+                       plan.dtype)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
-                      model.get_output_embeddings().weight.shape[0], specs)
+                      model.get_output_embeddings().weight.shape[0], specs, state)
 
 
 def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
@@ -324,10 +339,12 @@ def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
 
 
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
-                 make_backend: Callable[[KVCache], AttentionBackend], shared: bool = False
-                 ) -> ModelRunner:
-    """A rank's runner: its pool (its KV heads), the backend over it, its step buffers and
-    its host swap pool; `shared`: the model is the caller's (attention switched per forward)."""
+                 make_backend: Callable[[KVCache], AttentionBackend], shared: bool = False,
+                 state: StateLayout | None = None) -> ModelRunner:
+    """A rank's runner: its pool (its KV heads), the backend over it, its step buffers, its
+    host swap pool and, for a model with state mixers, the state pool (a slot per sequence
+    of max_num_seqs, growing when n samples or beams hold more) behind the cache seam;
+    `shared`: the model is the caller's (attention switched per forward)."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent)
     backend = make_backend(cache)
@@ -335,7 +352,8 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
                         device)
     host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
-    return ModelRunner(model, cache, backend, inputs, host, shared)
+    seam = StateCache(StatePool(state, rows, device)) if state is not None else None
+    return ModelRunner(model, cache, backend, inputs, host, shared, seam)
 
 
 @dataclass(frozen=True)
@@ -354,6 +372,7 @@ class EngineShape:
     preemption_mode: str = "recompute"
     device: torch.device = torch.device("cpu")
     logprobs_mode: str = "raw_logprobs"
+    state_bytes_per_seq: int = 0  # the model has state mixers: sequences hold state slots
 
 
 def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> Engine:
@@ -364,7 +383,8 @@ def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> E
     batch = PersistentBatch(shape.max_num_seqs, shape.vocab_size,
                             blocks_for(shape.max_model_len, shape.block_size),
                             shape.eos_token_ids, shape.device)
-    kv = KVManager(bm, batch)
+    kv = KVManager(bm, batch, StateSlots(shape.state_bytes_per_seq)
+                   if shape.state_bytes_per_seq else None)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
     queue = ForwardQueue(shape.device) if overlap else None
@@ -408,16 +428,20 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     pool, reserve = plan.pool, None
     if pool is None:
         reserve = _gpu_reserve(plan, cfg, parts.specs)
+        # the mixers' state pool (a slot per sequence, and the scratch one) is made after
+        # the KV pool: keep its bytes out of the KV budget
+        kept = sum(reserve) + (cfg.max_num_seqs + 1) * (
+            parts.state.bytes_per_seq if parts.state else 0)
 
         def local_budget() -> int:
             with paged_forward(parts.model) if plan.module is not None else nullcontext():
                 return device_kv_budget(parts.model, plan.max_step_tokens(cfg),
                                         cfg.max_num_seqs, plan.device,
-                                        cfg.gpu_memory_utilization, sum(reserve), foreign)
+                                        cfg.gpu_memory_utilization, kept, foreign)
 
         budget = executor.kv_budget(
-            (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization,
-             sum(reserve)), local_budget)
+            (plan.max_step_tokens(cfg), cfg.max_num_seqs, cfg.gpu_memory_utilization, kept),
+            local_budget)
         pool = size_pool(cfg, plan.layout, plan.device, budget, cfg.swap_space)
     else:
         pool = executor.agree(pool)
@@ -436,17 +460,21 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     setup = _runner_setup(plan, cfg, pool, "")
     check_pool_geometry(parts.specs, setup.num_kv_heads, setup.head_dim,
                         setup.head_dim_v or setup.head_dim)
-    local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None)
+    local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None,
+                         parts.state)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
                         cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                         cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
-                        plan.device, cfg.logprobs_mode)
+                        plan.device, cfg.logprobs_mode,
+                        parts.state.bytes_per_seq if parts.state else 0)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
+    state = parts.state.bytes_per_seq if parts.state else 0
     return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
-                                        plan.layout.bytes_per_token, pool.num_host_blocks),
+                                        plan.layout.bytes_per_token, pool.num_host_blocks,
+                                        state, cfg.max_num_seqs if state else 0),
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
                      requests, results, reserve)
@@ -459,6 +487,10 @@ def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
         logger.info("enforce_eager=False: CUDA graphs are not captured with "
                     "tensor_parallel_size > 1, a shared model or sleep mode (their addresses "
                     "change); running eagerly")
+        return
+    if runner.mixers is not None:
+        logger.info("enforce_eager=False: CUDA graphs are not captured for models with "
+                    "state mixers; running eagerly")
         return
     if plan.device.type != "cuda" or not runner.backend.supports_graphs:
         logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "

@@ -25,6 +25,7 @@ from batchgen.defaults import format_bytes  # noqa: F401  (the notebooks import 
 from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
 from batchgen.model import loader
+from batchgen.model.state_probe import config_state
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -73,11 +74,13 @@ class KvPlan:
     num_host_blocks: int = 0  # the swap pool's blocks: whole blocks of swap_space
     head_dim_v: int | None = None  # d_v when values are not d_h wide (MLA decompressed)
     latent: bool = False  # an MLA latent: one head of d_h = lora + rope, values inside it
+    state_bytes_per_seq: int = 0  # state mixers: per sequence, whatever its length
 
     @property
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks, self.bytes_per_token,
-                           self.num_host_blocks)
+                           self.num_host_blocks, self.state_bytes_per_seq,
+                           self.max_num_seqs if self.state_bytes_per_seq else 0)
 
     @property
     def host_bytes(self) -> int:
@@ -189,6 +192,7 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
     geo = loader.kv_geometry(config)
     layout = engine_config.kv_layout(cfg, geo, model_dtype)
     pool = engine_config.size_pool(cfg, layout, _CPU, None, swap_space)
+    state = config_state(config, model_dtype)
     return KvPlan(
         model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_layers,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
@@ -199,7 +203,8 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         memory_is_default=memory is None, max_num_seqs=cfg.max_num_seqs,
         model_max_len=layout.target_len, max_model_len=pool.max_model_len,
         sliding=sliding_windows(config), swap_space=swap_space,
-        num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent)
+        num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent,
+        state_bytes_per_seq=state.bytes_per_seq if state is not None else 0)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

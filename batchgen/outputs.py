@@ -142,3 +142,5 @@ class KVStats:
     swap_ins: int = 0  # groups swapped back in
     blocks_swapped_out: int = 0  # distinct blocks copied to the host pool
     blocks_swapped_in: int = 0  # and back
+    state_bytes_per_seq: int = 0  # models with state mixers: each sequence's state (any length)
+    peak_state_slots: int = 0  # most state slots held at once (sequences, prefix snapshots)

@@ -81,9 +81,11 @@ class CallMeter:
         self.bar.close()
         bm = self.bm
         preempts, outs, ins = (b - a for a, b in zip(self._first, self._counters()))
+        state = self.engine.kv.state
         return KVStats(bm.num_blocks, bm.block_size, bm.peak_blocks_in_use, bm.cow_copies,
                        preempts, bm.prefix_hit_tokens, self.prompt_tokens, bm.num_host_blocks,
-                       outs, ins, bm.blocks_swapped_out, bm.blocks_swapped_in)
+                       outs, ins, bm.blocks_swapped_out, bm.blocks_swapped_in,
+                       state.bytes_per_seq if state else 0, state.peak if state else 0)
 
 
 def format_rate(rate: float) -> str:

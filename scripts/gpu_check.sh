@@ -68,6 +68,14 @@ else
   rc=$?; status=1; echo "gpu_check: host_overhead --overlap FAILED (rc $rc); the end of its log:"
   tail -20 "$logs/overlap.log"
 fi
+# A hybrid (Gated DeltaNet + attention): greedy agreement with HF and tok/s, greedy/n=8/beams.
+if timeout 150 python3 benchmarks/hybrid.py --device cuda --num-prompts 64 --output-len 32 \
+  --json "$logs/hybrid.json" > "$logs/hybrid.log" 2>&1; then
+  sed -n '/^model:/p; /^greedy agreement/p; /^| workload/,$p' "$logs/hybrid.log"
+else
+  rc=$?; status=1; echo "gpu_check: hybrid FAILED (rc $rc); the end of its log:"
+  tail -20 "$logs/hybrid.log"
+fi
 # Tensor parallelism needs a GPU per rank: a 600M-parameter Llama in bf16, TP=1 vs TP=2.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${gpus:-0}" -ge 2 ]; then

@@ -42,7 +42,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "gemma3_text": {"num_hidden_layers": 6},  # its 5 sliding : 1 full pattern
     "codegen": {"head_dim": None, "rotary_dim": 8},
     "gptj": {"head_dim": None, "rotary_dim": 8},
-    "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1},
+    "mamba2": {"head_dim": 16, "num_heads": 8, "expand": 2, "n_groups": 1, "chunk_size": 8},
     "dots3_note_text": {"num_key_value_heads": 4},
     "zamba2": {"layer_types": ["mamba", "hybrid", "mamba", "hybrid"]},
     "zaya": {"num_experts_per_tok": 1},
@@ -52,6 +52,19 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     **dict.fromkeys(("lfm2", "lfm2_moe"),
                     {"layer_types": ["conv", "conv", "full_attention", "conv"]}),
+    # hybrids: attention among the mixers within 4 layers (HF's own generate needs one)
+    # SSD scans pad every forward to their chunk size (256 by default): 8 keeps them fast
+    "bamba": {"attn_layer_indices": [1, 3], "mamba_chunk_size": 8},
+    "falcon_h1": {"mamba_chunk_size": 8},
+    "nemotron_h": {"chunk_size": 8},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+              "expert_layer_offset": 1},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"],
+                         "mamba_chunk_size": 8},
+    "bailing_hybrid": {**_MLA, "layer_group_size": 2},
+    "kimi_linear": {**_MLA, "linear_attn_config": {
+        "full_attn_layers": [2, 4], "kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
+        "short_conv_kernel_size": 4}},
 }
 
 # Kimi-K2 is a DeepSeek-V3 (model_type "deepseek_v3") with its own shape: no q LoRA, more
@@ -154,33 +167,33 @@ def save_family_config(family: str, out_dir: str | Path, **overrides: Any) -> Pa
     return out
 # Families equal to HF greedy (tests/test_families.py), and families refused before weights.
 PARITY_FAMILIES = (
-    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'beam', 'biogpt',
-    'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe', 'cohere_compass_text', 'ctrl',
-    'cwm', 'dbrx', 'deepseek_v2', 'deepseek_v3', 'doge', 'dots1', 'ernie4_5',
-    'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'flex_olmo', 'flint', 'gemma',
-    'gemma2', 'gemma3_text', 'glm', 'glm4', 'glm4_moe', 'glm4_moe_lite', 'gpt-sw3', 'gpt2',
-    'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj', 'granite', 'granite_swa', 'granitemoe',
-    'granitemoe_swa', 'granitemoeshared', 'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe',
-    'hy_v3', 'hyperclovax', 'internlm3', 'iquestcoder', 'jais2', 'kimi_k2', 'kolibri1',
-    'laguna', 'llama', 'mellum', 'minicpm3', 'minimax_m2', 'minimax_m3_vl_text',
-    'ministral', 'ministral3', 'mistral', 'mixtral', 'modernbert-decoder', 'nanochat',
-    'olmo', 'olmo2', 'olmo3', 'olmoe', 'opt', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2',
-    'qwen2_moe', 'qwen3', 'qwen3_moe', 'sarvam_mla', 'sarvam_moe', 'seed_oss', 'smollm3',
-    'solar_open', 'starcoder2', 'vaultgemma', 'youtu',
+    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'bailing_hybrid',
+    'bamba', 'beam', 'biogpt', 'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe',
+    'cohere_compass_text', 'ctrl', 'cwm', 'dbrx', 'deepseek_v2', 'deepseek_v3', 'doge', 'dots1',
+    'ernie4_5', 'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'falcon_h1', 'falcon_mamba',
+    'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3_text', 'glm', 'glm4', 'glm4_moe',
+    'glm4_moe_lite', 'gpt-sw3', 'gpt2', 'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj', 'granite',
+    'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid', 'granitemoeshared',
+    'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hyperclovax', 'internlm3',
+    'iquestcoder', 'jais2', 'jamba', 'kimi_k2', 'kimi_linear', 'kolibri1', 'laguna',
+    'lara_mini', 'lfm2', 'lfm2_moe', 'lfm3', 'llama', 'mamba', 'mamba2', 'mellum', 'minicpm3',
+    'minimax', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'ministral3', 'mistral',
+    'mixtral', 'modernbert-decoder', 'nanochat', 'nemotron_h', 'olmo', 'olmo2', 'olmo3',
+    'olmo_hybrid', 'olmoe', 'opt', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2', 'qwen2_moe',
+    'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'sarvam_mla',
+    'sarvam_moe', 'seed_oss', 'smollm3', 'solar_open', 'starcoder2', 'vaultgemma', 'youtu',
+    'zaya',
 )
 REFUSED_FAMILIES = (
-    'axk2', 'bailing_hybrid', 'bamba', 'bart', 'bert', 'bert-generation', 'big_bird',
-    'bigbird_pegasus', 'blenderbot', 'blenderbot-small', 'bloom', 'camembert', 'cpmant',
-    'data2vec-text', 'deepseek_v32', 'deepseek_v4', 'diffllama', 'dory', 'dots3_note_text',
-    'electra', 'ernie', 'falcon', 'falcon_h1', 'falcon_mamba', 'gemma3n_text',
-    'gemma4_text', 'gemma4_unified_text', 'glm_moe_dsa', 'gpt_neo', 'gpt_neox_japanese',
-    'granitemoehybrid', 'hrm_text', 'hy_v4', 'inkling2_loop_text', 'inkling2_text',
-    'inkling_text', 'jamba', 'jetmoe', 'kimi_linear', 'lara_mini', 'lfm2', 'lfm2_moe',
-    'lfm3', 'llama4_text', 'longcat_flash', 'mamba', 'mamba2', 'marian', 'mbart',
-    'megatron-bert', 'mimo_v2_flash', 'minimax', 'mpt', 'mvp', 'nemotron', 'nemotron_h',
-    'olmo_hybrid', 'openai-gpt', 'pegasus', 'plbart', 'qwen3_5_moe_text', 'qwen3_5_text',
-    'qwen3_next', 'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta',
-    'roberta-prelayernorm', 'roc_bert', 'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm',
-    'xlm-roberta', 'xlm-roberta-xl', 'xlstm', 'zamba', 'zamba2', 'zaya',
+    'axk2', 'bart', 'bert', 'bert-generation', 'big_bird', 'bigbird_pegasus', 'blenderbot',
+    'blenderbot-small', 'bloom', 'camembert', 'cpmant', 'data2vec-text', 'deepseek_v32',
+    'deepseek_v4', 'diffllama', 'dory', 'dots3_note_text', 'electra', 'ernie', 'falcon',
+    'gemma3n_text', 'gemma4_text', 'gemma4_unified_text', 'glm_moe_dsa', 'gpt_neo',
+    'gpt_neox_japanese', 'hrm_text', 'hy_v4', 'inkling2_loop_text', 'inkling2_text',
+    'inkling_text', 'jetmoe', 'llama4_text', 'longcat_flash', 'marian', 'mbart',
+    'megatron-bert', 'mimo_v2_flash', 'mpt', 'mvp', 'nemotron', 'openai-gpt', 'pegasus',
+    'plbart', 'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta', 'roberta-prelayernorm',
+    'roc_bert', 'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm', 'xlm-roberta', 'xlm-roberta-xl',
+    'xlstm', 'zamba', 'zamba2',
 )
 MATRIX = {**dict.fromkeys(PARITY_FAMILIES, "parity"), **dict.fromkeys(REFUSED_FAMILIES, "refused")}

@@ -116,8 +116,8 @@ def test_classification_from_the_config_alone():
 
 
 @pytest.mark.parametrize("family, kind", [
-    ("mamba2", "'mamba' state mixer"), ("qwen3_next", "'linear_attention' state mixer"),
-    ("falcon_h1", "standard attention + 'mamba' state mixer"),
+    ("rwkv", "'rwkv' state mixer"), ("recurrent_gemma", "'rg_lru' state mixer"),
+    ("zamba2", "a transformer block shared between layers"),
     ("llama4_text", "'chunked_attention'"), ("bloom", "AttentionInterface"),
     ("bart", "encoder-decoder")])
 def test_refusals_name_the_family_and_the_layer_kind(family, kind, tmp_path):
@@ -130,8 +130,8 @@ def test_refusals_name_the_family_and_the_layer_kind(family, kind, tmp_path):
 def test_served_mixers_let_a_hybrid_through():
     layout = classify(tiny_config("qwen3_next"))
     with pytest.raises(ValueError, match="state mixers are not served yet"):
-        check_served(layout)
-    check_served(layout, served=frozenset({"linear_attention"}))
+        check_served(layout, served=frozenset({"mamba"}))
+    check_served(layout)  # batchgen/state/ serves it
     with pytest.raises(ValueError, match="no layer attends or mixes tokens"):
         check_served(classify(tiny_config("llama", num_hidden_layers=0)))
 

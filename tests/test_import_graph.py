@@ -15,7 +15,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
      "batchgen.outputs", "batchgen.defaults", "batchgen.threads"),  # values and utilities
-    ("batchgen.kv", "batchgen.sampling"),  # the pool's bookkeeping and bytes; the sampler
+    ("batchgen.kv", "batchgen.sampling",
+     "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model",),  # loading, the runner, step inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop

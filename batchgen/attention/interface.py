@@ -34,11 +34,16 @@ class StepContext:
 
     def attend(self, module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                value: torch.Tensor, scaling: float | None, kwargs: dict) -> torch.Tensor:
-        """query [1, Hq, T, D], key/value [1, Hkv, T, D] → [1, T, Hq, Dv]."""
+        """query [B, Hq, L, D], key/value [B, Hkv, L, D] → [B, L, Hq, Dv]: one packed row of
+        T tokens (B = 1), or B rows of L tokens each, packed row after row (the [rows, 1]
+        decode batches of models with state mixers)."""
         layer = module.layer_idx
-        self.cache.write(layer, key[0].transpose(0, 1), value[0].transpose(0, 1),
-                         self.slot_mapping)
-        return self.backend.run(layer, query[0].transpose(0, 1))[None]
+        b, length = query.shape[0], query.shape[2]
+        q, k, v = (x.transpose(1, 2).reshape(b * length, x.shape[1], x.shape[3])
+                   for x in (query, key, value))
+        self.cache.write(layer, k, v, self.slot_mapping)
+        out = self.backend.run(layer, q)
+        return out.reshape(b, length, *out.shape[1:])
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.state.slots import StateOps
+
 
 @dataclass
 class StepRows:
@@ -27,6 +29,10 @@ class StepRows:
     # prompt chunk's for prompt logprobs, else 0
     token_ids: np.ndarray  # [sum(num_new)] int64
     block_tables: np.ndarray  # [slots, max_blocks] int32
+    # models with state mixers: each row's state slot, and the state moves to make before
+    # the forward (swaps, forks, beams); None without state
+    state_slots: np.ndarray | None = None
+    state_ops: StateOps | None = None
 
     @property
     def num_rows(self) -> int:

@@ -132,5 +132,11 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
             f"({windowed:,} bytes) per {s}-token sequence instead of "
             f"{format_bytes(plan.seq_bytes)}: batchgen does NOT save this yet (its pool keeps "
             "every token of every layer)")
+    if plan.state_bytes_per_seq:
+        per = plan.state_bytes_per_seq
+        lines.append(
+            f"mixer state (SSM / linear attention / conv layers): {format_bytes(per)} "
+            f"({per:,} bytes) per sequence, whatever its length; {plan.max_num_seqs} "
+            f"sequences: {format_bytes(per * plan.max_num_seqs)} beside the KV pool")
     lines.append(f"LLM logs: {plan.capacity_line()}")
     return lines

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from batchgen.attention.registry import BACKENDS
-from batchgen.attention.spec import probe_specs
 from batchgen.distributed.plan import rank_device
 from batchgen.distributed.rendezvous import WorkerSpec, announce, join
 from batchgen.factory import RunnerSetup, build_runner
 from batchgen.model import loader
 from batchgen.model.profile import device_kv_budget
 from batchgen.model.runner import ModelRunner
+from batchgen.model.state_probe import fill_specs, probe_layers
 
 
 def serve(rank: int, spec: WorkerSpec) -> None:
@@ -35,7 +35,12 @@ def serve(rank: int, spec: WorkerSpec) -> None:
     control = join(rank, spec, None if launched else announce(spec))
     model = loader.load_model(spec.path, spec.config, spec.dtype, device,
                               spec.trust_remote_code, tp_size=spec.tp_size)
-    specs = probe_specs(model, loader.kv_geometry(spec.config).num_layers, device)
+    # the same probe forward as rank 0's (its collectives must match; state mixers never
+    # reach here: tensor parallelism refuses them before the weights load)
+    geo = loader.kv_geometry(spec.config)
+    probed, _ = probe_layers(model, geo.num_layers, device)
+    specs = fill_specs(probed, geo.num_kv_heads // spec.tp_size, geo.head_dim,
+                       geo.head_dim_v or geo.head_dim, spec.dtype)
     runner: ModelRunner | None = None
     while True:
         box: list[Any] = [None]

@@ -21,6 +21,8 @@ import numpy as np
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
+from batchgen.state.slots import StateOps, StateSlots
+from batchgen.state.snapshots import StateSnapshots
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -40,9 +42,17 @@ def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
 class KVManager:
     """Block tables, their batch rows and prefix-cache memos of the running sequences."""
 
-    def __init__(self, block_manager: BlockManager, batch: PersistentBatch) -> None:
+    def __init__(self, block_manager: BlockManager, batch: PersistentBatch,
+                 state: StateSlots | None = None) -> None:
         self.block_manager = block_manager
         self.batch = batch
+        self.state = state  # models with state mixers: each sequence's state slot
+        self._state_of: dict[Sequence, int] = {}
+        self._state_saved: dict[Sequence, int] = {}  # swapped out: the key of its saved state
+        # prefix caching with state: snapshots at block ends (as many as the batch's slots)
+        self.snapshots = (StateSnapshots(state, batch.capacity) if state is not None
+                          and block_manager.enable_prefix_caching else None)
+        self._kv_hits: dict[Sequence, int] = {}  # blocks the KV cache had at the last lookup
         self.block_size = block_manager.block_size
         self._swapped: dict[Sequence, int] = {}  # swapped out: tokens computed
         self._hashes: dict[Sequence, list[bytes]] = {}  # the prefix-hash memo (runs ahead)
@@ -97,7 +107,11 @@ class KVManager:
         if group.prompt_logprobs is not None:  # the logprob of token s needs token s-1
             usable = min(usable, max(group.params.prompt_logprobs_start - 1, 0))
             hashes = hashes[:usable // bs]
-        return hashes, bm.lookup(hashes[:usable // bs])
+        hit = bm.lookup(hashes[:usable // bs])
+        if self.snapshots is not None:  # state mixers: only as far as a state snapshot
+            self._kv_hits[leader] = len(hit)
+            hit = hit[:self.snapshots.longest(hashes, len(hit))[0]]
+        return hashes, hit
 
     def inflight_hashes(self) -> set[bytes]:
         """Hashes of full blocks that admitted sequences have yet to compute."""
@@ -124,6 +138,8 @@ class KVManager:
         leader.status = SequenceStatus.RUNNING
         self._published[leader] = len(hit)
         self.batch.enter(leader, self.block_manager.table(leader), len(hit) * self.block_size)
+        if self.state is not None:
+            self._set_state(leader, self._leader_state(leader, len(hit)))
 
     # ---- reservation --------------------------------------------------------------------------
     def reserve(self, seqs: list[Sequence], counts: list[int]) -> list[tuple[int, int]]:
@@ -203,6 +219,8 @@ class KVManager:
         self._published[child] = min(self._published.get(parent, 0), shared)
         child.status = SequenceStatus.RUNNING
         self.batch.enter(child, self.block_manager.table(child), num_tokens)
+        if self.state is not None:  # state is overwritten each step: a copy, not a share
+            self._set_state(child, self.state.fork(self._state_of[parent]))
         cow = self.batch.cols["cow_check"]
         cow[parent.slot] = cow[child.slot] = True
 
@@ -262,6 +280,11 @@ class KVManager:
         """Free the sequence's slot and block table if it has them; returns its blocks."""
         if seq.slot >= 0:
             self.batch.remove(seq)
+        if self.state is not None and seq in self._state_of:
+            self.state.free(self._state_of.pop(seq))
+        self._state_saved.pop(seq, None)
+        if self.snapshots is not None:
+            self.snapshots.drop(seq)
         bm = self.block_manager
         if not bm.has_table(seq):
             return []
@@ -277,6 +300,13 @@ class KVManager:
         self._swapped.clear()
         self._hashes.clear()
         self._published.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear(free=False)
+            self._kv_hits.clear()
+        if self.state is not None:
+            self.state.clear()
+            self._state_of.clear()
+            self._state_saved.clear()
 
     # ---- swapping -----------------------------------------------------------------------------
     def can_swap_out(self, seqs: list[Sequence]) -> bool:
@@ -289,6 +319,8 @@ class KVManager:
             self._swapped[seq] = self.num_computed(seq)
             self.batch.remove(seq)
             seq.status = SequenceStatus.SWAPPED
+            if self.state is not None:  # its state goes to host memory with its blocks
+                self._state_saved[seq] = self.state.save(self._state_of.pop(seq))
         return self.block_manager.swap_out(seqs)
 
     def swapped_seqs(self, group: SequenceGroup) -> list[Sequence]:
@@ -306,8 +338,47 @@ class KVManager:
         for seq in seqs:
             seq.status = SequenceStatus.RUNNING
             self.batch.enter(seq, self.block_manager.table(seq), self._swapped.pop(seq))
+            if self.state is not None:  # its state comes back from host memory
+                self._set_state(seq, self.state.restore(self._state_saved.pop(seq)))
             cow[seq.slot] = True
         return pairs
+
+    # ---- mixer state ----------------------------------------------------------------------------
+    def _leader_state(self, leader: Sequence, hit_blocks: int) -> int:
+        """The admitted leader's state slot: a copy of the snapshot its prefix hit ends on,
+        else a fresh one; and (prefix caching) the block ends its prefill should snapshot: the
+        prompt's last full block, the last one an identical prompt can hit (two tokens are
+        always computed), and the end of the prefix the KV cache held without a snapshot
+        (so the next prompt sharing it hits)."""
+        assert self.state is not None
+        snaps, bs = self.snapshots, self.block_size
+        if snaps is None:
+            return self.state.alloc()
+        n = leader.group.num_prompt_tokens
+        hashes = self._hashes_of(leader, n)
+        ends = {n // bs, max(n - 2, 0) // bs, self._kv_hits.pop(leader, 0)}
+        snaps.want(leader, {k * bs: hashes[k - 1] for k in ends if hit_blocks < k})
+        if not hit_blocks:
+            return self.state.alloc()
+        k, slot = snaps.longest(hashes, hit_blocks)
+        assert k == hit_blocks and slot is not None
+        return self.state.fork(slot)
+
+    def _set_state(self, seq: Sequence, slot: int) -> None:
+        """The sequence holds state slot `slot` (its batch column says so to the runner)."""
+        self._state_of[seq] = slot
+        self.batch.cols["state_slot"][seq.slot] = slot
+
+    def take_state_ops(self, seqs: tuple[Sequence, ...], starts: np.ndarray,
+                       num_new: np.ndarray) -> StateOps | None:
+        """The state moves owed before the next forward and the snapshots its rows take, or
+        None without state."""
+        if self.state is None:
+            return None
+        snaps = None
+        if self.snapshots is not None and self.snapshots.wanting:
+            snaps = self.snapshots.take({s: i for i, s in enumerate(seqs)}, starts, num_new)
+        return self.state.take_ops(snaps)
 
     # ---- prefix caching -----------------------------------------------------------------------
     def _hashes_of(self, seq: Sequence, num_tokens: int) -> list[bytes]:
@@ -328,9 +399,15 @@ class KVManager:
 
     # ---- statistics ---------------------------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (False, doing nothing, while a sequence holds blocks)."""
-        return self.block_manager.reset_prefix_cache()
+        """Forget every cached block and state snapshot (False, doing nothing, while a
+        sequence holds blocks)."""
+        done = self.block_manager.reset_prefix_cache()
+        if done and self.snapshots is not None:
+            self.snapshots.clear()
+        return done
 
     def reset_stats(self) -> None:
         """A new measurement window for peak usage, COW copies, prefix hits and swaps."""
         self.block_manager.reset_stats()
+        if self.state is not None:
+            self.state.reset_peak()

@@ -76,7 +76,7 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     runner_rows = StepRows(plan.slots, plan.starts, plan.num_new,
                            np.concatenate(num_logits).astype(np.int64, copy=False),
                            np.concatenate(tokens).astype(np.int64, copy=False),
-                           batch.block_table)
+                           batch.block_table, _state_slots(plan, batch), plan.state_ops)
     identity = row == k and not sample_rows
     layout = LogitsLayout(tuple(samplers), None if identity else np.concatenate(
         (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
@@ -115,3 +115,10 @@ def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: i
         return 0
     out.append(PromptRows(group, first + 1, row, last - first))
     return end - first
+
+
+def _state_slots(plan: StepPlan, batch: PersistentBatch) -> np.ndarray | None:
+    """Each row's state slot (models with state mixers; None otherwise)."""
+    if plan.state_ops is None:
+        return None
+    return batch.cols["state_slot"][plan.slots]

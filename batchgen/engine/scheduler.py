@@ -30,6 +30,7 @@ import numpy as np
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import PoolExhausted
+from batchgen.state.slots import StateOps
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class StepPlan:
     copies: tuple[tuple[int, int], ...] = ()  # (src, dst) device blocks
     swap_in: tuple[tuple[int, int], ...] = ()  # (host, device)
     swap_out: tuple[tuple[int, int], ...] = ()  # (device, host)
+    state_ops: StateOps | None = None  # state moves (swaps, forks, beams); None: no state
 
     @property
     def scheduled(self) -> bool:
@@ -161,8 +163,10 @@ class Scheduler:
             slots = np.concatenate((d.decode_slots, slots)) if len(slots) else d.decode_slots
         starts = np.concatenate((c["num_computed"][slots[:k]], np.fromiter(
             (self.kv.num_computed(s) for s in d.seqs[k:]), np.int64, len(d.seqs) - k)))
-        return StepPlan(tuple(d.seqs), slots, starts, np.array(d.num_new, np.int64), k,
-                        tuple(d.copies), tuple(d.swap_in), tuple(d.swap_out))
+        seqs, num_new = tuple(d.seqs), np.array(d.num_new, np.int64)
+        return StepPlan(seqs, slots, starts, num_new, k, tuple(d.copies), tuple(d.swap_in),
+                        tuple(d.swap_out),
+                        self.kv.take_state_ops(seqs, starts, num_new) if seqs else None)
 
     def _ready(self, group: SequenceGroup) -> list[Sequence]:
         """The group's running sequences with exactly one token left to compute."""

@@ -13,8 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# State-mixer kinds the engine serves (a state pool per sequence): none yet on this branch.
-SERVED_MIXERS: frozenset[str] = frozenset()
+# State-mixer kinds the engine serves: their state lives in transformers' cache, which the
+# state pool backs per sequence (batchgen/state/); a family whose mixer keeps it elsewhere is
+# still refused by the probe on the meta device (model/state_probe.py), before any weight.
+SERVED_MIXERS: frozenset[str] = frozenset(
+    {"linear_attention", "mamba", "conv", "lightning_attention", "cca"})
 
 # Families whose attention does not route through transformers' AttentionInterface.
 BYPASS_FAMILIES = ("falcon", "bloom", "mpt", "gpt_neo", "xglm", "big_bird", "cpmant",
@@ -38,6 +41,8 @@ UNSUPPORTED_FAMILIES = {
     "stablelm": "decoder layers that do not pass the engine's step to attention",
     "dory": "recurrent depth (layers run several times per forward)",
     "dots3_note_text": "attention settings that differ between layers (per-layer configs)",
+    "zamba": "a transformer block shared between layers (its attention has no layer index)",
+    "zamba2": "a transformer block shared between layers (its attention has no layer index)",
 }
 
 # Attention layer types read per layer; the window comes from what each layer passes.

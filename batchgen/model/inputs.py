@@ -61,14 +61,16 @@ class StepInputs:
         self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
                     if pin else self.host)
 
-    def prepare(self, rows: StepRows, pad_to: int | None = None) -> StepBatch:
+    def prepare(self, rows: StepRows, pad_to: int | None = None, pad: bool = True
+                ) -> StepBatch:
         """Pack the step's rows; the logits rows are each row's last `num_logits` positions,
         row by row in the given order. `pad_to`: exactly this many rows (a decode step
         replaying a CUDA graph captured for that batch size); else a multiple of `min_rows`
-        (none when it is 0). Vector ops only: no Python per row or per page."""
+        (none when it is 0, or `pad` is off: one sequence's chunk for a state mixer, which
+        must see no dummy token). Vector ops only: no Python per row or per page."""
         bs, n_new, starts = self.block_size, rows.num_new, rows.starts
         if len(rows.token_ids) == rows.num_rows:  # decode only: the rows as they come
-            return self._decode(rows, pad_to)
+            return self._decode(rows, pad_to, pad)
         order = np.lexsort((starts, n_new))  # by (query length, cached length), stable
         n_o, s_o = n_new[order], starts[order]
         pages_o = (s_o + n_o + bs - 1) // bs
@@ -86,9 +88,9 @@ class StepInputs:
         last_row = np.empty(len(order), np.int64)
         last_row[order] = qo[1:] - 1
         logits = _logits_rows(last_row, rows.num_logits)
-        return self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to)
+        return self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to, pad)
 
-    def _decode(self, rows: StepRows, pad_to: int | None) -> StepBatch:
+    def _decode(self, rows: StepRows, pad_to: int | None, pad: bool = True) -> StepBatch:
         """`prepare` for a step of one token per row (the common step): no reordering."""
         starts, n = rows.starts, rows.num_rows
         pages_n = starts // self.block_size + 1
@@ -98,17 +100,17 @@ class StepInputs:
         pages = tables[np.arange(width)[None, :] < pages_n[:, None]]
         logits = np.flatnonzero(rows.num_logits)
         return self._pad(rows.token_ids, pages, np.arange(n + 1), kv, starts,
-                         np.ones(n, np.int64), logits, pad_to)
+                         np.ones(n, np.int64), logits, pad_to, pad)
 
     def _pad(self, ids: np.ndarray, pages: np.ndarray, qo: np.ndarray, kv: np.ndarray,
-             starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, pad_to: int | None
-             ) -> StepBatch:
+             starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, pad_to: int | None,
+             pad_rows: bool = True) -> StepBatch:
         """Pad with one-token dummy rows in the scratch block (to `pad_to` rows, or on the CPU
         to a multiple of `min_rows` tokens) and the logits rows up to that many, then fill."""
         num_logits, t = len(logits), int(qo[-1])
         if pad_to is not None:
             rows = pad_to
-        elif self.min_rows:  # CPU: a multiple of min_rows (elementwise kernels' tails)
+        elif self.min_rows and pad_rows:  # CPU: a multiple of min_rows (elementwise kernels' tails)
             rows = max(self.min_rows, -(-t // self.min_rows) * self.min_rows)
         else:
             rows = 0
@@ -121,7 +123,7 @@ class StepInputs:
             kv = np.concatenate((kv, kv[-1] + step))
             starts = np.concatenate((starts, np.zeros(pad, np.int64)))
             lens = np.concatenate((lens, np.ones(pad, np.int64)))
-        logit_rows = self.min_rows if pad_to is None else pad_to
+        logit_rows = (self.min_rows if pad_rows else 0) if pad_to is None else pad_to
         if 0 < num_logits < logit_rows:
             logits = np.concatenate((logits, np.full(logit_rows - num_logits, logits[-1])))
         return self._fill(ids, pages, qo, kv, starts, lens, logits, num_logits)

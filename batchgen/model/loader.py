@@ -137,9 +137,9 @@ def kv_geometry(config: PretrainedConfig, latent: bool | None = None) -> KVGeome
     variable says (a caller's shared module must keep its own expand_kv)."""
     text = text_config(config)
     heads = getattr(text, "num_attention_heads", None)
-    if not heads:
-        raise ValueError(f"model family {text.model_type!r} is not supported: its config names "
-                         "no num_attention_heads (a model without attention layers)")
+    if not heads:  # a pure state-space model (mamba2): no attention layer reads the pool
+        return KVGeometry(text.num_hidden_layers, 1, 1,
+                          getattr(text, "max_position_embeddings", None))
     max_pos = getattr(text, "max_position_embeddings", None)
     wants_latent = mla_cache_mode() == "latent" if latent is None else latent
     if attention_layout(text) == "mla" and wants_latent:

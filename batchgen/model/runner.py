@@ -16,16 +16,20 @@ from batchgen.kv.cache import KVCache
 from batchgen.kv.swap import HostPool
 from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
+from batchgen.model.mixer_step import MixerStep
 from batchgen.model.shared import paged_forward
+from batchgen.state.cache import StateCache
 
 
 class ModelRunner:
     """The model is the loader's (or the caller's: `shared`), the pools and the backend are
-    the LLM's; the step buffers (`inputs`) and the captured graphs are the runner's own."""
+    the LLM's; the step buffers (`inputs`) and the captured graphs are the runner's own. A
+    model with state mixers brings its state pool's seam (`state`): its steps run
+    sequence-separated (MixerStep)."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
-                 inputs: StepInputs, host: HostPool | None = None, shared: bool = False
-                 ) -> None:
+                 inputs: StepInputs, host: HostPool | None = None, shared: bool = False,
+                 state: StateCache | None = None) -> None:
         self.model = model
         self.shared = shared  # batchgen's attention is selected only inside its forwards
         self.cache = cache
@@ -33,9 +37,14 @@ class ModelRunner:
         self.backend = backend
         self.inputs = inputs
         self.graphs: DecodeGraphs | None = None
+        self.mixers = (MixerStep(model, cache, backend, inputs, state)
+                       if state is not None else None)
 
     def use_graphs(self, sizes: list[int], max_pages: int, capturer: GraphCapturer) -> None:
         """Capture decode steps of these batch sizes; later decode steps replay them."""
+        if self.mixers is not None:
+            raise ValueError("CUDA graphs are not supported for models with state mixers "
+                             "(enforce_eager=True)")
         if not self.backend.supports_graphs:
             raise ValueError(f"CUDA graphs need a backend that plans outside the graph "
                              f"(supports_graphs), not {self.backend.name!r}")
@@ -62,18 +71,24 @@ class ModelRunner:
     def execute(self, rows: StepRows) -> torch.Tensor:
         """Run one step; returns float32 logits [R, vocab]: each row's last `num_logits`
         positions, row by row."""
+        with paged_forward(self.model) if self.shared else nullcontext():
+            if self.mixers is not None:
+                return self.mixers.execute(rows)
+            return self._packed(rows)
+
+    def _packed(self, rows: StepRows) -> torch.Tensor:
+        """One packed forward of every row (or a graph replay)."""
         graphs = self.graphs
         if (graphs is not None and graphs.size_for(rows.num_rows) is not None
                 and len(rows.token_ids) == rows.num_rows):
             return graphs.replay(rows)
         batch = self.inputs.prepare(rows)
         self.backend.plan(batch.meta)
-        with paged_forward(self.model) if self.shared else nullcontext():
-            out = self.model(
-                input_ids=batch.input_ids[None],
-                position_ids=batch.positions[None],
-                use_cache=False,
-                logits_to_keep=batch.logits_indices,
-                batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
-            )
+        out = self.model(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.positions[None],
+            use_cache=False,
+            logits_to_keep=batch.logits_indices,
+            batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
+        )
         return out.logits[0, :batch.num_logits].float()
