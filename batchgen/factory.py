@@ -243,7 +243,7 @@ def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torc
         raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
                          f"({config.model_type}), got {k}")
     return EnginePlan(path, tok_path, config, dev, model_dtype, geo, layout, backends, pool,
-                      state)
+                      state=state)
 
 
 def pool_from_gpu_memory(device: torch.device, cfg: EngineConfig) -> bool:

@@ -235,6 +235,10 @@ class KVManager:
             shared = len(parent.token_ids) // bs  # all computed: the fork's count
             self._hashes[seq] = self._hashes.get(parent, [])[:shared]
             self._published[seq] = min(self._published.get(parent, 0), shared)
+            if self.state is not None:  # the parent's state, copied (as a fork, then a free)
+                slot = self.state.fork(self._state_of[parent])
+                self.state.free(self._state_of[seq])
+                self._state_of[seq] = slot
 
     def adopt_rows(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
         """The batch rows of adopted beams (`adopt`) become their parents', in one copy;
@@ -242,6 +246,8 @@ class KVManager:
         dst = np.fromiter((s.slot for s, _ in pairs), np.int64, len(pairs))
         src = np.fromiter((p.slot for _, p in pairs), np.int64, len(pairs))
         self.batch.copy_rows(dst, src)
+        if self.state is not None:  # each keeps its own state slot (`adopt` copied the state)
+            self.batch.cols["state_slot"][dst] = [self._state_of[s] for s, _ in pairs]
         cow = self.batch.cols["cow_check"]
         cow[dst] = cow[src] = True
 
@@ -372,8 +378,8 @@ class KVManager:
     def take_state_ops(self, seqs: tuple[Sequence, ...], starts: np.ndarray,
                        num_new: np.ndarray) -> StateOps | None:
         """The state moves owed before the next forward and the snapshots its rows take, or
-        None without state."""
-        if self.state is None:
+        None without state or rows (a plan without rows runs no forward: the moves wait)."""
+        if self.state is None or not seqs:
             return None
         snaps = None
         if self.snapshots is not None and self.snapshots.wanting:

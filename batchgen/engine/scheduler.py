@@ -165,19 +165,16 @@ class Scheduler:
             (self.kv.num_computed(s) for s in d.seqs[k:]), np.int64, len(d.seqs) - k)))
         seqs, num_new = tuple(d.seqs), np.array(d.num_new, np.int64)
         return StepPlan(seqs, slots, starts, num_new, k, tuple(d.copies), tuple(d.swap_in),
-                        tuple(d.swap_out),
-                        self.kv.take_state_ops(seqs, starts, num_new) if seqs else None)
+                        tuple(d.swap_out), self.kv.take_state_ops(seqs, starts, num_new))
 
     def _ready(self, group: SequenceGroup) -> list[Sequence]:
         """The group's running sequences with exactly one token left to compute."""
-        kv = self.kv
         return [s for s in group.seqs if s.status is SequenceStatus.RUNNING
-                and len(s.token_ids) - kv.num_computed(s) == 1]
+                and len(s.token_ids) - self.kv.num_computed(s) == 1]
 
     def _decode_beams(self, d: _Draft, seqs: list[Sequence]) -> bool:
         """The ready beams at once, in order, when they fit the step and the pool has a block
-        for every row that may need one (so no group is preempted): blocks only for rows that
-        open one or share one. False, having done nothing, otherwise."""
+        for every row that opens or shares one (no preemption); else False, doing nothing."""
         n, c = len(seqs), self.batch.cols
         if self._preempted_now or not d.fits(n, n):
             return False
@@ -190,8 +187,7 @@ class Scheduler:
             self.kv.grow_decodes(needy, d.copies)
         d.seqs += seqs
         d.num_new += [1] * n
-        d.tokens -= n
-        d.num_seqs -= n
+        d.tokens, d.num_seqs = d.tokens - n, d.num_seqs - n
         return True
 
     def _decode_samples(self, d: _Draft, units: int) -> bool:

@@ -31,7 +31,8 @@ class SleepState:
         self.model = model
         self.owns_weights = owns_weights
         self.asleep: set[str] = set()
-        self._pool_bytes = cache.pool.untyped_storage().nbytes()
+        # the pool's tensors (one, or K and V apart when their widths differ) and their bytes
+        self._pool_bytes = [t.untyped_storage().nbytes() for t in cache.tensors]
         # each Parameter asleep: its shape, and its CPU copy at level 1 (None: discarded)
         self._weights: dict[torch.nn.Parameter, tuple[torch.Size, torch.Tensor | None]] = {}
 
@@ -39,7 +40,8 @@ class SleepState:
         """Free the pool; offload (1) or discard (2) the weights batchgen owns."""
         check_choice(level, "level", (1, 2))
         if KV_CACHE not in self.asleep:
-            self.cache.pool.untyped_storage().resize_(0)
+            for t in self.cache.tensors:
+                t.untyped_storage().resize_(0)
             self.asleep.add(KV_CACHE)
         if not self.owns_weights or WEIGHTS in self.asleep:
             return
@@ -58,8 +60,9 @@ class SleepState:
               "tags", f"None or a list of {TAGS}", tags)
         tags = list(TAGS if tags is None else tags)
         if KV_CACHE in tags and KV_CACHE in self.asleep:
-            self.cache.pool.untyped_storage().resize_(self._pool_bytes)
-            self.cache.pool.zero_()
+            for t, nbytes in zip(self.cache.tensors, self._pool_bytes):
+                t.untyped_storage().resize_(nbytes)
+                t.zero_()
             self.asleep.discard(KV_CACHE)
         if WEIGHTS in tags and WEIGHTS in self.asleep:
             for p, (shape, saved) in self._weights.items():
