@@ -141,7 +141,7 @@ def test_a_layer_that_does_not_fit_the_pool_is_refused_before_the_first_step(
     path = save_family_model("llama", tmp_path)
     real = loader.kv_geometry
     monkeypatch.setattr(loader, "kv_geometry",
-                        lambda config: real(config).__class__(4, 2, 8, 1024))
+                        lambda config, latent=None: real(config).__class__(4, 2, 8, 1024))
     with pytest.raises(ValueError, match="attention layer 0 passes 2 KV heads of keys 16 and "
                                          "values 16 wide, but the KV pool .* 2 heads of 8/8"):
         LLM(path, num_kv_blocks=16)
