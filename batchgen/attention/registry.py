@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from types import ModuleType
 
 import torch
 
@@ -80,21 +81,21 @@ class BackendEntry:
         return None
 
 
-def _load_flashinfer() -> BackendFactory:
+def _import_flashinfer() -> ModuleType:
+    """The flashinfer module, or BackendUnavailable saying how to install it."""
     try:
-        module = importlib.import_module("flashinfer")
+        return importlib.import_module("flashinfer")
     except ImportError as e:
         raise BackendUnavailable(f"flashinfer is not installed ({e}); pip install "
                                  "'batchgen[cuda]'") from e
-    return partial(flashinfer_backend.FlashInferBackend, fi=module)
+
+
+def _load_flashinfer() -> BackendFactory:
+    return partial(flashinfer_backend.FlashInferBackend, fi=_import_flashinfer())
 
 
 def _load_flashinfer_mla() -> BackendFactory:
-    try:
-        module = importlib.import_module("flashinfer")
-    except ImportError as e:
-        raise BackendUnavailable(f"flashinfer is not installed ({e}); pip install "
-                                 "'batchgen[cuda]'") from e
+    module = _import_flashinfer()
     if not hasattr(module, "mla"):
         raise BackendUnavailable(f"this FlashInfer ({getattr(module, '__version__', '?')}) "
                                  "has no MLA wrapper")
