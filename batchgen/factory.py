@@ -61,6 +61,7 @@ from batchgen.state.cache import StateCache
 from batchgen.state.layout import StateLayout
 from batchgen.state.pool import StatePool
 from batchgen.state.slots import StateSlots
+from batchgen.state.snapshots import prefill_grid
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -373,6 +374,7 @@ class EngineShape:
     device: torch.device = torch.device("cpu")
     logprobs_mode: str = "raw_logprobs"
     state_bytes_per_seq: int = 0  # the model has state mixers: sequences hold state slots
+    state_grid: int = 0  # their prefills are cut on multiples of this (state/snapshots.py)
 
 
 def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> Engine:
@@ -384,7 +386,7 @@ def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> E
                             blocks_for(shape.max_model_len, shape.block_size),
                             shape.eos_token_ids, shape.device)
     kv = KVManager(bm, batch, StateSlots(shape.state_bytes_per_seq)
-                   if shape.state_bytes_per_seq else None)
+                   if shape.state_bytes_per_seq else None, shape.state_grid)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
                           shape.preemption_mode)
     queue = ForwardQueue(shape.device) if overlap else None
@@ -463,11 +465,7 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None,
                          parts.state)
     executor.setup(replace(setup, backend=chosen[0]))
-    shape = EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
-                        cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
-                        cfg.enable_prefix_caching, pool.num_host_blocks, cfg.preemption_mode,
-                        plan.device, cfg.logprobs_mode,
-                        parts.state.bytes_per_seq if parts.state else 0)
+    shape = _engine_shape(cfg, pool, parts, plan.device)
     requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
@@ -478,6 +476,34 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
                      requests, results, reserve)
+
+
+def _engine_shape(cfg: EngineConfig, pool: PoolSize, parts: ModelParts, device: torch.device
+                  ) -> EngineShape:
+    """What the engine's bookkeeping is sized by, from the config, pool and loaded model."""
+    state = parts.state
+    return EngineShape(pool.num_blocks, cfg.block_size, pool.max_model_len, cfg.max_num_seqs,
+                       cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
+                       _prefix_caching(cfg, state), pool.num_host_blocks, cfg.preemption_mode,
+                       device, cfg.logprobs_mode, state.bytes_per_seq if state else 0,
+                       _state_grid(cfg, state))
+
+
+def _prefix_caching(cfg: EngineConfig, state: StateLayout | None) -> bool:
+    """Prefix caching as asked, except for mixers that cannot continue a prompt from a state
+    snapshot over several tokens (Mamba-1's scan): their hits would change the bits."""
+    if cfg.enable_prefix_caching and state is not None and not state.continues_chunks:
+        logger.info("enable_prefix_caching: off for this model (its mixers restart a "
+                    "multi-token forward from zero, so a prompt cannot resume from a snapshot)")
+        return False
+    return bool(cfg.enable_prefix_caching)
+
+
+def _state_grid(cfg: EngineConfig, state: StateLayout | None) -> int:
+    """The grid mixer prefills are cut on (0: attention only, or a restarting scan)."""
+    if state is None or not state.continues_chunks:
+        return 0
+    return prefill_grid(cfg.block_size, cfg.max_num_batched_tokens)
 
 
 def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 import torch
 from helpers import make_prompt_token_ids
@@ -242,18 +241,20 @@ def test_kv_plan_reports_state_bytes_per_sequence(family_dirs):
 
 
 @pytest.mark.parametrize("family", CORE)
-def test_prefix_caching_hits_state_snapshots_and_changes_no_output(family_dirs, family):
+def test_prefix_caching_hits_state_snapshots_and_changes_no_bit(family_dirs, family):
     """Prompts sharing a 14-token head (different tails), then the same prompts again: the
-    state at block ends is snapshotted (the head's last full block, each prompt's last), so
-    later prompts start from a snapshot; the tokens equal a run without the cache, the
-    logprobs to the last bits (a mixer's state summed over other chunk splits rounds
-    differently: not bit-identical)."""
+    state is snapshotted on the prefill grid (8 tokens here), so later prompts start from a
+    snapshot and compute the very pieces a cold prefill does: tokens and logprobs
+    bit-identical to a run without the cache. MoE families run one sequence a step (an
+    expert's matmul rounds by how many tokens it gets, with or without the cache). Mamba-1's
+    scan cannot resume a multi-token forward from a state: no hits, same outputs."""
     d = family_dirs[family]
     head = _prompts(5)[0][:1] + list(range(10, 23))
     prompts = [head + p[1:] for p in _prompts(6)]
     prompts += prompts[:2]
     sp = SamplingParams(temperature=0, max_tokens=T, min_tokens=T, logprobs=1)
-    kw = dict(block_size=4, max_num_batched_tokens=16, max_num_seqs=2, num_kv_blocks=256)
+    kw = dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=256,
+              max_num_seqs=1 if family in ("qwen3_next", "minimax") else 2)
 
     def run(cache: bool):
         llm = LLM(d, enable_prefix_caching=cache, **kw)
@@ -262,8 +263,5 @@ def test_prefix_caching_hits_state_snapshots_and_changes_no_output(family_dirs, 
                   for c in o.outputs] for o in outs], llm.kv_stats())
 
     (on, stats), (off, _) = run(True), run(False)
-    assert stats.prefix_hit_tokens > 0
-    assert [[t for t, _ in o] for o in on] == [[t for t, _ in o] for o in off]
-    for o_on, o_off in zip(on, off):
-        for (_, a), (_, b) in zip(o_on, o_off):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert (stats.prefix_hit_tokens > 0) == (family != "jamba")
+    assert on == off

@@ -68,7 +68,7 @@ def test_swap_gives_the_bits_of_a_pool_that_never_preempts(family_dir, bs):
     preempts many times. Swapped out and back, the KV is the same bytes: no bit changes.
     Recomputed, the tokens are the same but the logprobs only close: a recomputed generated
     token's K/V comes from a prefill tile, not the decode row that first computed it, and
-    their attention kernels round differently (see Scheduler._chunk_size)."""
+    their attention kernels round differently (see engine/chunking.py)."""
     prompts = make_prompt_token_ids(5, 4, 24, vocab_size=512, seed=bs)
     prompts = [prompts[0][:6] + p[1:] for p in prompts]  # a shared head: prefix hits
     sps = [SamplingParams(n=3 if i % 2 else 1, temperature=0 if i % 2 == 0 else 1.0, seed=i,

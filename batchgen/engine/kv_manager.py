@@ -22,7 +22,7 @@ from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
 from batchgen.state.slots import StateOps, StateSlots
-from batchgen.state.snapshots import StateSnapshots
+from batchgen.state.snapshots import StateSnapshots, grid_cuts, merge_cuts
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -43,7 +43,7 @@ class KVManager:
     """Block tables, their batch rows and prefix-cache memos of the running sequences."""
 
     def __init__(self, block_manager: BlockManager, batch: PersistentBatch,
-                 state: StateSlots | None = None) -> None:
+                 state: StateSlots | None = None, grid: int = 0) -> None:
         self.block_manager = block_manager
         self.batch = batch
         self.state = state  # models with state mixers: each sequence's state slot
@@ -54,6 +54,9 @@ class KVManager:
                           and block_manager.enable_prefix_caching else None)
         self._kv_hits: dict[Sequence, int] = {}  # blocks the KV cache had at the last lookup
         self.block_size = block_manager.block_size
+        # state mixers: prompts' prefills are cut (chunks end, snapshots sit) on multiples of
+        # `grid` tokens, so their bits never depend on the cache or the step (0: no grid)
+        self.grid = grid
         self._swapped: dict[Sequence, int] = {}  # swapped out: tokens computed
         self._hashes: dict[Sequence, list[bytes]] = {}  # the prefix-hash memo (runs ahead)
         self._published: dict[Sequence, int] = {}  # full blocks published to the cache
@@ -363,6 +366,8 @@ class KVManager:
         n = leader.group.num_prompt_tokens
         hashes = self._hashes_of(leader, n)
         ends = {n // bs, max(n - 2, 0) // bs, self._kv_hits.pop(leader, 0)}
+        g = max(self.grid // bs, 1)  # snapshots only on the grid: a hit starts where a cold run cuts
+        ends = {k // g * g for k in ends}
         snaps.want(leader, {k * bs: hashes[k - 1] for k in ends if hit_blocks < k})
         if not hit_blocks:
             return self.state.alloc()
@@ -377,13 +382,16 @@ class KVManager:
 
     def take_state_ops(self, seqs: tuple[Sequence, ...], starts: np.ndarray,
                        num_new: np.ndarray) -> StateOps | None:
-        """The state moves owed before the next forward and the snapshots its rows take, or
-        None without state or rows (a plan without rows runs no forward: the moves wait)."""
+        """The state moves owed before the next forward and where its rows' mixers cut
+        (snapshots, grid points), or None without state or rows (a plan without rows runs no
+        forward: the moves wait)."""
         if self.state is None or not seqs:
             return None
-        snaps = None
+        snaps = np.zeros((3, 0), np.int64)
         if self.snapshots is not None and self.snapshots.wanting:
             snaps = self.snapshots.take({s: i for i, s in enumerate(seqs)}, starts, num_new)
+        if self.grid:
+            snaps = merge_cuts(snaps, grid_cuts(starts, num_new, self.grid))
         return self.state.take_ops(snaps)
 
     # ---- prefix caching -----------------------------------------------------------------------

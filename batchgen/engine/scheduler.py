@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from batchgen.engine.chunking import chunk_size
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from batchgen.kv.block_manager import PoolExhausted
@@ -243,9 +244,9 @@ class Scheduler:
             if (group in self._preempted_now or d.tokens == 0 or d.num_seqs == 0
                     or seq.status is not SequenceStatus.RUNNING):
                 continue
-            limit = self._chunk_limit(group, seq, self.kv.num_computed(seq),
-                                      group.fork_pending)
-            n = self._chunk_size(limit, d.tokens)
+            done = self.kv.num_computed(seq)
+            n = chunk_size(done, self._chunk_limit(group, seq, done, group.fork_pending),
+                           d.tokens, self.max_num_batched_tokens, self.kv.grid)
             if n > 0:
                 preempted |= self._schedule_unit(group, [seq], [n], d)[1]
         return preempted
@@ -269,19 +270,6 @@ class Scheduler:
         if fork_pending:
             return group.num_prompt_tokens - computed if seq is group.leader else 0
         return len(seq.token_ids) - computed - group.policy.held_tokens(group)
-
-    def _chunk_size(self, left: int, budget: int) -> int:
-        """Tokens of a prefill chunk with `left` tokens to go: as many as the budget allows, but
-        never a lone token out of a longer run (a one-query chunk runs as a decode row, whose
-        bits differ from the same position inside a prefill tile). Budgets under 3 tokens
-        cannot always avoid it, so they don't try."""
-        n = min(left, budget)
-        if n < left and self.max_num_batched_tokens >= 3:
-            if left - n == 1:
-                n -= 1
-            if n == 1:
-                n = 0
-        return n
 
     def _schedule_unit(self, group: SequenceGroup, seqs: list[Sequence], counts: list[int],
                        d: _Draft) -> tuple[bool, bool]:
@@ -344,7 +332,7 @@ class Scheduler:
         if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
             return None  # computed this step by an earlier request: hit it next step instead
         start = len(hit) * self.block_size
-        n = self._chunk_size(limit - start, d.tokens)
+        n = chunk_size(start, limit - start, d.tokens, self.max_num_batched_tokens, self.kv.grid)
         headroom = self.watermark_blocks if self.running else 0
         if n == 0 or not self.kv.can_admit(start + n, hit, headroom):
             return None

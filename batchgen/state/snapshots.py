@@ -1,7 +1,13 @@
 """Prefix caching for state mixers: a sequence's state at a block boundary, kept in a state
 slot and keyed with that block's chained hash (which covers every token before it), so a
 later prompt with the same prefix starts from the snapshot instead of the first token. The
-KV manager drives it; the runner takes the snapshots during the forward (StateOps.snaps)."""
+KV manager drives it; the runner takes the snapshots during the forward (StateOps.snaps).
+
+Bits: a mixer's state after [0, a) then [a, b) rounds differently from one forward over
+[0, b). So every prompt's mixer prefill is cut at the same points whatever the cache holds,
+the step budget or the other requests: the multiples of one grid (`prefill_grid`); chunks end
+on it, snapshots sit on it, and a prompt that starts from a snapshot computes the very
+pieces a cold prefill does (outputs bit-identical with the cache on or off)."""
 
 from __future__ import annotations
 
@@ -11,6 +17,34 @@ from collections.abc import Hashable
 import numpy as np
 
 from batchgen.state.slots import StateSlots
+
+GRID_TOKENS = 256  # about how many tokens one piece of a mixer's prefill holds
+
+
+def prefill_grid(block_size: int, max_num_batched_tokens: int) -> int:
+    """Tokens between the points every mixer prefill is cut at: a multiple of the block size
+    near GRID_TOKENS, at most half the step budget (a piece fits beside the decodes)."""
+    blocks = min(-(-GRID_TOKENS // block_size), max_num_batched_tokens // 2 // block_size)
+    return max(1, blocks) * block_size
+
+
+def grid_cuts(starts: np.ndarray, num_new: np.ndarray, grid: int) -> np.ndarray:
+    """The grid points strictly inside each row's chunk: [3, m] (row, tokens into its chunk,
+    -1: no snapshot), the cuts StateOps.snaps carries."""
+    first = starts // grid + 1  # the first grid index past each row's start
+    count = np.maximum((starts + num_new - 1) // grid - first + 1, 0)
+    row = np.repeat(np.arange(len(starts)), count)
+    k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    offset = (first[row] + k) * grid - starts[row]
+    return np.stack([row, offset, np.full(len(row), -1)]).astype(np.int64)
+
+
+def merge_cuts(snaps: np.ndarray, cuts: np.ndarray) -> np.ndarray:
+    """Snapshots and plain cuts in one [3, m]: a cut where a snapshot already is goes."""
+    taken = set(zip(snaps[0].tolist(), snaps[1].tolist()))
+    keep = [j for j, rc in enumerate(zip(cuts[0].tolist(), cuts[1].tolist()))
+            if rc not in taken]
+    return np.concatenate([snaps, cuts[:, keep]], axis=1)
 
 
 class StateSnapshots:
