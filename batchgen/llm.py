@@ -95,9 +95,9 @@ class LLM:
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
         self._busy = False
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
-        # sleep frees owned weights at one rank only (a shard's DTensors stay); load_weights
-        # and sleep reach every rank when each runs this code itself (external_launcher)
-        self._sleep = SleepState(self.cache, self.model, plan.module is None and k == 1)
+        # load_weights and sleep reach every rank only when each runs this code itself
+        # (external_launcher; each frees its own shards), else they are refused under TP
+        self._sleep = SleepState(self.cache, self.model, plan.module is None)
         self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
         self._weights_version = weights_version(self.model)
         log_capacity(built, self._executor.tp_size)
