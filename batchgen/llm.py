@@ -28,6 +28,7 @@ from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
 from batchgen.prompts import Conversation, PromptType
+from batchgen.sampling.logprobs_mode import check_beam_mode
 
 # A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
 # requests finish, few enough that a dataset of any size needs bounded memory.
@@ -132,13 +133,17 @@ class LLM:
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
         """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
         `generate_stream`."""
+        check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run_stream(prompts, params, BEAMS, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
                     use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
-        prompts run at once under continuous batching and beams share prefix blocks."""
+        prompts run at once under continuous batching and beams share prefix blocks. Each
+        token's logprob is the value the search ranked (the beam's processed log-probability);
+        a logits `logprobs_mode` is refused."""
+        check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run(prompts, params, BEAMS, use_tqdm)
 
     def chat(self, messages: Conversation | Seq[Conversation],
