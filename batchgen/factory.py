@@ -125,6 +125,7 @@ class Executor(Protocol):
     workers must build and size what rank 0 does (distributed/executor.py)."""
 
     tp_size: int
+    tp_mesh: Any  # the mesh this rank's shard is cut over (a subgroup's), None: the world's
 
     def setup(self, setup: RunnerSetup) -> None:
         """The other ranks build the same runner."""
@@ -153,6 +154,7 @@ class LocalExecutor:
     """One process, one rank: nothing to share."""
 
     tp_size = 1
+    tp_mesh = None
 
     def setup(self, setup: RunnerSetup) -> None:
         pass
@@ -304,9 +306,9 @@ class ModelParts:
     state: StateLayout | None = None  # its mixers' per-sequence state (None: attention only)
 
 
-def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
-    """Tokenizer, weights (this rank's shard), generation config, EOS and pad ids, and the
-    attention specs probed from the loaded model."""
+def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> ModelParts:
+    """Tokenizer, weights (this rank's shard: over `tp_mesh` when given, else the world),
+    generation config, EOS and pad ids, and the attention specs probed from the loaded model."""
     if plan.device.type == "cpu":
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
     tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
@@ -315,7 +317,7 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig) -> ModelParts:
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
     else:
         model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
-                                  cfg.trust_remote_code, cfg.tensor_parallel_size)
+                                  cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh)
         gen = loader.load_generation_config(plan.path)
         if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
             install_mla_latent(model, len(classify(plan.config).attention_layers))
@@ -426,7 +428,7 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     # a colocated trainer's tensors (a shared model's weights too) are not batchgen's use
     foreign = (torch.cuda.memory_allocated(plan.device)
                if plan.pool is None and plan.device.type == "cuda" else 0)
-    parts = load_parts(plan, cfg)
+    parts = load_parts(plan, cfg, executor.tp_mesh)
     pool, reserve = plan.pool, None
     if pool is None:
         reserve = _gpu_reserve(plan, cfg, parts.specs)

@@ -28,6 +28,7 @@ from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
 from batchgen.prompts import Conversation, PromptType
+from batchgen.sampling.logprobs_mode import check_beam_mode
 
 # A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
 # requests finish, few enough that a dataset of any size needs bounded memory.
@@ -95,9 +96,9 @@ class LLM:
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
         self._busy = False
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
-        # sleep frees owned weights at one rank only (a shard's DTensors stay); load_weights
-        # and sleep reach every rank when each runs this code itself (external_launcher)
-        self._sleep = SleepState(self.cache, self.model, plan.module is None and k == 1)
+        # load_weights and sleep reach every rank only when each runs this code itself
+        # (external_launcher; each frees its own shards), else they are refused under TP
+        self._sleep = SleepState(self.cache, self.model, plan.module is None)
         self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
         self._weights_version = weights_version(self.model)
         log_capacity(built, self._executor.tp_size)
@@ -132,13 +133,17 @@ class LLM:
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
         """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
         `generate_stream`."""
+        check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run_stream(prompts, params, BEAMS, use_tqdm)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
                     use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
-        prompts run at once under continuous batching and beams share prefix blocks."""
+        prompts run at once under continuous batching and beams share prefix blocks. Each
+        token's logprob is the value the search ranked (the beam's processed log-probability);
+        a logits `logprobs_mode` is refused."""
+        check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run(prompts, params, BEAMS, use_tqdm)
 
     def chat(self, messages: Conversation | Seq[Conversation],

@@ -213,12 +213,26 @@ def test_swap_flags_reach_the_llm_arguments() -> None:
     assert (kw["swap_space"], kw["preemption_mode"]) == (1.5, "recompute")
 
 
-def test_the_async_scheduling_flag_reaches_the_llm_arguments() -> None:
+def test_the_async_scheduling_and_logprobs_mode_flags_reach_the_llm_arguments(
+        jsonl: Path, tmp_path: Path, capsys) -> None:
     argv = ["generate", "--model", "m", "--input", "x.jsonl", "--output", "o"]
-    assert engine_kwargs(build_parser().parse_args(argv), None)["async_scheduling"] is None
+    kw = engine_kwargs(build_parser().parse_args(argv), None)
+    assert (kw["async_scheduling"], kw["logprobs_mode"]) == (None, "raw_logprobs")
     for flag, value in (("--async-scheduling", True), ("--no-async-scheduling", False)):
         args = build_parser().parse_args([*argv, flag])
         assert engine_kwargs(args, None)["async_scheduling"] is value
+    for command in (argv, ["run-batch", "-i", "x.jsonl", "-o", "o.jsonl", "--model", "m"]):
+        args = build_parser().parse_args([*command, "--logprobs-mode", "processed_logprobs"])
+        assert engine_kwargs(args, None)["logprobs_mode"] == "processed_logprobs"
+    with pytest.raises(SystemExit):  # argparse names the choices
+        build_parser().parse_args([*argv, "--logprobs-mode", "processed"])
+    assert "--logprobs-mode: invalid choice: 'processed'" in capsys.readouterr().err
+    # beams sum log-probabilities: a logits mode is refused before the model would load
+    code, err = run_main(["beam", "--model", str(tmp_path / "no-model"), "--input", str(jsonl),
+                          "--output", str(tmp_path / "out"), "--beam-width", "2",
+                          "--logprobs-mode", "raw_logits"], capsys)
+    assert code == 2 and "--logprobs-mode must be one of ('raw_logprobs', 'processed_logprobs') " \
+        "for beam search" in err, err
 
 
 def test_two_ranks_write_the_rows_of_one(tiny_model_factory, jsonl: Path, tmp_path: Path,

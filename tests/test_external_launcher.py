@@ -1,7 +1,9 @@
-"""distributed_executor_backend="external_launcher": under `torchrun --nproc-per-node 2` (gloo,
-CPU) every rank runs the whole script (SPMD, as TRL's colocated tensor parallelism does) and
-gets the same outputs as tensor_parallel_size=1; load_weights sends each rank the full tensor
-(each keeps its shard); sleep / wake_up work on every rank."""
+"""distributed_executor_backend="external_launcher": under `torchrun --nproc-per-node 4` (gloo,
+CPU) every rank runs the whole script (SPMD, as TRL's colocated tensor parallelism does). At
+tensor_parallel_size 2 the world is two groups of consecutive ranks, each generating for its own
+prompts, and each gets the outputs of tensor_parallel_size 1 on them; load_weights sends each
+rank the full tensor (each keeps its shard); level-2 sleep frees every rank's shards and
+wake_up + load_weights brings them back. At tensor_parallel_size 1 each rank is its own engine."""
 
 from __future__ import annotations
 
@@ -19,81 +21,120 @@ from batchgen import LLM, SamplingParams
 
 SCRIPT = """
 import json, os, sys
+from pathlib import Path
 import torch
+from safetensors.torch import load_file
 from batchgen import LLM, SamplingParams
 
-def run(llm):
+def run(llm, i):
+    # the i-th data-parallel copy's prompts
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
     sampled = SamplingParams(temperature=0.7, top_k=20, max_tokens=6, ignore_eos=True, seed=3,
                              logprobs=0, n=2)
-    outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33, 70]}, {"prompt_token_ids": [1, 8]}],
-                        greedy, use_tqdm=False)
-    outs += llm.generate([{"prompt_token_ids": [1, 44, 45, 46]}], sampled, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": [1, 5, 9, 33 + i, 70]},
+                         {"prompt_token_ids": [1, 8 + i]}], greedy, use_tqdm=False)
+    outs += llm.generate([{"prompt_token_ids": [1, 44, 45, 46 + i]}], sampled, use_tqdm=False)
     return [[list(c.token_ids), [c.logprobs[j][t].logprob for j, t in enumerate(c.token_ids)]]
             for o in outs for c in o.outputs]
 
-def steps(llm, lm_head):
-    first = run(llm)
-    llm.load_weights([("lm_head.weight", lm_head)])
-    second = run(llm)
-    llm.sleep(level=1)  # the pool goes and comes back (level 2 is tested at one rank)
-    assert llm.cache.pool.untyped_storage().nbytes() == 0
-    llm.wake_up()
-    return [first, second, run(llm)]
+def weight_bytes(llm):
+    # this rank's: a DTensor's shard, or a replicated (norm) weight
+    return sum((p.to_local() if hasattr(p, "to_local") else p).untyped_storage().nbytes()
+               for p in llm.model.parameters())
 
-def main(path, k):
-    kw = dict(num_kv_blocks=32, block_size=4, enable_sleep_mode=True,
-              logprobs_mode="processed_logprobs", seed=0)
-    if k > 1:
-        kw.update(tensor_parallel_size=k, distributed_executor_backend="external_launcher")
-    llm = LLM(path, **kw)
+def lm_head(llm):
     gen = torch.Generator().manual_seed(0)
-    lm_head = torch.randn(llm.vocab_size, llm.config.hidden_size, generator=gen) * 0.2
-    return steps(llm, lm_head)
+    return torch.randn(llm.vocab_size, llm.config.hidden_size, generator=gen) * 0.2
+
+def steps(llm, i, path):
+    first = run(llm, i)
+    head = lm_head(llm)
+    llm.load_weights([("lm_head.weight", head)])
+    second = run(llm, i)
+    llm.sleep(level=2)  # every rank frees its own shards, and its pool
+    freed = weight_bytes(llm) == 0 and llm.cache.pool.untyped_storage().nbytes() == 0
+    llm.wake_up(tags=["weights"])  # TRL's order: weights, load, then the cache
+    state = load_file(str(next(Path(path).glob("*.safetensors"))))
+    llm.load_weights(list(state.items()) + [("lm_head.weight", head)])
+    llm.wake_up(tags=["kv_cache"])
+    return [first, second, run(llm, i)], freed
+
+def main(path, out):
+    rank = int(os.environ["RANK"])
+    kw = dict(num_kv_blocks=32, block_size=4, enable_sleep_mode=True, seed=0,
+              logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher")
+    tp = LLM(path, tensor_parallel_size=2, **kw)
+    q = tp.model.model.layers[0].self_attn.q_proj.weight  # this rank's half of the heads
+    assert q.to_local().shape[0] * 2 == q.shape[0] and q.device_mesh.size() == 2
+    tp_runs, freed = steps(tp, rank // 2, path)
+    dp = run(LLM(path, **kw), rank)  # tensor_parallel_size 1: this rank's own engine
+    with open(os.path.join(out, f"result-{rank}.json"), "w") as f:  # their stdout interleaves
+        json.dump({"tp": tp_runs, "freed": freed, "dp": dp}, f)
 
 if __name__ == "__main__":
-    path, k, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    result = json.dumps(main(path, k))  # a file per rank: their stdout lines interleave
-    with open(os.path.join(out, "result-" + os.environ.get("RANK", "-") + ".json"), "w") as f:
-        f.write(result)
+    main(sys.argv[1], sys.argv[2])
 """
 
 
-def results(folder) -> dict[str, list]:
+def results(folder) -> dict[str, dict]:
     return {f.stem.removeprefix("result-"): json.loads(f.read_text())
             for f in folder.glob("result-*.json")}
 
 
-def test_tp2_under_torchrun_equals_tp1_on_every_rank(tiny_model_factory, tmp_path) -> None:
+def assert_same(got: list, want: list, where: str) -> None:
+    """Tokens equal, logprobs to 1e-4 (the shards' sums round differently)."""
+    assert [t for t, _ in got] == [t for t, _ in want], where
+    for (_, lp_got), (_, lp_want) in zip(got, want):
+        assert lp_got == pytest.approx(lp_want, abs=1e-4), where
+
+
+def test_tp_groups_and_data_parallel_ranks_under_torchrun_equal_one_rank(tiny_model_factory,
+                                                                         tmp_path) -> None:
     path = tiny_model_factory("llama")
     script = tmp_path / "external.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
-    (two := tmp_path / "tp2").mkdir()
-    tp2 = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(script), str(path), "2", str(two)], capture_output=True, text=True,
-                         timeout=180, env=env)
-    assert tp2.returncode == 0, tp2.stderr[-3000:]
-    # the same script at tensor_parallel_size 1, here (JSON: the form the ranks wrote)
-    want, got = json.loads(json.dumps(runpy.run_path(str(script))["main"](str(path), 1))), \
-        results(two)
-    assert sorted(got) == ["0", "1"]  # both ranks ran the script and got every output
-    for rank in ("0", "1"):
-        for stage_got, stage_want in zip(got[rank], want):
-            assert [t for t, _ in stage_got] == [t for t, _ in stage_want], rank
-            for (_, lp_got), (_, lp_want) in zip(stage_got, stage_want):
-                assert lp_got == pytest.approx(lp_want, abs=1e-4)
-    assert got["0"] == got["1"]  # the ranks agree bit for bit
-    assert [t for t, _ in want[0]] != [t for t, _ in want[1]]  # load_weights changed them
-    assert want[1] == want[2]  # slept, woke: the same
+    (out := tmp_path / "out").mkdir()
+    world = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                            "4", str(script), str(path), str(out)], capture_output=True,
+                           text=True, timeout=300, env=env)
+    assert world.returncode == 0, world.stderr[-3000:]
+    got = results(out)
+    assert sorted(got) == ["0", "1", "2", "3"]
+    # the same prompts at tensor_parallel_size 1 in this process, before and after the new
+    # lm_head (JSON: the form the ranks wrote)
+    ns = runpy.run_path(str(script))
+    llm = LLM(path, num_kv_blocks=32, block_size=4, seed=0, logprobs_mode="processed_logprobs")
+    before = json.loads(json.dumps([ns["run"](llm, i) for i in range(4)]))
+    llm.load_weights([("lm_head.weight", ns["lm_head"](llm))])
+    after = json.loads(json.dumps([ns["run"](llm, i) for i in range(2)]))
+    assert before[0] != before[1] and before[0] != after[0]  # the groups' prompts, the weights
+    for rank, res in got.items():
+        group = int(rank) // 2
+        assert res["freed"], rank
+        assert_same(res["tp"][0], before[group], f"rank {rank}: tensor parallel")
+        assert_same(res["tp"][1], after[group], f"rank {rank}: after load_weights")
+        assert res["tp"][2] == res["tp"][1], rank  # slept, woke, reloaded: the same
+        assert_same(res["dp"], before[int(rank)], f"rank {rank}: data parallel")
+    assert got["0"]["tp"] == got["1"]["tp"] and got["2"]["tp"] == got["3"]["tp"]  # bit for bit
 
 
-def test_external_launcher_without_a_world_is_refused(tiny_model_factory, monkeypatch) -> None:
+def test_external_launcher_without_a_world_or_with_an_uneven_one_is_refused(
+        tiny_model_factory, monkeypatch, tmp_path) -> None:
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     assert not torch.distributed.is_initialized()
+    kw = dict(tensor_parallel_size=2, num_kv_blocks=32,
+              distributed_executor_backend="external_launcher")
     with pytest.raises(ValueError, match="runs inside a torch.distributed world: start the "
                                          "script with torchrun"):
-        LLM(tiny_model_factory("llama"), tensor_parallel_size=2, num_kv_blocks=32,
-            distributed_executor_backend="external_launcher")
+        LLM(tiny_model_factory("llama"), **kw)
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:  # a world of 1 does not split into groups of 2
+        with pytest.raises(ValueError, match=r"tensor_parallel_size must divide the world size "
+                                             r"\(1\) .* got 2"):
+            LLM(tiny_model_factory("llama"), **kw)
+    finally:
+        torch.distributed.destroy_process_group()
     assert SamplingParams  # the module's imports stay used

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from batchgen import LLM, SamplingParams
+from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.params import SamplingParams as Params
 from batchgen.sampling.logprobs_mode import LOGPROBS_MODES
 from batchgen.sampling.sampler import Sampler
@@ -127,4 +127,27 @@ def test_llm_sample_and_prompt_logprobs_per_mode_match_hf(model_dir, mode: str) 
         for j in range(1, len(prompt)):  # prompt token j, scored at position j-1, no penalties
             want = hf_values(mode, logits[j - 1], p, ids[:j], penalties=False)
             for t, lp in out.prompt_logprobs[j].items():
+                assert close(lp.logprob, want[t].item(), 1e-4), (mode, j, t)
+    beam = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.3, temperature=0.8)
+    if mode not in ("raw_logprobs", "processed_logprobs"):  # refused before any work
+        for call in (llm.beam_search, llm.beam_search_stream):
+            with pytest.raises(ValueError, match=r"logprobs_mode must be one of \('raw_logprobs"
+                                                 rf"', 'processed_logprobs'\) for beam search.*"
+                                                 f"got '{mode}'"):
+                call([{"prompt_token_ids": prompt}], beam, use_tqdm=False)
+        assert llm.kv_stats().prompt_tokens_computed == len(prompt) * 2  # generate's only
+        return
+    # a beam's tokens report the values the search ranked: HF's log_softmax, then the beam's
+    # repetition penalty and temperature, in both modes (sampling/logprobs_mode.py)
+    for seq in llm.beam_search([{"prompt_token_ids": prompt}], beam, use_tqdm=False)[0].sequences:
+        ids = prompt + seq.token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].float()
+        for j, tok in enumerate(seq.token_ids):
+            pos = len(prompt) - 1 + j
+            want = TemperatureLogitsWarper(0.8)(None, RepetitionPenaltyLogitsProcessor(1.3)(
+                torch.tensor([ids[:pos + 1]]), torch.log_softmax(logits[pos:pos + 1], -1)))[0]
+            assert tok in seq.logprobs[j] and len(seq.logprobs[j]) >= 2  # its own, the top 2
+            for t, lp in seq.logprobs[j].items():
                 assert close(lp.logprob, want[t].item(), 1e-4), (mode, j, t)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from batchgen.sampling.logprobs_mode import LOGPROBS_MODES
+
 
 def engine_args(p: argparse.ArgumentParser) -> None:
     """Add the "engine" group of flags."""
@@ -32,6 +34,10 @@ def engine_args(p: argparse.ArgumentParser) -> None:
     e.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
                    help="plan the next step while this one's forward runs (same outputs); "
                         "default: $BATCHGEN_ASYNC_SCHEDULING, else off")
+    e.add_argument("--logprobs-mode", default="raw_logprobs", choices=LOGPROBS_MODES,
+                   help="what logprobs report (vLLM's): the model's raw log-softmax or logits, "
+                        "or the processed ones each token was drawn from (after penalties, "
+                        "temperature, top-k/top-p/min-p); default raw_logprobs")
 
 
 def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict[str, Any]:
@@ -44,4 +50,5 @@ def engine_kwargs(args: argparse.Namespace, kv_cache_memory: int | None) -> dict
                 num_kv_blocks=args.num_kv_blocks, dtype=args.dtype, device=args.device,
                 attention_backend=args.attention_backend, seed=args.seed,
                 tensor_parallel_size=args.tensor_parallel_size, swap_space=args.swap_space,
-                preemption_mode=args.preemption_mode, async_scheduling=args.async_scheduling)
+                preemption_mode=args.preemption_mode, async_scheduling=args.async_scheduling,
+                logprobs_mode=args.logprobs_mode)

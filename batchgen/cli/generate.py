@@ -12,6 +12,7 @@ from typing import Any
 from batchgen.checks import check
 from batchgen.cli.common import EXIT_INTERRUPTED, CliError
 from batchgen.cli.engine import engine_args, engine_kwargs
+from batchgen.sampling.logprobs_mode import check_beam_mode
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
           args.shard_seconds)
     check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
           args.tensor_parallel_size)
+    if args.kind == "beam":
+        check_beam_mode(args.logprobs_mode, "--logprobs-mode")
     params = _params(args)
     return _run_job(args, params, memory)
 

@@ -21,6 +21,7 @@ class TPExecutor:
     def __init__(self, group: TPGroup) -> None:
         self.group = group
         self.tp_size = group.spec.tp_size
+        self.tp_mesh = None  # the group is the whole world: transformers builds its mesh
 
     def agree(self, pool: PoolSize) -> PoolSize:
         """Rank 0 sizes the pool and sends it with the setup."""

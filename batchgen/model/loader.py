@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 if TYPE_CHECKING:  # transformers' model code is imported when a model loads, not before
+    from torch.distributed.device_mesh import DeviceMesh
     from transformers import GenerationConfig, PretrainedConfig
 
 from batchgen.attention.mla import mla_cache_mode
@@ -21,6 +22,7 @@ from batchgen.model.families import (
     classify,
     text_config,
 )
+from batchgen.model.submesh import sharded_class
 
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -177,11 +179,12 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
-               device: torch.device, trust_remote_code: bool = False, tp_size: int = 1
-               ) -> torch.nn.Module:
+               device: torch.device, trust_remote_code: bool = False, tp_size: int = 1,
+               tp_mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Load safetensors weights with batchgen's attention registered and selected; with
-    tp_size > 1 (inside a process group of that size), this rank's shard, split by
-    transformers' own tensor-parallel plan."""
+    tp_size > 1, this rank's shard, split by transformers' own tensor-parallel plan over the
+    whole world (a process group of that size) or over `tp_mesh`'s "tp" dimension (a
+    subgroup: model/submesh.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -190,8 +193,10 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
     extra = {} if tp_size == 1 else {"distributed_config": _distributed_config(tp_size)}
+    cls = (AutoModelForCausalLM if tp_mesh is None or tp_size == 1
+           else sharded_class(config, tp_mesh, device))
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = cls.from_pretrained(
             path, config=config, dtype=dtype, attn_implementation=register(),
             trust_remote_code=trust_remote_code, **extra)
     finally:

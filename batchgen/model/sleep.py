@@ -4,9 +4,10 @@ process it shares (a trainer between rollouts), and take it again.
 Level 1 frees the KV pool and offloads the weights batchgen loaded to CPU RAM (on the CPU
 they stay where they are); level 2 frees the pool and discards those weights (the caller
 sends new ones with `load_weights` after `wake_up(tags=["weights"])`). A shared model's
-weights (`LLM(model=<module>)`) are the caller's and are never touched. The pool's storage
-is resized in place, so every view of it (per-layer views, backends) stays valid; its
-contents are gone, so the caller resets the prefix cache.
+weights (`LLM(model=<module>)`) are the caller's and are never touched. Under tensor
+parallelism each rank frees its own shards (a DTensor stays; its local tensor's memory goes).
+The pool's storage is resized in place, so every view of it (per-layer views, backends) stays
+valid; its contents are gone, so the caller resets the prefix cache.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class SleepState:
         self.asleep: set[str] = set()
         # the pool's tensors (one, or K and V apart when their widths differ) and their bytes
         self._pool_bytes = [t.untyped_storage().nbytes() for t in cache.tensors]
-        # each Parameter asleep: its shape, and its CPU copy at level 1 (None: discarded)
-        self._weights: dict[torch.nn.Parameter, tuple[torch.Size, torch.Tensor | None]] = {}
+        # each weight asleep (a Parameter, or a DTensor's local shard): its shape, and its CPU
+        # copy at level 1 (None: discarded)
+        self._weights: dict[torch.Tensor, tuple[torch.Size, torch.Tensor | None]] = {}
 
     def sleep(self, level: int) -> None:
         """Free the pool; offload (1) or discard (2) the weights batchgen owns."""
@@ -48,7 +50,7 @@ class SleepState:
         device = next(self.model.parameters()).device
         if level == 1 and device.type == "cpu":
             return  # offloading to CPU RAM from CPU RAM frees nothing
-        for p in self.model.parameters():  # each Parameter once: tied weights share one
+        for p in map(own_memory, self.model.parameters()):  # tied weights are one Parameter
             self._weights[p] = (p.data.shape, p.data.to("cpu") if level == 1 else None)
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.asleep.add(WEIGHTS)
@@ -78,3 +80,11 @@ class SleepState:
             tags = sorted(asleep)
             raise RuntimeError(f"this LLM's {' and '.join(tags)} are asleep: call "
                                f"wake_up(tags={tags}) first")
+
+
+def own_memory(p: torch.Tensor) -> torch.Tensor:
+    """The tensor holding `p`'s memory on this rank: a tensor-parallel DTensor's local shard
+    (its `to_local()` is a fresh view for a Parameter since torch 2.13, and a CPU shard read
+    from safetensors is a memory map whose storage cannot be resized: swapping the local
+    tensor's data is the one way to free it), else `p` itself."""
+    return p._local_tensor if hasattr(p, "to_local") else p  # type: ignore[attr-defined]

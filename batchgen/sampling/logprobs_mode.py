@@ -6,23 +6,35 @@ the min_tokens ban, and for sampled rows temperature, top-k, top-p and min-p (gr
 before temperature, as in vLLM). *_logprobs are log-softmaxes of those values (masked tokens
 -inf), *_logits the values themselves. RL trainers (TRL) compare processed logprobs with their
 own temperature-scaled recomputation.
+
+Beam search ranks hypotheses by summed log-probabilities (HF's: log_softmax, then the beam's
+processors), and reports those values for the chosen tokens: they are the processed_logprobs of
+a beam (and equal the raw ones when the beam has no repetition penalty, temperature or
+diversity penalty). The logits modes have no meaning for beams and are refused.
 """
 
 from __future__ import annotations
 
 import torch
 
-from batchgen.checks import check_choice
+from batchgen.checks import check, check_choice
 
 RAW_LOGPROBS, PROCESSED_LOGPROBS = "raw_logprobs", "processed_logprobs"
 RAW_LOGITS, PROCESSED_LOGITS = "raw_logits", "processed_logits"
 LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS, RAW_LOGITS, PROCESSED_LOGITS)
+BEAM_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
 
 
 def check_logprobs_mode(mode: object) -> str:
     """The mode, or a ValueError naming the allowed ones."""
     check_choice(mode, "logprobs_mode", LOGPROBS_MODES)
     return mode  # type: ignore[return-value]
+
+
+def check_beam_mode(mode: str, name: str = "logprobs_mode") -> None:
+    """ValueError for a logits mode with beam search (beams sum log-probabilities)."""
+    check(mode in BEAM_MODES, name, f"one of {BEAM_MODES} for beam search (beams are ranked "
+          "by summed log-probabilities, not logits)", mode)
 
 
 def is_processed(mode: str) -> bool:
