@@ -205,7 +205,7 @@ class PoolSize:
 def kv_layout(cfg: EngineConfig, geo: KVGeometry, model_dtype: torch.dtype) -> KVLayout:
     """The pool's dtype, β for this rank's KV heads (`geo`), and the wanted max_model_len."""
     kv_dtype = kv_cache_torch_dtype(cfg.kv_cache_dtype, model_dtype)
-    beta = kv_cache_bytes(geo.num_layers, geo.num_kv_heads, geo.head_dim, 1,
+    beta = kv_cache_bytes(geo.num_kv_layers, geo.num_kv_heads, geo.head_dim, 1,
                           torch.empty((), dtype=kv_dtype).element_size(),
                           head_dim_v=geo.stored_v_width)
     return KVLayout(kv_dtype, beta, target_max_model_len(cfg, geo.max_position_embeddings))

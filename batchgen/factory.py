@@ -118,6 +118,7 @@ class RunnerSetup:
     num_host_blocks: int = 0  # the swap pool (swap_space), block ids as rank 0's
     head_dim_v: int | None = None  # values' width when it differs from the keys' (MLA)
     latent: bool = False  # MLA latent: the values are the keys' first head_dim_v
+    kv_layers: tuple[int, ...] | None = None  # the layers holding K/V (None: every layer)
 
 
 class Executor(Protocol):
@@ -230,7 +231,9 @@ def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torc
           ) -> EnginePlan:
     """The plan's KV side: this rank's geometry, the pool's layout, the backends to try and
     (unless the GPU's free memory sizes it) the pool."""
-    geo = loader.kv_geometry(config, latent)
+    state = config_state(config, model_dtype, cfg.trust_remote_code)  # refusals: no weights
+    geo = loader.with_kv_layers(loader.kv_geometry(config, latent),
+                                state.attention_layers if state is not None else None)
     k = cfg.tensor_parallel_size
     if geo.latent and k > 1:
         raise ValueError(f"tensor_parallel_size={k}: an MLA latent cache has one KV head to "
@@ -241,7 +244,6 @@ def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torc
         dev, model_dtype, layout.kv_dtype, geo.head_dim))
     pool = (None if pool_from_gpu_memory(dev, cfg)
             else size_pool(cfg, layout, dev, None, cfg.swap_space))
-    state = config_state(config, model_dtype, cfg.trust_remote_code)  # refusals: no weights
     if state is not None and k > 1:
         raise ValueError("tensor_parallel_size must be 1 for models with state mixers "
                          f"({config.model_type}), got {k}")
@@ -324,6 +326,10 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
     with paged_forward(model) if plan.module is not None else nullcontext():
         probed, state = probe_layers(model, plan.geo.num_layers, plan.device)
     geo = plan.geo
+    attending = [i for i, s in enumerate(probed) if s is not None]
+    if geo.kv_layers is not None and not set(attending) <= set(geo.kv_layers):
+        raise RuntimeError(f"model family {plan.config.model_type!r}: layers {attending} "
+                           f"attend, but the plan gave K/V rows to {list(geo.kv_layers)}")
     specs = fill_specs(probed, geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim,
                        plan.dtype)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
@@ -349,7 +355,8 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     of max_num_seqs, growing when n samples or beams hold more) behind the cache seam;
     `shared`: the model is the caller's (attention switched per forward)."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
-                    setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent)
+                    setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent,
+                    setup.kv_layers)
     backend = make_backend(cache)
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
@@ -557,7 +564,8 @@ def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: 
     return RunnerSetup(geo.num_layers, geo.num_kv_heads, geo.head_dim, pool.num_blocks,
                        cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
                        (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
-                        plan.min_rows()), pool.num_host_blocks, geo.head_dim_v, geo.latent)
+                        plan.min_rows()), pool.num_host_blocks, geo.head_dim_v, geo.latent,
+                       geo.kv_layers)
 
 
 def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]

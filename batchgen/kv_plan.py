@@ -56,7 +56,7 @@ class KvPlan:
     """The paged pool `LLM` would allocate for these settings, and what it holds."""
 
     model_type: str
-    num_layers: int  # L
+    num_layers: int  # L: the layers holding K/V (a hybrid's mixer layers hold state instead)
     num_kv_heads: int  # H_kv
     head_dim: int  # d_h
     model_dtype: str
@@ -189,12 +189,13 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
                        max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory=memory)
     model_dtype = loader.resolve_dtype(dtype, config)
-    geo = loader.kv_geometry(config)
+    state = config_state(config, model_dtype)
+    geo = loader.with_kv_layers(loader.kv_geometry(config),
+                                state.attention_layers if state is not None else None)
     layout = engine_config.kv_layout(cfg, geo, model_dtype)
     pool = engine_config.size_pool(cfg, layout, _CPU, None, swap_space)
-    state = config_state(config, model_dtype)
     return KvPlan(
-        model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_layers,
+        model_type=str(getattr(config, "model_type", "")), num_layers=geo.num_kv_layers,
         num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim,
         model_dtype=_dtype_name(model_dtype), kv_dtype=_dtype_name(layout.kv_dtype),
         dtype_bytes=torch.empty((), dtype=layout.kv_dtype).element_size(),

@@ -225,19 +225,30 @@ def test_a_layer_without_managed_memory_is_refused_before_the_weights_load(tmp_p
         LLM(str(tmp_path), num_kv_blocks=16)
 
 
-def test_kv_plan_reports_state_bytes_per_sequence(family_dirs):
+@pytest.mark.parametrize("family", ["falcon_h1", "qwen3_next"])
+def test_kv_plan_reports_state_bytes_per_sequence_and_kv_of_attention_layers(family_dirs,
+                                                                             family):
     """kv-plan, from the config alone (the model built on the meta device), reports the
-    state the loaded model holds per sequence."""
+    state the loaded model holds per sequence, and a pool whose K/V rows belong to the
+    attention layers only (falcon_h1 attends in every layer, qwen3_next in one of four)."""
     from transformers import AutoConfig
 
     from batchgen.kv_plan import plan_kv
 
-    d = family_dirs["falcon_h1"]
-    plan = plan_kv(AutoConfig.from_pretrained(d), max_num_seqs=4)
+    d = family_dirs[family]
+    config = AutoConfig.from_pretrained(d)
+    plan = plan_kv(config, max_num_seqs=4)
     llm = LLM(d, num_kv_blocks=16, max_num_seqs=4)
     llm.generate(_ids(_prompts()[:1]), SamplingParams(max_tokens=1), use_tqdm=False)
     assert plan.state_bytes_per_seq == llm.kv_stats().state_bytes_per_seq > 0
     assert "mixer state" in plan.capacity_line()
+    attending = [i for i, t in enumerate(config.layer_types) if "attention" in t
+                 and t != "linear_attention"] if family == "qwen3_next" else list(
+                     range(config.num_hidden_layers))
+    assert 0 < len(attending) == plan.num_layers == llm.cache.tensors[0].shape[0]
+    assert [k is not None for k in llm.cache.k_blocks] == [
+        i in attending for i in range(config.num_hidden_layers)]
+    assert plan.bytes_per_token == llm.cache.bytes_per_token == llm.cache_config.bytes_per_token
 
 
 @pytest.mark.parametrize("family", CORE)

@@ -55,7 +55,8 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 head_dim_v: int | None = None, v_in_k: bool = False) -> None:
+                 head_dim_v: int | None = None, v_in_k: bool = False,
+                 kv_layers: tuple[int, ...] | None = None) -> None:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.quantized = dtype in FP8_DTYPES
@@ -68,7 +69,10 @@ class KVCache:
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = kv_pool_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        # a hybrid's mixer layers hold no K/V: the pool has rows for `kv_layers` only
+        self.kv_layers = tuple(range(num_layers)) if kv_layers is None else tuple(kv_layers)
+        shape = kv_pool_shape(len(self.kv_layers), num_blocks, block_size, num_kv_heads,
+                              head_dim)
         self.v_in_k = v_in_k
         if v_in_k:  # an MLA latent: the values are the keys' first head_dim_v (no V tensor)
             self.pool = None
@@ -86,14 +90,24 @@ class KVCache:
                                 device=device)
             self.tensors = (k_all, v_all)
             k_pool, v_pool = k_all[:, 0], v_all[:, 0]
-        # per layer [blocks + 1, block_size, kv_heads, width]: what attention reads
-        self.k_blocks = list(k_pool.unbind(0))
-        self.v_blocks = list(v_pool.unbind(0))
+        # per model layer [blocks + 1, block_size, kv_heads, width]: what attention reads
+        # (None for a layer without K/V: reading it is a bug, never a wrong layer's bytes)
+        self.k_blocks = self._by_layer(list(k_pool.unbind(0)))
+        self.v_blocks = self._by_layer(list(v_pool.unbind(0)))
         slots = (num_blocks + 1) * block_size
         # Flat per-layer views [slots, kv_heads, width]: writes index these.
-        self.k_flat = [k.view(slots, num_kv_heads, head_dim) for k in self.k_blocks]
+        self.k_flat = [None if k is None else k.view(slots, num_kv_heads, head_dim)
+                       for k in self.k_blocks]
         self.v_flat = ([] if v_in_k else
-                       [v.view(slots, num_kv_heads, self.head_dim_v) for v in self.v_blocks])
+                       [None if v is None else v.view(slots, num_kv_heads, self.head_dim_v)
+                        for v in self.v_blocks])
+
+    def _by_layer(self, rows: list[torch.Tensor]) -> list:
+        """The pool's per-layer rows placed at their model layers (None where none)."""
+        out: list[torch.Tensor | None] = [None] * self.num_layers
+        for layer, row in zip(self.kv_layers, rows):
+            out[layer] = row
+        return out
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V blocks, each [blocks + 1, block_size, kv_heads, width]."""
@@ -106,8 +120,9 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        """β = L · H_kv · (d_k + d_v) · b (2 · L · H_kv · d_h · b when the widths agree)."""
-        return kv_cache_bytes(self.num_layers, self.num_kv_heads, self.head_dim, 1,
+        """β = L · H_kv · (d_k + d_v) · b (2 · L · H_kv · d_h · b when the widths agree), L
+        the layers holding K/V."""
+        return kv_cache_bytes(len(self.kv_layers), self.num_kv_heads, self.head_dim, 1,
                               self.tensors[0].element_size(),
                               head_dim_v=0 if self.v_in_k else self.head_dim_v)
 

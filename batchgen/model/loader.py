@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +42,12 @@ class KVGeometry:
     max_position_embeddings: int | None
     head_dim_v: int | None = None  # the values' width when it differs (MLA decompressed)
     latent: bool = False  # an MLA latent: one head of lora + rope, values its first lora
+    kv_layers: tuple[int, ...] | None = None  # the layers holding K/V (None: every layer)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """L of β: the layers that keep K/V rows in the pool (a hybrid's attention ones)."""
+        return self.num_layers if self.kv_layers is None else len(self.kv_layers)
 
     @property
     def stored_v_width(self) -> int:
@@ -157,6 +163,14 @@ def kv_geometry(config: PretrainedConfig, latent: bool | None = None) -> KVGeome
                 else getattr(text, "num_key_value_heads", None) or heads)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return KVGeometry(text.num_hidden_layers, kv_heads, head_dim, max_pos)
+
+
+def with_kv_layers(geo: KVGeometry, attention_layers: tuple[int, ...] | None) -> KVGeometry:
+    """The geometry with only these layers holding K/V (a hybrid's mixer layers keep state,
+    not K/V); a model without any keeps one tiny layer so the pool's arithmetic stands."""
+    if attention_layers is None:
+        return geo
+    return replace(geo, kv_layers=tuple(attention_layers) or (0,))
 
 
 TOKENIZER_FILES = "tokenizer.json|tokenizer_config.json|tokenizer.model|vocab.json"

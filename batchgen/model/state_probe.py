@@ -79,6 +79,8 @@ def probe_layers(model: torch.nn.Module, num_layers: int, device: torch.device,
             f"model family {family!r}: layers {missing} ({_layer_kinds(model, missing)}) "
             "neither attend through batchgen's attention nor keep their state in "
             "transformers' cache: this architecture is not supported")
+    if layout is not None:
+        layout = replace(layout, attention_layers=tuple(sorted(probe.specs)))
     if layout is not None and check_chunks:
         layout = replace(layout, continues_chunks=_continues_chunks(model, layout, device))
     return [probe.specs.get(i) for i in range(num_layers)], layout

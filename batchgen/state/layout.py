@@ -41,6 +41,7 @@ class StateLayout:
     # later chunks); False (Mamba-1's selective scan restarts from zero): such chunks run one
     # token per forward, HF's decode path
     continues_chunks: bool = True
+    attention_layers: tuple[int, ...] = ()  # the layers that attend (the pool's K/V rows)
 
     @property
     def bytes_per_seq(self) -> int:
