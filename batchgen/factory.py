@@ -427,6 +427,7 @@ class Assembled:
     requests: RequestBuilder
     results: ResultBuilder
     gpu_reserve: tuple[int, int] | None  # (backend, graph pool) bytes kept beyond a GPU pool
+    state_pool: StatePool | None = None  # a hybrid's mixer state (rank 0's runner)
 
 
 def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembled:
@@ -484,7 +485,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
                                         state, cfg.max_num_seqs if state else 0),
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
-                     requests, results, reserve)
+                     requests, results, reserve,
+                     local.mixers.state.pool if local.mixers is not None else None)
 
 
 def _engine_shape(cfg: EngineConfig, pool: PoolSize, parts: ModelParts, device: torch.device

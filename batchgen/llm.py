@@ -98,7 +98,7 @@ class LLM:
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
         # load_weights and sleep reach every rank only when each runs this code itself
         # (external_launcher; each frees its own shards), else they are refused under TP
-        self._sleep = SleepState(self.cache, self.model, plan.module is None)
+        self._sleep = SleepState(self.cache, self.model, plan.module is None, built.state_pool)
         self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
         self._weights_version = weights_version(self.model)
         log_capacity(built, self._executor.tp_size)

@@ -276,3 +276,18 @@ def test_prefix_caching_hits_state_snapshots_and_changes_no_bit(family_dirs, fam
     (on, stats), (off, _) = run(True), run(False)
     assert (stats.prefix_hit_tokens > 0) == (family != "jamba")
     assert on == off
+
+
+def test_sleep_frees_the_state_pool_and_wake_up_restores_it(family_dirs):
+    """Sleep mode frees a hybrid's mixer-state pool with the KV pool; after wake_up the
+    same prompts give the same tokens."""
+    llm = LLM(family_dirs["lfm2"], num_kv_blocks=64, max_num_seqs=2, enable_sleep_mode=True)
+    prompts = _ids(_prompts()[:2])
+    first = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    pool = llm._sleep.state
+    held = pool.nbytes
+    llm.sleep(1)
+    assert held > 0 and pool.nbytes == 0
+    llm.wake_up()
+    assert pool.nbytes == held
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == first

@@ -1,7 +1,7 @@
 """Sleep mode (vLLM's `sleep` / `wake_up`): give the memory of an idle engine back to the
 process it shares (a trainer between rollouts), and take it again.
 
-Level 1 frees the KV pool and offloads the weights batchgen loaded to CPU RAM (on the CPU
+Level 1 frees the KV pool (and a hybrid's mixer-state pool) and offloads the weights batchgen loaded to CPU RAM (on the CPU
 they stay where they are); level 2 frees the pool and discards those weights (the caller
 sends new ones with `load_weights` after `wake_up(tags=["weights"])`). A shared model's
 weights (`LLM(model=<module>)`) are the caller's and are never touched. Under tensor
@@ -18,6 +18,7 @@ import torch
 
 from batchgen.checks import check, check_choice
 from batchgen.kv.cache import KVCache
+from batchgen.state.pool import StatePool
 
 KV_CACHE, WEIGHTS = "kv_cache", "weights"
 TAGS = (WEIGHTS, KV_CACHE)
@@ -27,8 +28,10 @@ class SleepState:
     """What is asleep, and what it takes to wake it: the pool's byte size, the weights'
     shapes (or their CPU copies at level 1)."""
 
-    def __init__(self, cache: KVCache, model: torch.nn.Module, owns_weights: bool) -> None:
+    def __init__(self, cache: KVCache, model: torch.nn.Module, owns_weights: bool,
+                 state: StatePool | None = None) -> None:
         self.cache = cache
+        self.state = state  # a hybrid's mixer state: freed and restored with the KV pool
         self.model = model
         self.owns_weights = owns_weights
         self.asleep: set[str] = set()
@@ -44,6 +47,8 @@ class SleepState:
         if KV_CACHE not in self.asleep:
             for t in self.cache.tensors:
                 t.untyped_storage().resize_(0)
+            if self.state is not None:
+                self.state.release()
             self.asleep.add(KV_CACHE)
         if not self.owns_weights or WEIGHTS in self.asleep:
             return
@@ -65,6 +70,8 @@ class SleepState:
             for t, nbytes in zip(self.cache.tensors, self._pool_bytes):
                 t.untyped_storage().resize_(nbytes)
                 t.zero_()
+            if self.state is not None:
+                self.state.restore()
             self.asleep.discard(KV_CACHE)
         if WEIGHTS in tags and WEIGHTS in self.asleep:
             for p, (shape, saved) in self._weights.items():

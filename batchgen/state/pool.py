@@ -28,6 +28,16 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def release(self) -> None:
+        """Free every state tensor (sleep mode): the slots' contents are gone."""
+        self.tensors = {e: torch.empty((0, *e.shape), dtype=e.dtype, device=self.device)
+                        for e in self.tensors}
+
+    def restore(self) -> None:
+        """The pool's tensors again, zeroed, as many slots as before (wake_up)."""
+        self.tensors = {e: torch.zeros((self.num_slots + 1, *e.shape), dtype=e.dtype,
+                                       device=self.device) for e in self.tensors}
+
     def ensure(self, max_slot: int) -> None:
         """Room for slot `max_slot` (doubling; the scratch slot moves to the end)."""
         if max_slot < self.num_slots:
