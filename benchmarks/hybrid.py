@@ -1,5 +1,6 @@
 """A hybrid model (Gated DeltaNet + attention, transformers' qwen3_next, random weights):
-batchgen against HF `generate` for greedy, n=8 samples and beams. batchgen's greedy tokens
+batchgen against HF `generate` for greedy, n=8 samples and beams, and a shared-prefix job
+with batchgen's prefix caching on and off (state snapshots: hits, time, agreement). batchgen's greedy tokens
 are checked against HF one prompt at a time (the exact reference); HF batched runs left-
 padded (its mixers mask the padding).
 
@@ -55,12 +56,38 @@ def hf_run(model: Any, prompts: list[list[int]], batch: int, tokens: int, **kw: 
     return out
 
 
+def shared_prefix(folder: Path, args: argparse.Namespace, rng: random.Random
+                  ) -> list[list[Any]]:
+    """The prompts behind one `--prefix-len` system prompt, greedy, prefix caching on and off
+    (fresh engines): the second's time, the hits, and the rows whose tokens agree."""
+    head = [1] + [rng.randrange(3, args.vocab_size) for _ in range(args.prefix_len - 1)]
+    prompts = [head + [rng.randrange(3, args.vocab_size) for _ in range(rng.randint(
+        args.min_len, args.max_len))] for _ in range(args.num_prompts)]
+    ids, sp = h.token_prompts(prompts), h.greedy(args.output_len)
+    rows, outs = [], []
+    for cache in (False, True):
+        llm = LLM(str(folder), block_size=16, max_num_seqs=64, device=args.device,
+                  enable_prefix_caching=cache)
+        llm.generate(ids[:1], h.greedy(2), use_tqdm=False)  # warm-up (and the head cached)
+        got, t = timed(lambda llm=llm: [list(o.outputs[0].token_ids) for o in llm.generate(
+            ids, sp, use_tqdm=False)])
+        outs.append(got)
+        hits = llm.kv_stats().prefix_hit_tokens
+        rows.append([f"shared {args.prefix_len}-token prefix", "batchgen, prefix caching "
+                     f"{'on' if cache else 'off'} ({hits:,} hit tokens)",
+                     f"{len(prompts) * args.output_len / t:.0f}", f"{t:.2f}"])
+    agree = sum(a == b for a, b in zip(*outs))
+    rows[-1][1] += f", {agree}/{len(prompts)} rows equal to off"
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for flag, default in (("--num-prompts", 16), ("--min-len", 16), ("--max-len", 64),
                           ("--output-len", 16), ("--hidden-size", 256), ("--num-layers", 4),
                           ("--vocab-size", 4096), ("--hf-batch", 8), ("--beam-width", 4),
-                          ("--beam-prompts", 4), ("--seed", 0), ("--threads", 0)):
+                          ("--beam-prompts", 4), ("--prefix-len", 512), ("--seed", 0),
+                          ("--threads", 0)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--device", default="cpu", help="cpu or cuda (HF picks the mixers' CUDA "
@@ -111,14 +138,17 @@ def main(argv: list[str] | None = None) -> dict:
                  [f"beams W={W}", "HF generate, 1 prompt a time", f"{b_tok / t_hfb:.0f}",
                   f"{t_hfb:.2f}"]]
         state = llm.kv_stats().state_bytes_per_seq
+        beta = llm.cache.bytes_per_token
+        rows += shared_prefix(folder, args, rng)
     print(f"model: random qwen3_next, hidden {args.hidden_size}, {args.num_layers} layers "
-          f"(DeltaNet and attention alternating), fp32; mixer state {state:,} bytes/sequence")
+          f"(DeltaNet and attention alternating), fp32; mixer state {state:,} bytes/sequence"
+          f"; KV {beta:,} bytes/token (the attention layers only)")
     print(f"workload: {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens, {T} "
           f"output tokens each (beams: {len(bp)} prompts); EOS ignored")
     print(f"greedy agreement with HF one prompt at a time: {agree}/{len(prompts)} prompts")
     print(h.markdown_table(["workload", "system", "output tok/s", "seconds"], rows))
     return h.finish(args, info, {"rows": rows, "greedy_agreement": agree,
-                                 "state_bytes_per_seq": state})
+                                 "state_bytes_per_seq": state, "kv_bytes_per_token": beta})
 
 
 if __name__ == "__main__":
