@@ -167,10 +167,14 @@ def kv_geometry(config: PretrainedConfig, latent: bool | None = None) -> KVGeome
 
 def with_kv_layers(geo: KVGeometry, attention_layers: tuple[int, ...] | None) -> KVGeometry:
     """The geometry with only these layers holding K/V (a hybrid's mixer layers keep state,
-    not K/V); a model without any keeps one tiny layer so the pool's arithmetic stands."""
+    not K/V); a model without any keeps one stand-in layer of one 1-wide head so the pool's
+    arithmetic stands (nothing reads it)."""
     if attention_layers is None:
         return geo
-    return replace(geo, kv_layers=tuple(attention_layers) or (0,))
+    if not attention_layers:
+        return replace(geo, num_kv_heads=1, head_dim=1, head_dim_v=None, latent=False,
+                       kv_layers=(0,))
+    return replace(geo, kv_layers=tuple(attention_layers))
 
 
 TOKENIZER_FILES = "tokenizer.json|tokenizer_config.json|tokenizer.model|vocab.json"
