@@ -39,3 +39,10 @@ def test_grid_cuts_are_the_points_strictly_inside_each_chunk():
     assert cuts.tolist() == [[0, 0, 3, 3], [8, 16, 5, 13], [-1, -1, -1, -1]]
     snaps = np.array([[0], [8], [42]])  # a snapshot where a cut is: the cut goes
     assert merge_cuts(snaps, cuts).tolist() == [[0, 0, 3, 3], [8, 16, 5, 13], [42, -1, -1, -1]]
+
+
+def test_a_prompts_resume_point_is_cut_too_unless_on_the_grid_or_outside():
+    own = np.array([13, 16, 30, 0])
+    cuts = grid_cuts(np.array([0, 0, 0, 0]), np.array([20, 20, 20, 20]), 8, own)
+    assert sorted(zip(*cuts[:2].tolist())) == [(0, 8), (0, 13), (0, 16), (1, 8), (1, 16),
+                                               (2, 8), (2, 16), (3, 8), (3, 16)]

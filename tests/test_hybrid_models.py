@@ -256,7 +256,8 @@ def test_prefix_caching_hits_state_snapshots_and_changes_no_bit(family_dirs, fam
     """Prompts sharing a 14-token head (different tails), then the same prompts again: the
     state is snapshotted on the prefill grid (8 tokens here), so later prompts start from a
     snapshot and compute the very pieces a cold prefill does: tokens and logprobs
-    bit-identical to a run without the cache. MoE families run one sequence a step (an
+    bit-identical to a run without the cache; a repeated prompt resumes from the last block
+    end it can (where every prefill of it cuts too), bits unchanged. MoE families run one sequence a step (an
     expert's matmul rounds by how many tokens it gets, with or without the cache). Mamba-1's
     scan cannot resume a multi-token forward from a state: no hits, same outputs."""
     d = family_dirs[family]
@@ -267,15 +268,20 @@ def test_prefix_caching_hits_state_snapshots_and_changes_no_bit(family_dirs, fam
     kw = dict(block_size=4, max_num_batched_tokens=16, num_kv_blocks=256,
               max_num_seqs=1 if family in ("qwen3_next", "minimax") else 2)
 
-    def run(cache: bool):
-        llm = LLM(d, enable_prefix_caching=cache, **kw)
-        outs = llm.generate(_ids(prompts), sp, use_tqdm=False)
-        return ([[(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
-                  for c in o.outputs] for o in outs], llm.kv_stats())
+    def run(llm, ps):
+        outs = llm.generate(_ids(ps), sp, use_tqdm=False)
+        return [[(list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)])
+                 for c in o.outputs] for o in outs]
 
-    (on, stats), (off, _) = run(True), run(False)
-    assert (stats.prefix_hit_tokens > 0) == (family != "jamba")
+    on_llm, off_llm = (LLM(d, enable_prefix_caching=c, **kw) for c in (True, False))
+    on, off = run(on_llm, prompts), run(off_llm, prompts)
+    assert (on_llm.kv_stats().prefix_hit_tokens > 0) == (family != "jamba")
     assert on == off
+    if family != "jamba":  # a repeated prompt resumes from its own resume point, off the grid
+        q = head + [7, 8, 9, 11, 12, 13, 14, 15]  # 22 tokens: resumes at 20 (grid: 8)
+        cold = run(on_llm, [q])
+        assert run(on_llm, [q]) == cold == run(off_llm, [q])
+        assert on_llm.kv_stats().prefix_hit_tokens == 20
 
 
 def test_sleep_frees_the_state_pool_and_wake_up_restores_it(family_dirs):

@@ -49,8 +49,9 @@ class KVManager:
         self.state = state  # models with state mixers: each sequence's state slot
         self._state_of: dict[Sequence, int] = {}
         self._state_saved: dict[Sequence, int] = {}  # swapped out: the key of its saved state
-        # prefix caching with state: snapshots at block ends (as many as the batch's slots)
-        self.snapshots = (StateSnapshots(state, batch.capacity) if state is not None
+        # prefix caching with state: snapshots at block ends (as many as the batch's slots,
+        # and at least 8: a prompt leaves up to four)
+        self.snapshots = (StateSnapshots(state, max(batch.capacity, 8)) if state is not None
                           and block_manager.enable_prefix_caching else None)
         self._kv_hits: dict[Sequence, int] = {}  # blocks the KV cache had at the last lookup
         self.block_size = block_manager.block_size
@@ -112,8 +113,10 @@ class KVManager:
             hashes = hashes[:usable // bs]
         hit = bm.lookup(hashes[:usable // bs])
         if self.snapshots is not None:  # state mixers: only as far as a state snapshot
-            self._kv_hits[leader] = len(hit)
-            hit = hit[:self.snapshots.longest(hashes, len(hit))[0]]
+            self._kv_hits[leader] = len(hit)  # on the grid, or the prompt's own resume point
+            own, g = self._resume_point(group) // bs, max(self.grid // bs, 1)
+            hit = hit[:self.snapshots.longest(hashes, len(hit),
+                                              lambda k: k % g == 0 or k == own)[0]]
         return hashes, hit
 
     def inflight_hashes(self) -> set[bytes]:
@@ -355,19 +358,20 @@ class KVManager:
     # ---- mixer state ----------------------------------------------------------------------------
     def _leader_state(self, leader: Sequence, hit_blocks: int) -> int:
         """The admitted leader's state slot: a copy of the snapshot its prefix hit ends on,
-        else a fresh one; and (prefix caching) the block ends its prefill should snapshot: the
-        prompt's last full block, the last one an identical prompt can hit (two tokens are
-        always computed), and the end of the prefix the KV cache held without a snapshot
-        (so the next prompt sharing it hits)."""
+        else a fresh one; and (prefix caching) the block ends its prefill should snapshot: on
+        the grid, at or before the prompt's last full block and the end of the prefix the KV
+        cache held without a snapshot (so the next prompt sharing it hits); and the prompt's
+        resume point (the last block an identical prompt can hit). None past the resume point:
+        the state there has passed its cut, which other prompts' cold runs do not make."""
         assert self.state is not None
         snaps, bs = self.snapshots, self.block_size
         if snaps is None:
             return self.state.alloc()
         n = leader.group.num_prompt_tokens
         hashes = self._hashes_of(leader, n)
-        ends = {n // bs, max(n - 2, 0) // bs, self._kv_hits.pop(leader, 0)}
-        g = max(self.grid // bs, 1)  # snapshots only on the grid: a hit starts where a cold run cuts
-        ends = {k // g * g for k in ends}
+        own, g = self._resume_point(leader.group) // bs, max(self.grid // bs, 1)
+        ends = {k // g * g for k in (n // bs, self._kv_hits.pop(leader, 0))}
+        ends = {k for k in ends if k <= own} | {own}
         snaps.want(leader, {k * bs: hashes[k - 1] for k in ends if hit_blocks < k})
         if not hit_blocks:
             return self.state.alloc()
@@ -391,8 +395,16 @@ class KVManager:
         if self.snapshots is not None and self.snapshots.wanting:
             snaps = self.snapshots.take({s: i for i, s in enumerate(seqs)}, starts, num_new)
         if self.grid:
-            snaps = merge_cuts(snaps, grid_cuts(starts, num_new, self.grid))
+            own = np.zeros(len(seqs), np.int64)
+            for i in np.flatnonzero(num_new > 1).tolist():  # prefill rows only
+                own[i] = self._resume_point(seqs[i].group)
+            snaps = merge_cuts(snaps, grid_cuts(starts, num_new, self.grid, own))
         return self.state.take_ops(snaps)
+
+    def _resume_point(self, group: SequenceGroup) -> int:
+        """The last block end an identical prompt can resume from (two tokens are always
+        computed): every prefill of the prompt cuts there too, so resuming keeps the bits."""
+        return max(group.num_prompt_tokens - 2, 0) // self.block_size * self.block_size
 
     # ---- prefix caching -----------------------------------------------------------------------
     def _hashes_of(self, seq: Sequence, num_tokens: int) -> list[bytes]:

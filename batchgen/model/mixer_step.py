@@ -97,6 +97,8 @@ class MixerStep:
         pool = self.state.pool
         slots = np.full(t if batched else 1, pool.scratch, np.int64)
         slots[:rows.num_rows] = rows.state_slots
+        if t > rows.num_rows:
+            pool.clear_scratch()
         cache = self.state.bind(torch.from_numpy(slots).to(pool.device),
                                 fresh=not batched and int(rows.starts[0]) == 0)
         step = StepContext(self.cache, self.backend, batch.slot_mapping)

@@ -28,6 +28,12 @@ class StatePool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def clear_scratch(self) -> None:
+        """Zero the scratch slot, so padding rows start every forward from the same state (an
+        MoE layer's rounding depends on where even padding rows are routed)."""
+        for t in self.tensors.values():
+            t[self.num_slots].zero_()
+
     def release(self) -> None:
         """Free every state tensor (sleep mode): the slots' contents are gone."""
         self.tensors = {e: torch.empty((0, *e.shape), dtype=e.dtype, device=self.device)

@@ -7,12 +7,14 @@ Bits: a mixer's state after [0, a) then [a, b) rounds differently from one forwa
 [0, b). So every prompt's mixer prefill is cut at the same points whatever the cache holds,
 the step budget or the other requests: the multiples of one grid (`prefill_grid`); chunks end
 on it, snapshots sit on it, and a prompt that starts from a snapshot computes the very
-pieces a cold prefill does (outputs bit-identical with the cache on or off)."""
+pieces a cold prefill does (outputs bit-identical with the cache on or off). One more cut
+per prompt, wherever it falls: its resume point (the last block end an identical prompt can
+hit), so repeated prompts resume from there, again on the pieces of their cold run."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 
 import numpy as np
 
@@ -28,14 +30,20 @@ def prefill_grid(block_size: int, max_num_batched_tokens: int) -> int:
     return max(1, blocks) * block_size
 
 
-def grid_cuts(starts: np.ndarray, num_new: np.ndarray, grid: int) -> np.ndarray:
-    """The grid points strictly inside each row's chunk: [3, m] (row, tokens into its chunk,
-    -1: no snapshot), the cuts StateOps.snaps carries."""
+def grid_cuts(starts: np.ndarray, num_new: np.ndarray, grid: int,
+              own: np.ndarray | None = None) -> np.ndarray:
+    """The grid points strictly inside each row's chunk, and each row's `own` point (its
+    prompt's resume point, 0: none) when inside it: [3, m] (row, tokens into its chunk, -1:
+    no snapshot), the cuts StateOps.snaps carries."""
     first = starts // grid + 1  # the first grid index past each row's start
     count = np.maximum((starts + num_new - 1) // grid - first + 1, 0)
     row = np.repeat(np.arange(len(starts)), count)
     k = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
     offset = (first[row] + k) * grid - starts[row]
+    if own is not None:
+        inside = np.flatnonzero((own > starts) & (own < starts + num_new) & (own % grid != 0))
+        row = np.concatenate([row, inside])
+        offset = np.concatenate([offset, own[inside] - starts[inside]])
     return np.stack([row, offset, np.full(len(row), -1)]).astype(np.int64)
 
 
@@ -65,10 +73,13 @@ class StateSnapshots:
         """Some sequence has a snapshot to leave."""
         return bool(self._wanted)
 
-    def longest(self, hashes: list[bytes], num_blocks: int) -> tuple[int, int | None]:
-        """The most of the first `num_blocks` blocks whose end has a snapshot, and its slot
-        (0, None: none)."""
+    def longest(self, hashes: list[bytes], num_blocks: int,
+                ok: Callable[[int], bool] | None = None) -> tuple[int, int | None]:
+        """The most of the first `num_blocks` blocks (those `ok` allows) whose end has a
+        snapshot, and its slot (0, None: none)."""
         for k in range(num_blocks, 0, -1):
+            if ok is not None and not ok(k):
+                continue
             slot = self._by_hash.get(hashes[k - 1])
             if slot is not None:
                 self._by_hash.move_to_end(hashes[k - 1])
