@@ -83,8 +83,7 @@ class BeamStepper:
                 s.join(bank)
         starts = np.fromiter((spans[g][0] for g in groups), np.int64, len(groups))
         singles = [spans[g][1] == 1 < w for g in groups]
-        idx = starts[:, None] + np.arange(w)[None, :] * ~np.array(singles)[:, None]
-        rows = logprobs[torch.from_numpy(idx).to(logprobs.device)]
+        rows = _bank_rows(logprobs, starts, np.array(singles), w)
         stop_fns = [p.stop_fn(g.seqs) for p, g in zip(policies, groups)]
         result = step_many(states, rows, singles, stop_fns)
         plain = np.fromiter((len(g.seqs) == w and p.trace is None and g.seqs[0].stop is None
@@ -107,6 +106,19 @@ class BeamStepper:
             else:
                 out[group] = policies[g].ops(group, states[g].step_of(result, g, []), tables)
         return out
+
+def _bank_rows(logprobs: torch.Tensor, starts: np.ndarray, singles: np.ndarray, w: int
+               ) -> torch.Tensor:
+    """The groups' rows as ``[G, W, V]``: a view when they are the step's rows in order
+    (groups past their first step, as ``beam_logprobs`` lays them out), else gathered
+    (a first step's one row repeated)."""
+    g, first = len(starts), int(starts[0])
+    if not singles.any() and int(starts[-1]) - first == (g - 1) * w and (
+            g < 3 or (np.diff(starts) == w).all()):
+        return logprobs[first:first + g * w].view(g, w, -1)
+    idx = starts[:, None] + np.arange(w)[None, :] * ~singles[:, None]
+    return logprobs[torch.from_numpy(idx).to(logprobs.device)]
+
 
 def _adoptions(parents: np.ndarray, rows: np.ndarray) -> dict[int, list[tuple[int, int]]]:
     """For each chosen row ``g`` of ``parents`` ``[G, W]``: (j, u) pairs, next beam ``j`` (a
