@@ -102,10 +102,13 @@ class BeamStepper:
         seqs = [g.seqs for g in groups]
         singles = np.fromiter((len(b) == 1 < w for b in seqs), bool, len(groups))
         rows = _bank_rows(logprobs, starts, singles, w)
-        stop_fns = [p.stop_fn(b) for p, b in zip(policies, seqs)]
+        stops = [b[0].stop is not None for b in seqs]
+        stop_fns = [policies[g].stop_fn(seqs[g]) if stop else None
+                    for g, stop in enumerate(stops)]
         result = step_many(states, rows, singles.tolist(), stop_fns)
-        plain = np.fromiter((p.trace is None and b[0].stop is None and b[0].constraint is None
-                             for p, b in zip(policies, seqs)), bool, len(groups))
+        plain = ~np.array(stops) & np.fromiter(
+            (p.trace is None and b[0].constraint is None for p, b in zip(policies, seqs)),
+            bool, len(groups))
         plain &= ~result.done & ~singles & (np.fromiter(map(len, seqs), np.int64,
                                                         len(groups)) == w)
         for g in np.flatnonzero(~plain).tolist():
