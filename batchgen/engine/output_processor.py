@@ -63,8 +63,9 @@ class OutputProcessor:
         are known."""
         kv, k = self.kv, plan.decode_rows
         kv.computed(plan.seqs, plan.slots, plan.starts, plan.num_new)
-        forking = {s.group: None for s in plan.seqs[k:] if s.group.fork_pending
-                   and kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
+        pending = np.flatnonzero(self.batch.cols["fork_pending"][plan.slots[k:]]) + k
+        forking = {s.group: None for s in (plan.seqs[j] for j in pending.tolist())
+                   if kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
         for group in forking:
             kv.fork_siblings(group)
         rest = np.fromiter((s.slot for s in layout.samplers[k:]), np.int64,
