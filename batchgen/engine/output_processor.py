@@ -145,16 +145,16 @@ class OutputProcessor:
             order = np.argsort(pos, kind="stable")
             pairs = [pairs[i] for i in order.tolist()]
             cuts = np.searchsorted(pos[order], [at for at, _ in outcome.ops]).tolist()
-            done = 0
+            done, same = 0, []
             for cut, (_, ops) in zip(cuts, outcome.ops):
-                self.kv.adopt(pairs[done:cut])
+                same += self.kv.adopt(pairs[done:cut])
                 added += self._apply(ops)
                 done = cut
-            self.kv.adopt(pairs[done:])
+            same += self.kv.adopt(pairs[done:])
         else:
-            self.kv.adopt(pairs)
-        for seq, parent in pairs:
-            seq.token_ids = list(parent.token_ids)
+            same = self.kv.adopt(pairs)
+        for (seq, parent), n in zip(pairs, same):  # only the tokens past their shared blocks
+            seq.token_ids[n:] = parent.token_ids[n:]
             seq.cumulative_logprob, seq.seed = parent.cumulative_logprob, parent.seed
         if pairs:
             self.kv.adopt_rows(pairs)
