@@ -4,7 +4,7 @@ bank (``engine/beam_batch.py``), diverse groups (HF 4.x group beam search) one b
 The :class:`BeamStepper` owns the banks (one per beam width, stop-id count and device) and
 the rows of the groups in them; a group joins its bank at its first step and leaves it when
 it is done. The plain steps of a bank's groups come back as one :class:`BeamMoves` (arrays
-and flat lists, no Python per group); the other groups' policies turn their step into
+and flat lists, no object per group); the other groups' policies turn their step into
 operations on their sequences.
 """
 
