@@ -81,3 +81,30 @@ def test_adopt_leaves_the_pool_as_fork_then_free() -> None:
     order_a = a.append_tokens(["p"] * 3, [16, 20, 24])  # the free list's order
     order_b = b.append_tokens(["p"] * 3, [16, 20, 24])
     assert order_a == order_b
+
+
+def test_ranks_from_the_candidates_equal_whole_row_ranks_also_on_ties() -> None:
+    """Each candidate's rank (read from the K candidates, the K-th's row in full) equals the
+    count over its parent's whole row, also where values tie at the K-th candidate (coarse
+    log-probs: many exact ties, redone in full) and where a row holds -inf (a banned token);
+    request 0's fine log-probs take the fast path."""
+    states = [BeamSearchState(W, 5, 1.0, False, [EOS], W, V) for _ in range(3)]
+    bank = BeamBank(W, 1, torch.device("cpu"))
+    for s in states:
+        s.join(bank)
+    gen = torch.Generator().manual_seed(1)
+    ties = 0
+    for step in range(4):
+        rows = torch.randint(-6, 0, (3, 1 if step == 0 else W, V), generator=gen).float()
+        rows[0] = F.log_softmax(torch.randn(rows.shape[1:], generator=gen), dim=-1)
+        rows[:, :, 7] = float("-inf")
+        rows = rows.expand(3, W, V).contiguous()
+        result = step_many(states, rows.clone(), [step == 0] * 3, [None] * 3)
+        rec = result.record
+        for g in range(3):
+            parent_rows = rows[g][torch.from_numpy(rec.parents[g])]
+            lp = parent_rows.gather(1, torch.from_numpy(rec.ids[g])[:, None])
+            assert rec.ranks[g].tolist() == ((parent_rows > lp).sum(-1) + 1).tolist()
+            assert rec.logprobs[g].tolist() == lp[:, 0].tolist()
+        ties += int((rows.reshape(3, -1).topk(2 * W).values[:, -2:].diff(dim=1) == 0).sum())
+    assert ties > 0  # the tie path ran

@@ -70,7 +70,7 @@ from batchgen.engine.beam_batch import (
     select,
 )
 from batchgen.engine.beam_controls import BeamControls
-from batchgen.engine.beam_logprobs import TokenLogprob, step_top
+from batchgen.engine.beam_logprobs import StepTop, TokenLogprob, step_top
 
 __all__ = ["BeamHypothesis", "BeamSearchState", "BeamSelector", "BeamStep", "StopFn",
            "candidate_logprobs", "step_many"]
@@ -237,13 +237,11 @@ class BeamSearchState:
             raise ValueError(f"expected {w} live beams, got {n_live}")
         return False
 
-    def advance(self, result: SelectResult, g: int) -> None:
-        """Take row ``g`` of a step's outcome: its record, length and done flag (a done
-        request keeps its finished buffer and frees its bank row); HF's processors follow
-        the beams chosen."""
+    def settle(self, result: SelectResult, g: int) -> None:
+        """Row ``g`` of a step (taken by ``step_many``) after a first step, a last one or with
+        HF's processors: a done request keeps its finished buffer and frees its bank row; the
+        processors follow the beams chosen."""
         rec = result.record
-        self._history.append((rec, g))
-        self.gen_len += 1
         if result.done[g]:
             self.done, self._live = True, 0
             self._final = self.bank.buffer(self.row)
@@ -338,16 +336,22 @@ def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: li
     step's single row repeated (written in place by the processors). HF's processors run per
     request that has them, the selection for all at once; Python per request only to take its
     row (its hypotheses are built when asked: :meth:`BeamSearchState.step_of`, finalize)."""
-    for g, s in enumerate(states):
+    tops: dict[int, StepTop] = {}
+    for g in [g for g, s in enumerate(states) if s.controls is not None or s.top_logprobs]:
+        s = states[g]
         if s.controls is not None:
             logprobs[g] = s.controls.process(logprobs[g])
-    tops = {g: step_top(logprobs[g], s.top_logprobs)
-            for g, s in enumerate(states) if s.top_logprobs}
+        if s.top_logprobs:
+            tops[g] = step_top(logprobs[g], s.top_logprobs)
     fns = {g: fn for g, fn in enumerate(stop_fns) if fn is not None}
     rows = np.fromiter((s.row for s in states), np.int64, len(states))
     result = select(states[0].bank, rows, np.array(singles, np.int64), logprobs, fns, tops)
-    for g, s in enumerate(states):
-        s.advance(result, g)
+    rec, done = result.record, result.done.tolist()
+    for g, s in enumerate(states):  # each takes its row; Python beyond that only for some
+        s._history.append((rec, g))
+        s.gen_len += 1
+        if done[g] or s.controls is not None or s._live != s.beam_width:
+            s.settle(result, g)
     return result
 
 

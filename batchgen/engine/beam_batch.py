@@ -138,41 +138,70 @@ def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torc
     float32 (processed; ``singles``: a first step's one row, repeated). ``stop_fns[g](parent,
     token)``: does that candidate of request ``g`` end on a stop string (HF's
     StopStringCriteria on all K candidates)?"""
-    dev, w = bank.device, bank.width
+    w, k = bank.width, bank.num_candidates
+    at = _bank_rows(rows, bank.device)
     gen, max_t, early_h, never = bank.ints[rows].T
     new_len = gen + 1
     best_len = np.where(never.astype(bool), max_t, new_len)
-    host = np.stack((rows, new_len, max_t, early_h, singles), 1)
-    ints = torch.from_numpy(host).to(dev)
-    g_rows, new_len_t, early, single = ints[:, 0], ints[:, 1:2], ints[:, 3].bool(), ints[:, 4]
+    host = np.stack((new_len, max_t, early_h), 1)
+    ints = torch.from_numpy(host).to(bank.device)
+    new_len_t, early = ints[:, :1], ints[:, 2].bool()
     divisors = torch.from_numpy(_powers(np.stack((new_len, best_len), 1),
-                                        bank.penalty[rows])).to(dev)
+                                        bank.penalty[rows])).to(bank.device)
     bank.ints[rows, 0] = new_len
-    top_lp, ids, parents = _candidates(bank, g_rows, single, logprobs)
-    stop_tok = (ids[:, :, None] == bank.stops[g_rows][:, None, :]).any(-1)
-    if stop_fns:
-        stop_tok = stop_tok | _host_stops(stop_fns, ids, parents)
-    hits = stop_tok | (new_len_t >= ints[:, 2:3])
+    top_lp, top_idx, ids, parents = _candidates(bank, at, singles, logprobs)
+    stop_tok = _stop_tokens(bank, at, ids, parents, stop_fns)
+    hits = (new_len_t >= ints[:, 1:2]).expand(ids.shape)
+    if stop_tok is not None:
+        hits = stop_tok | hits
     # next running beams (_get_running_beams_for_next_iteration)
     running_lp = top_lp + hits.to(torch.float32) * NEG
     next_idx = torch.topk(running_lp, k=w)[1]
     running = torch.take_along_dim(running_lp, next_idx, dim=1)
-    bank.running[g_rows] = running
-    admitted, fin_scores, fin_done = _update_finished(bank, g_rows, early, divisors[:, :1],
+    bank.running[at] = running
+    admitted, fin_scores, fin_done = _update_finished(bank, at, early, divisors[:, :1],
                                                       top_lp, hits, stop_tok, new_len_t)
-    done = _done(bank, g_rows, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
-    lp_tok, ranks = _token_logprobs(logprobs, parents, ids)
-    k = bank.num_candidates  # what the host reads: two copies (one sync on a GPU)
+    done = _done(bank, at, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
+    exact = bool(singles.any())  # a first step's copies: every rank by its parent's row
+    lp_tok, ranks = (_token_logprobs(logprobs, parents, ids) if exact
+                     else _fast_ranks(logprobs, top_lp, top_idx, parents))
     host = torch.cat((ids, parents, ranks, next_idx, torch.gather(parents, 1, next_idx),
-                      torch.gather(ids, 1, next_idx), admitted.long(), done[:, None].long()),
-                     dim=1).cpu().numpy()
-    cuts = np.cumsum([k, k, k, w, w, w, w])
-    ids_h, par_h, ranks_h, nxt_h, np_h, ni_h, adm_h, done_h = np.split(host, cuts, axis=1)
+                      torch.gather(ids, 1, next_idx), admitted.long(), done[:, None].long(),
+                      (top_lp[:, :-1] == top_lp[:, -1:]).any(1, keepdim=True).long()),
+                     dim=1).cpu().numpy()  # what the host reads: two copies (one sync)
+    cuts = np.cumsum([k, k, k, w, w, w, w, 1])
+    ids_h, par_h, ranks_h, nxt_h, np_h, ni_h, adm_h, done_h, tied = np.split(host, cuts, 1)
+    if not exact and tied.any():  # a tie with the K-th candidate: those rows' ranks in full
+        _exact_ranks(ranks_h, np.flatnonzero(tied[:, 0]), logprobs, parents, ids)
     record = StepRecord(ids_h, par_h, lp_tok.cpu().numpy(), ranks_h, nxt_h, np_h, ni_h,
                         tops or {})
     adm = np.nonzero(adm_h)
     return SelectResult(record, done_h[:, 0].astype(bool),
                         list(zip(*(a.tolist() for a in adm))))
+
+
+def _bank_rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
+    """The requests' bank rows as an index: a slice (views, no gather) when they are
+    consecutive and ascending, the usual case; else an index tensor."""
+    first = int(rows[0])
+    if int(rows[-1]) - first == len(rows) - 1 and (len(rows) < 3 or
+                                                   (np.diff(rows) == 1).all()):
+        return slice(first, first + len(rows))
+    return torch.from_numpy(rows).to(device)
+
+
+def _stop_tokens(bank: BeamBank, at: slice | torch.Tensor, ids: torch.Tensor,
+                 parents: torch.Tensor,
+                 stop_fns: dict[int, Callable[[int, int], bool]] | None
+                 ) -> torch.Tensor | None:
+    """Which candidates end on a stop id or a stop string (None: no request has either)."""
+    stop_tok = None
+    if bank.num_stop_ids:
+        stop_tok = (ids[:, :, None] == bank.stops[at][:, None, :]).any(-1)
+    if stop_fns:
+        extra = _host_stops(stop_fns, ids, parents)
+        stop_tok = extra if stop_tok is None else stop_tok | extra
+    return stop_tok
 
 
 def _host_stops(stop_fns: dict[int, Callable[[int, int], bool]], ids: torch.Tensor,
@@ -194,15 +223,19 @@ def _powers(lengths: np.ndarray, penalty: np.ndarray) -> np.ndarray:
                      zip(lengths.tolist(), penalty.tolist())], np.float64).astype(np.float32)
 
 
-def _candidates(bank: BeamBank, g_rows: torch.Tensor, single: torch.Tensor,
-                logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HF _get_top_k_continuations for every row: accumulate, flatten, top K."""
+def _candidates(bank: BeamBank, at: slice | torch.Tensor, singles: np.ndarray,
+                logprobs: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """HF _get_top_k_continuations for every row: accumulate, flatten, top K (scores, flat
+    indices, tokens, parents)."""
     g, _, vocab = logprobs.shape
-    flat = (logprobs + bank.running[g_rows][:, :, None]).reshape(g, -1)
+    flat = (logprobs + bank.running[at][:, :, None]).reshape(g, -1)
     top_lp, top_idx = torch.topk(flat, k=bank.num_candidates)
     ids = top_idx % vocab
     parents = top_idx // vocab
-    return top_lp, ids, parents * (1 - single[:, None])  # a single row: parent 0
+    if singles.any():  # a single row: parent 0
+        parents = parents * torch.from_numpy(1 - singles).to(parents.device)[:, None]
+    return top_lp, top_idx, ids, parents
 
 
 def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Tensor
@@ -217,9 +250,33 @@ def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Te
     return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
-def _update_finished(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor,
+def _fast_ranks(logprobs: torch.Tensor, top_lp: torch.Tensor, top_idx: torch.Tensor,
+                parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each candidate's log-prob and rank in its parent's row, without comparing whole rows:
+    a token above a candidate in its parent's row scores at least as high after the parent's
+    running score is added, so it is among the K unless it ties the K-th; the ranks count the
+    candidates above, and the K-th candidate's row is compared in full (a row where another
+    candidate ties the K-th is redone by ``_exact_ranks``)."""
+    g, w, vocab = logprobs.shape
+    lp = logprobs.reshape(g, w * vocab).gather(1, top_idx)
+    above = (lp[:, None, :] > lp[:, :, None]) & (parents[:, None, :] == parents[:, :, None])
+    ranks = above.sum(-1) + 1
+    at = parents[:, -1] + torch.arange(g, device=parents.device) * w
+    last = logprobs.reshape(g * w, vocab).index_select(0, at)
+    ranks[:, -1] = torch.count_nonzero(last > lp[:, -1:], dim=-1) + 1
+    return lp, ranks
+
+
+def _exact_ranks(ranks: np.ndarray, rows: np.ndarray, logprobs: torch.Tensor,
+                 parents: torch.Tensor, ids: torch.Tensor) -> None:
+    """The ranks of ``rows`` (host) by comparing their parents' rows in full."""
+    at = torch.from_numpy(rows).to(parents.device)
+    ranks[rows] = _token_logprobs(logprobs[at], parents[at], ids[at])[1].cpu().numpy()
+
+
+def _update_finished(bank: BeamBank, g_rows: slice | torch.Tensor, early: torch.Tensor,
                      divisor: torch.Tensor, top_lp: torch.Tensor, hits: torch.Tensor,
-                     stop_tok: torch.Tensor, new_len: torch.Tensor
+                     stop_tok: torch.Tensor | None, new_len: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HF _update_finished_beams for every row: which kept slots were admitted now, and the
     buffer's scores and done flags after the merge."""
@@ -231,7 +288,8 @@ def _update_finished(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor,
     scores += full.to(torch.float32) * NEG
     scores += (~bank.unsatisfied[g_rows]).to(torch.float32) * NEG
     scores += (~did_finish) * NEG
-    reason = torch.where(did_finish, torch.where(stop_tok, STOP, LENGTH), UNSET)
+    why = LENGTH if stop_tok is None else torch.where(stop_tok, STOP, LENGTH)
+    reason = torch.where(did_finish, why, UNSET)
     new_i = torch.stack((reason, did_finish.long(), new_len.expand_as(reason),
                          bank.cand.expand_as(reason)), 1)
     merged_f = torch.cat((fin_f, torch.stack((scores, top_lp), 1)), dim=2)
@@ -243,7 +301,7 @@ def _update_finished(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor,
     return (keep >= w) & (kept_i[:, 0] != UNSET), kept_f[:, 0], kept_i[:, 1].bool()
 
 
-def _done(bank: BeamBank, g_rows: torch.Tensor, early: torch.Tensor, divisor: torch.Tensor,
+def _done(bank: BeamBank, g_rows: slice | torch.Tensor, early: torch.Tensor, divisor: torch.Tensor,
           running: torch.Tensor, hits: torch.Tensor, fin_scores: torch.Tensor,
           fin_done: torch.Tensor) -> torch.Tensor:
     """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences, every row."""

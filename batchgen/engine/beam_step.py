@@ -3,41 +3,55 @@ bank (``engine/beam_batch.py``), diverse groups (HF 4.x group beam search) one b
 
 The :class:`BeamStepper` owns the banks (one per beam width, stop-id count and device) and
 the rows of the groups in them; a group joins its bank at its first step and leaves it when
-it is done. Each group's policy turns its step into operations on its sequences.
+it is done. The plain steps of a bank's groups come back as one :class:`BeamMoves` (arrays
+and flat lists, no object per group); the other groups' policies turn their step into
+operations on their sequences.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 import torch
 
 from batchgen.engine.beam import BeamSearchState, step_many
-from batchgen.engine.beam_batch import BeamBank
+from batchgen.engine.beam_batch import BeamBank, SelectResult
 from batchgen.engine.beam_trace import Tables
 from batchgen.engine.policy import BeamPolicy, Op
 from batchgen.engine.sequence import Sequence, SequenceGroup
 
-__all__ = ["BeamMove", "BeamSpans", "BeamStepper", "Outcome"]
+__all__ = ["BeamMoves", "BeamOutcome", "BeamSpans", "BeamStepper"]
 
 #: each beam group's rows in the step's log-probs: (first row, number of rows)
 BeamSpans = dict[SequenceGroup, tuple[int, int]]
 
 
 @dataclass
-class BeamMove:
-    """A plain step of one group (W live beams before and after): the next beams in order,
-    the beams that give up their blocks to continue another (``(beam, parent)``, in the order
-    their blocks change) and each next beam's token."""
+class BeamMoves:
+    """The plain steps (W live beams before and after; no trace, stop strings or grammar) of
+    one bank's groups: the next beams, ``width`` per group in order, and their tokens; the
+    beams that give up their blocks to continue another (``(beam, parent)``: a childless
+    beam becomes a parent's second or later child), in the order their blocks change, and
+    each pair's group position in the step (to keep that order against other groups' ops)."""
 
-    group: SequenceGroup
+    width: int
+    groups: list[SequenceGroup]
     beams: list[Sequence]
+    tokens: np.ndarray
     adopt: list[tuple[Sequence, Sequence]]
-    tokens: list[int]
+    adopt_at: np.ndarray
 
 
-Outcome = list[Op] | BeamMove
+@dataclass
+class BeamOutcome:
+    """A step of the beam groups: the plain ones' moves (a BeamMoves per bank), and the
+    others' operations with their group's position in the step, in that order."""
+
+    moves: list[BeamMoves] = field(default_factory=list)
+    ops: list[tuple[int, list[Op]]] = field(default_factory=list)
 
 
 class BeamStepper:
@@ -50,79 +64,111 @@ class BeamStepper:
         """A new call: banks of an aborted one are dropped."""
         self._banks.clear()
 
-    def step(self, logprobs: torch.Tensor, spans: BeamSpans, tables: Tables
-             ) -> list[Outcome]:
-        """Every group's step on its rows of ``logprobs`` (``[rows, V]`` float32), in the
-        groups' order: a BeamMove for a plain step, else the group's operations."""
-        buckets: dict[tuple[int, int, torch.device], list[SequenceGroup]] = {}
-        out: dict[SequenceGroup, Outcome] = {}
-        for group, (start, n) in spans.items():
-            policy = _policy(group)
-            state = policy.state
+    def step(self, logprobs: torch.Tensor, spans: BeamSpans, tables: Tables) -> BeamOutcome:
+        """Every group's step on its rows of ``logprobs`` (``[rows, V]`` float32)."""
+        buckets: dict[tuple[int, int, torch.device], list[int]] = {}
+        groups = list(spans)
+        out = BeamOutcome()
+        for i, group in enumerate(groups):
+            state = group.policy.state
             if isinstance(state, BeamSearchState):
-                buckets.setdefault(state.bank_key(logprobs.device), []).append(group)
+                buckets.setdefault(state.bank_key(logprobs.device), []).append(i)
             else:  # diverse groups: their own path, one group at a time
-                out[group] = policy.update(group, logprobs[start:start + n], tables)
-        for key, groups in buckets.items():
-            out.update(self._step_bank(key, groups, logprobs, spans, tables))
-        return [out[g] for g in spans]
+                start, n = spans[group]
+                out.ops.append((i, _policy(group).update(group, logprobs[start:start + n],
+                                                         tables)))
+        for key, at in buckets.items():
+            self._step_bank(key, [groups[i] for i in at], np.array(at, np.int64), logprobs,
+                            spans, tables, out)
+        out.ops.sort(key=lambda pair: pair[0])
+        return out
 
     def _step_bank(self, key: tuple[int, int, torch.device], groups: list[SequenceGroup],
-                   logprobs: torch.Tensor, spans: BeamSpans, tables: Tables
-                   ) -> dict[SequenceGroup, Outcome]:
-        """One pass for the groups sharing a bank: their rows gathered to ``[G, W, V]`` (a
-        first step's one row repeated), selection, then each group's outcome."""
+                   at: np.ndarray, logprobs: torch.Tensor, spans: BeamSpans, tables: Tables,
+                   out: BeamOutcome) -> None:
+        """One pass for the groups sharing a bank (``at``: their positions in the step):
+        their rows as ``[G, W, V]`` (a first step's one row repeated), selection, then the
+        plain steps as one BeamMoves and the others' operations."""
         bank = self._banks.get(key)
         if bank is None:
             bank = self._banks[key] = BeamBank(key[0], key[1], key[2])
         w = key[0]
-        policies = [_policy(g) for g in groups]
+        policies: list[BeamPolicy] = [g.policy for g in groups]  # type: ignore[misc]
         states: list[BeamSearchState] = [p.state for p in policies]  # type: ignore[misc]
         for s in states:
             if s.bank is None:
                 s.join(bank)
         starts = np.fromiter((spans[g][0] for g in groups), np.int64, len(groups))
-        singles = [spans[g][1] == 1 < w for g in groups]
-        idx = starts[:, None] + np.arange(w)[None, :] * ~np.array(singles)[:, None]
-        rows = logprobs[torch.from_numpy(idx).to(logprobs.device)]
-        stop_fns = [p.stop_fn(g.seqs) for p, g in zip(policies, groups)]
-        result = step_many(states, rows, singles, stop_fns)
-        plain = np.fromiter((len(g.seqs) == w and p.trace is None and g.seqs[0].stop is None
-                             and g.seqs[0].constraint is None
-                             for p, g in zip(policies, groups)), bool, len(groups))
-        plain &= ~result.done  # the batched path: W beams before and after, no trace, stop
-        adopt = _adoptions(result.record.next_parents, plain)  # strings or grammar
-        parents, tokens = (result.record.next_parents.tolist(),
-                           result.record.next_ids.tolist())
-        out: dict[SequenceGroup, Outcome] = {}
-        for g, (group, plain_g) in enumerate(zip(groups, plain.tolist())):
-            if plain_g:
-                old = group.seqs
-                beams = [old[p] for p in parents[g]]
-                pairs = []
-                for j, u in adopt.get(g, ()):
-                    pairs.append((old[u], beams[j]))
-                    beams[j] = old[u]
-                out[group] = BeamMove(group, beams, pairs, tokens[g])
-            else:
-                out[group] = policies[g].ops(group, states[g].step_of(result, g, []), tables)
-        return out
+        seqs = [g.seqs for g in groups]
+        singles = np.fromiter((len(b) == 1 < w for b in seqs), bool, len(groups))
+        rows = _bank_rows(logprobs, starts, singles, w)
+        stops = [b[0].stop is not None for b in seqs]
+        stop_fns = [policies[g].stop_fn(seqs[g]) if stop else None
+                    for g, stop in enumerate(stops)]
+        result = step_many(states, rows, singles.tolist(), stop_fns)
+        plain = ~np.array(stops) & np.fromiter(
+            (p.trace is None and b[0].constraint is None for p, b in zip(policies, seqs)),
+            bool, len(groups))
+        plain &= ~result.done & ~singles & (np.fromiter(map(len, seqs), np.int64,
+                                                        len(groups)) == w)
+        for g in np.flatnonzero(~plain).tolist():
+            out.ops.append((int(at[g]), policies[g].ops(groups[g], states[g].step_of(
+                result, g, []), tables)))
+        if plain.any():
+            out.moves.append(_moves(w, plain, groups, seqs, at, result))
 
-def _adoptions(parents: np.ndarray, rows: np.ndarray) -> dict[int, list[tuple[int, int]]]:
-    """For each chosen row ``g`` of ``parents`` ``[G, W]``: (j, u) pairs, next beam ``j`` (a
+
+def _moves(w: int, plain: np.ndarray, groups: list[SequenceGroup], seqs: list[list[Sequence]],
+           at: np.ndarray, result: SelectResult) -> BeamMoves:
+    """The plain groups' next beams by array ops over the flattened old beams: next beam
+    ``j`` of a group is its parent, or, for a parent's second or later child, the childless
+    beam that continues it (children in order, childless beams in order: the order the
+    per-group path frees them)."""
+    idx = np.flatnonzero(plain)
+    parents = result.record.next_parents[idx]
+    base = np.arange(len(idx))[:, None] * w
+    nxt = base + parents
+    g, j, u = _adoptions(parents)
+    old = list(chain.from_iterable(seqs[i] for i in idx.tolist()))
+    children = (g * w + u).tolist()
+    pairs = list(zip(_pick(old, children), _pick(old, nxt[g, j].tolist())))
+    nxt[g, j] = g * w + u
+    return BeamMoves(w, [groups[i] for i in idx.tolist()], _pick(old, nxt.ravel().tolist()),
+                     result.record.next_ids[idx].ravel(), pairs, at[idx][g])
+
+
+def _pick(items: list[Sequence], index: list[int]) -> list[Sequence]:
+    """``[items[i] for i in index]``, in C."""
+    if len(index) < 2:
+        return [items[i] for i in index]
+    return list(itemgetter(*index)(items))
+
+
+def _bank_rows(logprobs: torch.Tensor, starts: np.ndarray, singles: np.ndarray, w: int
+               ) -> torch.Tensor:
+    """The groups' rows as ``[G, W, V]``: a view when they are the step's rows in order
+    (groups past their first step, as ``beam_logprobs`` lays them out), else gathered
+    (a first step's one row repeated)."""
+    g, first = len(starts), int(starts[0])
+    if not singles.any() and int(starts[-1]) - first == (g - 1) * w and (
+            g < 3 or (np.diff(starts) == w).all()):
+        return logprobs[first:first + g * w].view(g, w, -1)
+    idx = starts[:, None] + np.arange(w)[None, :] * ~singles[:, None]
+    return logprobs[torch.from_numpy(idx).to(logprobs.device)]
+
+
+def _adoptions(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Of ``parents`` ``[G, W]``: the (g, j, u) triples, next beam ``j`` of row ``g`` (a
     parent's second or later child) continuing in beam ``u`` (a beam without children),
-    children in order, childless beams in order (the order the per-group path frees them)."""
+    children in order, childless beams in order, rows in order."""
     w = parents.shape[1]
     again = np.zeros(parents.shape, bool)
     for j in range(1, w):
         again[:, j] = (parents[:, :j] == parents[:, j:j + 1]).any(1)
-    childless = np.stack([~(parents == p).any(1) for p in range(w)], 1)
-    g, j = np.nonzero(again & rows[:, None])
-    _, u = np.nonzero(childless & rows[:, None])
-    out: dict[int, list[tuple[int, int]]] = {}
-    for gi, ji, ui in zip(g.tolist(), j.tolist(), u.tolist()):
-        out.setdefault(gi, []).append((ji, ui))
-    return out
+    childless = ~(parents[:, :, None] == np.arange(w)[None, None, :]).any(1)
+    g, j = np.nonzero(again)
+    _, u = np.nonzero(childless)  # as many per row as its second children: same row order
+    return g, j, u
 
 
 def _policy(group: SequenceGroup) -> BeamPolicy:

@@ -198,10 +198,14 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Ten
     first = np.fromiter((f for f, _ in beam_rows.values()), np.int64, len(beam_rows))
     count = np.fromiter((n for _, n in beam_rows.values()), np.int64, len(beam_rows))
     at = np.cumsum(count) - count  # each group's first row in the result
-    rows = np.repeat(first - at, count) + np.arange(int(count.sum()))
-    lp = torch.log_softmax(logits[to_device(rows, logits.device)].float(), dim=-1)
-    constrained = [s.constraint for g in beam_rows for s in g.seqs]
-    if any(c is not None for c in constrained):  # each beam's grammar, after the log_softmax
+    total = int(count.sum())
+    if (first == at).all():  # the beams lead the step's rows, in order: a view
+        picked = logits[:total]
+    else:
+        picked = logits[to_device(np.repeat(first - at, count) + np.arange(total), logits.device)]
+    lp = torch.log_softmax(picked.float(), dim=-1)
+    if any(g.seqs[0].constraint is not None for g in beam_rows):  # a group's beams all are
+        constrained = [s.constraint for g in beam_rows for s in g.seqs]  # (or none)
         idx = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
         mask_beams(lp, [constrained[j] for j in idx.tolist()], idx)
     return lp, dict(zip(beam_rows, zip(at.tolist(), count.tolist())))

@@ -230,14 +230,16 @@ class KVManager:
         cow = self.batch.cols["cow_check"]
         cow[parent.slot] = cow[child.slot] = True
 
-    def adopt(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
+    def adopt(self, pairs: list[tuple[Sequence, Sequence]]) -> list[int]:
         """Each `(seq, parent)`: running beam `seq` gives up its blocks and continues
         `parent` (the blocks of all its computed tokens shared, their hashes too): what a
         fork to a new child and freeing `seq` would do, without a slot changing hands. The
-        block tables change here, pair by pair; the batch rows follow in `adopt_rows`."""
+        block tables change here, pair by pair; the batch rows follow in `adopt_rows`.
+        Returns, per pair, the leading tokens the two shared already (in shared blocks)."""
         bm, bs = self.block_manager, self.block_size
+        same = []
         for seq, parent in pairs:
-            bm.adopt(seq, parent)
+            same.append(bm.adopt(seq, parent) * bs)
             shared = len(parent.token_ids) // bs  # all computed: the fork's count
             self._hashes[seq] = self._hashes.get(parent, [])[:shared]
             self._published[seq] = min(self._published.get(parent, 0), shared)
@@ -245,6 +247,7 @@ class KVManager:
                 slot = self.state.fork(self._state_of[parent])
                 self.state.free(self._state_of[seq])
                 self._state_of[seq] = slot
+        return same
 
     def adopt_rows(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
         """The batch rows of adopted beams (`adopt`) become their parents', in one copy;

@@ -6,7 +6,7 @@ are forked, and the samplers' slots are found. `apply`: prompt logprobs are stor
 sampled tokens go into the batch's columns (vector ops) and the sequences' lists (one loop),
 stops are checked on the columns (stop-string rows through their checkers, constrained rows'
 matchers accept their token), finished sequences give their blocks back, and the beam
-groups' steps (the BeamStepper's: a BeamMove for a plain step, carried out by array ops and
+groups' steps (the BeamStepper's: a BeamMoves for a bank's plain steps, carried out by array ops and
 KVManager.adopt; else their policy's operations, Fork / Append / Free / SetSeqs) are carried
 out here. It returns the step's StepStats.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from batchgen.engine.beam_step import BeamMove, BeamSpans, BeamStepper, Outcome
+from batchgen.engine.beam_step import BeamMoves, BeamOutcome, BeamSpans, BeamStepper
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.layout import LogitsLayout
 from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
@@ -63,8 +63,9 @@ class OutputProcessor:
         are known."""
         kv, k = self.kv, plan.decode_rows
         kv.computed(plan.seqs, plan.slots, plan.starts, plan.num_new)
-        forking = {s.group: None for s in plan.seqs[k:] if s.group.fork_pending
-                   and kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
+        pending = np.flatnonzero(self.batch.cols["fork_pending"][plan.slots[k:]]) + k
+        forking = {s.group: None for s in (plan.seqs[j] for j in pending.tolist())
+                   if kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
         for group in forking:
             kv.fork_siblings(group)
         rest = np.fromiter((s.slot for s in layout.samplers[k:]), np.int64,
@@ -132,36 +133,47 @@ class OutputProcessor:
             done[seq.group] = None
         return len(token_list)
 
-    def _apply_beams(self, outcomes: list[Outcome]) -> int:
-        """The beam groups' steps, in order: a plain one's blocks change pair by pair
-        (KVManager.adopt), its beams and tokens are set; the others' operations are carried
-        out. Then, for the plain ones at once: batch rows copied, tokens appended."""
-        pairs: list[tuple[Sequence, Sequence]] = []
-        beams: list[Sequence] = []
-        tokens: list[int] = []
+    def _apply_beams(self, outcome: BeamOutcome) -> int:
+        """The beam groups' steps. Blocks change in the groups' order: the plain groups'
+        adoptions (KVManager.adopt) up to each other group, then that group's operations.
+        Then, for the plain groups at once: batch rows copied, beams and tokens set."""
+        moves = outcome.moves
+        pairs = [pair for m in moves for pair in m.adopt]
         added = 0
-        for out in outcomes:
-            if not isinstance(out, BeamMove):
-                added += self._apply(out)
-                continue
-            self.kv.adopt(out.adopt)
-            for seq, parent in out.adopt:
-                seq.token_ids = list(parent.token_ids)
-                seq.cumulative_logprob, seq.seed = parent.cumulative_logprob, parent.seed
-            pairs += out.adopt
-            out.group.seqs = out.beams
-            for j, seq in enumerate(out.beams):
-                seq.index = j
-            beams += out.beams
-            tokens += out.tokens
+        if outcome.ops:  # keep the adoptions' order against the other groups' operations
+            pos = np.concatenate([m.adopt_at for m in moves]) if moves else np.zeros(0)
+            order = np.argsort(pos, kind="stable")
+            pairs = [pairs[i] for i in order.tolist()]
+            cuts = np.searchsorted(pos[order], [at for at, _ in outcome.ops]).tolist()
+            done, same = 0, []
+            for cut, (_, ops) in zip(cuts, outcome.ops):
+                same += self.kv.adopt(pairs[done:cut])
+                added += self._apply(ops)
+                done = cut
+            same += self.kv.adopt(pairs[done:])
+        else:
+            same = self.kv.adopt(pairs)
+        for (seq, parent), n in zip(pairs, same):  # only the tokens past their shared blocks
+            seq.token_ids[n:] = parent.token_ids[n:]
+            seq.cumulative_logprob, seq.seed = parent.cumulative_logprob, parent.seed
         if pairs:
             self.kv.adopt_rows(pairs)
-        for seq, token in zip(beams, tokens):
+        for m in moves:
+            added += self._set_beams(m)
+        return added
+
+    def _set_beams(self, m: BeamMoves) -> int:
+        """A bank's plain groups take their next beams; each beam appends its token."""
+        w, beams = m.width, m.beams
+        for g, group in enumerate(m.groups):
+            group.seqs = beams[g * w:(g + 1) * w]
+        tokens = m.tokens.tolist()
+        for j, (seq, token) in enumerate(zip(beams, tokens)):
+            seq.index = j % w
             seq.token_ids.append(token)
-        if beams:
-            slots = np.fromiter((s.slot for s in beams), np.int64, len(beams))
-            self.batch.append(slots, np.array(tokens, np.int64), None)
-        return added + len(tokens)
+        slots = np.fromiter((s.slot for s in beams), np.int64, len(beams))
+        self.batch.append(slots, m.tokens.astype(np.int64, copy=False), None)
+        return len(tokens)
 
     def _apply(self, ops: list[Op]) -> int:
         """Carry out a beam group's operations; returns the number of tokens appended."""

@@ -244,10 +244,11 @@ class BlockManager:
         for blk in parent:
             self._ref_count[blk] += 1
 
-    def adopt(self, seq_id: Hashable, parent_id: Hashable) -> None:
+    def adopt(self, seq_id: Hashable, parent_id: Hashable) -> int:
         """`seq_id` drops its table and shares all of the parent's blocks instead (`free_seq`
         then `fork`, in one): only the blocks past their common prefix change references,
-        the dropped ones in table order (the order `free_seq` gives them back)."""
+        the dropped ones in table order (the order `free_seq` gives them back). Returns the
+        number of leading blocks they shared already (their tokens there are the same)."""
         old, new = self._tables[seq_id], self._tables[parent_id]
         same = min(len(old), len(new))
         while same and old[same - 1] != new[same - 1]:  # a shared block's prefix is shared
@@ -257,6 +258,7 @@ class BlockManager:
         for blk in old[same:]:
             self._release(blk)
         self._tables[seq_id] = list(new)
+        return same
 
     def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
         """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""

@@ -151,8 +151,9 @@ class KVCache:
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one
-        indexed copy."""
+        gather and one indexed copy (float8 as bytes: not every device has its kernels)."""
         if copies:
             src, dst = to_device(np.array(copies, np.int64), self.device).unbind(1)
             for t in self.tensors:
-                t[:, :, dst] = t[:, :, src]
+                raw = t.view(torch.uint8) if self.quantized else t
+                raw.index_copy_(2, dst, raw.index_select(2, src))
