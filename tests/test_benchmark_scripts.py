@@ -28,9 +28,9 @@ ALONE = {  # scripts with their own small settings
                       "--repeats", "1"],
     "kv_quality.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "3"],
     "ray_scaling.py": ["--model-size", "tiny", "--rows", "24", "--n", "2", "--max-tokens", "3",
-                       "--batch-size", "6"],
+                       "--batch-size", "6", "--actors", "1"],  # 2 actors: test_ray.py
     "dataset.py": [*SMALL[:12], "--rows", "40", "--n", "2", "--max-tokens", "4",
-                   "--rss-rows", "50,200", "--rss-max-tokens", "2", "--repeats", "1"],
+                   "--rss-rows", "50", "--rss-max-tokens", "2", "--repeats", "1"],
     "host_overhead.py": ["--rows", "16", "--window", "3,10", "--long-tokens", "20",
                          "--threads", "1", "--repeats", "1"],
     "eval.py": ["--model", "tiny", "--limit", "3", "--max-length", "128", "--threads", "1",
