@@ -48,9 +48,14 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[...
 
 @pytest.fixture(params=["serial", "async"])
 def engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The key parity tests run with both engines: serial, and async scheduling (the next step
-    planned while this one's forward runs), by flipping the LLM's default through
-    BATCHGEN_ASYNC_SCHEDULING. `BATCHGEN_ASYNC_SCHEDULING=1 pytest` runs every other test
-    with the async engine too."""
+    """Run a test with both engines: serial, and async scheduling (the next step planned while
+    this one's forward runs), by flipping the LLM's default through BATCHGEN_ASYNC_SCHEDULING.
+
+    The async duplicate runs only where it proves something beyond tests/test_fingerprint.py
+    (every fingerprint workload, serial and async, byte for byte: preemption by recompute and
+    swap, n samples, prefix hits, copy on write, beams) and tests/test_overlap.py:
+    test_generate_hf.py narrows it (indirect parametrization) to the preempt+chunked layout
+    of every family; test_beam_search.py keeps both. `BATCHGEN_ASYNC_SCHEDULING=1 pytest`
+    runs every other test with the async engine too."""
     monkeypatch.setenv("BATCHGEN_ASYNC_SCHEDULING", "1" if request.param == "async" else "0")
     return request.param

@@ -55,8 +55,14 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # hybrids: attention among the mixers within 4 layers (HF's own generate needs one)
     # SSD scans pad every forward to their chunk size (256 by default): 8 keeps them fast
     "bamba": {"attn_layer_indices": [1, 3], "mamba_chunk_size": 8},
-    "falcon_h1": {"mamba_chunk_size": 8},
-    "nemotron_h": {"chunk_size": 8},
+    # the mixers' own defaults are model-sized (128 heads, states of 128-256): tiny ones keep
+    # the parity checks and make each forward ~10x cheaper
+    "falcon_h1": {"mamba_chunk_size": 8, "mamba_n_heads": 8, "mamba_d_head": 16,
+                  "mamba_d_ssm": 128, "mamba_d_state": 16},
+    "nemotron_h": {"chunk_size": 8},  # (small mixers made its HF output blind to far context)
+    **dict.fromkeys(("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"), {
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4}),
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
               "expert_layer_offset": 1},
     "granitemoehybrid": {"layer_types": ["mamba", "attention", "mamba", "attention"],

@@ -6,7 +6,9 @@ exit with code 2 before the model is loaded; `--help` shows every default."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
 import os
 import signal
@@ -25,6 +27,7 @@ from batchgen.data.shards import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+ROWS_PER_SHARD = 20  # small shards: a short job still spans many, so signals land mid-run
 WORDS = "the a cat dog runs jumps over under blue red green house tree river".split()
 
 
@@ -39,8 +42,8 @@ def write_jsonl(path: Path, count: int) -> Path:
 def command(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "batchgen", "generate", "--model", str(model), "--input",
             str(data), "--prompt-column", "question", "--n", "4", "--temperature", "0.9",
-            "--max-tokens", "12", "--seed", "3", "--rows-per-shard", "100", "--max-num-seqs",
-            "64", "--output", str(out), "--quiet", *extra]
+            "--max-tokens", "12", "--seed", "3", "--rows-per-shard", str(ROWS_PER_SHARD),
+            "--max-num-seqs", "64", "--output", str(out), "--quiet", *extra]
 
 
 def shards(out: Path) -> int:
@@ -72,21 +75,29 @@ def rows_by_id(out: Path) -> list[dict]:
     return sorted(table.to_pylist(), key=lambda r: r["row_id"])
 
 
-def test_sigkill_then_ctrl_c_then_resume_equals_an_uninterrupted_run(tiny_model_factory,
-                                                                      tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_factory, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(model, data, output) of one uninterrupted job, run in-process (no interpreter start-up)
+    and shared by the kill tests below as the rows every resumed job must equal."""
     model = tiny_model_factory("llama", eos_boost=0.06)
-    data = write_jsonl(tmp_path / "in.jsonl", 3000)
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
-    done = subprocess.run(command(model, data, whole), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert "batchgen: 3000 rows, 12000 samples" in done.stdout
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    data, whole = write_jsonl(folder / "in.jsonl", 800), folder / "whole"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(command(model, data, whole)[3:]) == 0
+    assert "batchgen: 800 rows, 3200 samples" in out.getvalue()
+    return model, data, whole
 
+
+def test_sigkill_then_ctrl_c_then_resume_equals_an_uninterrupted_run(uninterrupted,
+                                                                      tmp_path: Path) -> None:
+    model, data, whole = uninterrupted
+    broken = tmp_path / "broken"
     killed = start_then_signal(command(model, data, broken), broken, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     manifest = json.loads((broken / MANIFEST).read_text())
     # 3 shards were on disk; the kill may land before the third is listed
-    assert not manifest["complete"] and 200 <= manifest["rows"] < 3000
+    assert not manifest["complete"] and 2 * ROWS_PER_SHARD <= manifest["rows"] < 800
 
     interrupted = start_then_signal(command(model, data, broken, "--resume"), broken,
                                     shards(broken) + 3, signal.SIGINT)
@@ -94,14 +105,14 @@ def test_sigkill_then_ctrl_c_then_resume_equals_an_uninterrupted_run(tiny_model_
     assert "interrupted; the finished rows are in" in interrupted.stderr
     assert "rerun with --resume" in interrupted.stderr
     after_ctrl_c = json.loads((broken / MANIFEST).read_text())
-    assert not after_ctrl_c["complete"] and manifest["rows"] < after_ctrl_c["rows"] < 3000
+    assert not after_ctrl_c["complete"] and manifest["rows"] < after_ctrl_c["rows"] < 800
 
     resumed = subprocess.run(command(model, data, broken, "--resume"), cwd=ROOT, env=ENV,
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert json.loads((broken / MANIFEST).read_text())["complete"]
     expected, got = rows_by_id(whole), rows_by_id(broken)
-    assert [r["row_id"] for r in got] == list(range(3000))  # none lost, none twice
+    assert [r["row_id"] for r in got] == list(range(800))  # none lost, none twice
     assert got == expected  # row by row: inputs, prompt lengths, every sample
 
 
@@ -324,16 +335,12 @@ def test_bad_flags_exit_2(argv: list[str], capsys) -> None:
 
 
 # ---- shards closed by the clock; rows that cannot run; --help --------------------------------
-def test_a_shard_closed_by_time_survives_sigkill(tiny_model_factory, tmp_path: Path) -> None:
+def test_a_shard_closed_by_time_survives_sigkill(uninterrupted, tmp_path: Path) -> None:
     """No shard fills its rows here (--rows-per-shard 100000): only --shard-seconds writes
     them, and what they hold survives a SIGKILL and resumes to the uninterrupted rows."""
-    model = tiny_model_factory("llama", eos_boost=0.06)
-    data = write_jsonl(tmp_path / "in.jsonl", 1500)
-    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    model, data, whole = uninterrupted
+    broken = tmp_path / "broken"
     by_time = ["--rows-per-shard", "100000", "--shard-seconds", "0.3"]
-    done = subprocess.run(command(model, data, whole), cwd=ROOT, env=ENV, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
     killed = start_then_signal(command(model, data, broken, *by_time), broken, 1,
                                signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL

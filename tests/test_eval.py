@@ -25,6 +25,11 @@ TASKS = ["bg_mc", "bg_gen", "bg_ppl"]
 MAX_LENGTH = 32  # short windows: the longer documents roll over several
 
 
+def local_tasks() -> TaskManager:
+    """The tests' own tasks only: indexing lm-eval's thousands of built-in ones takes ~30 s."""
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=False)
+
+
 class in_tasks_dir:
     """cwd = tests/eval_tasks while lm-eval loads the tasks' relative data_files."""
 
@@ -50,7 +55,7 @@ def lm(model_dir) -> BatchgenLM:
 def evaluate(model, **kw) -> dict:
     with in_tasks_dir():
         return lm_eval.simple_evaluate(model=model, tasks=TASKS, log_samples=True,
-                                       task_manager=TaskManager(include_path=str(TASKS_DIR)),
+                                       task_manager=local_tasks(),
                                        **kw)
 
 
@@ -124,7 +129,7 @@ def test_choices_share_their_context_through_the_prefix_cache(model_dir, lm) -> 
         with in_tasks_dir():
             runs[name] = lm_eval.simple_evaluate(
                 model=model, tasks=["bg_mc"], log_samples=True,
-                task_manager=TaskManager(include_path=str(TASKS_DIR)))
+                task_manager=local_tasks())
         runs[name + "_stats"] = model.llm.kv_stats()
     on, off_stats = runs["on_stats"], runs["off_stats"]
     assert on.prefix_hit_tokens > 0 and off_stats.prefix_hit_tokens == 0

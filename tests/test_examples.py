@@ -1,6 +1,6 @@
 """The examples run on a tiny model: quickstart in-process (the README's demo, `scripts/demo.sh`)
-and every script in examples/ as a fresh `python examples/X.py MODEL` process, plus one with no
-argument (it makes its own tiny model under $BATCHGEN_CACHE_DIR)."""
+and every other script in examples/ as a fresh `python examples/X.py MODEL` process, plus one
+with no argument (it makes its own tiny model under $BATCHGEN_CACHE_DIR)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
 
-# Script -> strings its stdout must contain.
+QUICKSTART = ["sample 3:", "stop at 'e'", "chat:", "Logprob(logprob=", "KVStats("]
+# Script -> strings its stdout must contain (quickstart runs in-process only, below: as a
+# process it ran the same main on the same model folder again).
 MARKERS = {
-    "quickstart": ["sample 3:", "stop at 'e'", "chat:", "KVStats("],
     "chat": ["user:      What is the capital of France?", "assistant: ", "sample 2:"],
     "samples_over_dataset": ["12 rows x n=4 samples", "reloaded 12 rows", "sample 3:",
                              "resume=True: 0 prompt tokens computed", "-> no new work"],
@@ -37,10 +38,12 @@ NO_ARG = "samples_over_dataset"  # the one run without a model folder
 def test_quickstart_runs(tiny_model_factory, capsys, runs):
     # `runs` only starts the example processes first, to overlap them with this in-process run.
     quickstart = runpy.run_path(str(ROOT / "examples" / "quickstart.py"))
-    quickstart["main"](str(tiny_model_factory("llama", eos_boost=0.06)))
+    # what `python examples/quickstart.py MODEL` runs
+    quickstart["main"](quickstart["demo_model"](str(tiny_model_factory("llama",
+                                                                       eos_boost=0.06))))
     out = capsys.readouterr().out
-    assert "sample 3:" in out and "stop at 'e'" in out and "chat:" in out
-    assert "Logprob(logprob=" in out and "KVStats(" in out
+    for marker in QUICKSTART:
+        assert marker in out, f"quickstart: {marker!r} missing from its output:\n{out}"
 
 
 @pytest.fixture(scope="module")

@@ -206,19 +206,6 @@ def test_every_eos_id_of_the_generation_config_stops(tiny_model_factory, tmp_pat
     assert c.token_ids == probe[:probe.index(probe[4]) + 1] and c.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("configure", ["", "import logging; logging.basicConfig(level='INFO'); "])
-def test_the_capacity_line_prints_once(model_dir, configure):
-    """No handler at import: without logging configured the first LLM shows batchgen's lines;
-    under logging.basicConfig they go through the root handler, once."""
-    import subprocess
-    import sys
-
-    code = (f"{configure}from batchgen import LLM; LLM({str(model_dir)!r}, num_kv_blocks=16)")
-    err = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stderr
-    assert err.count("KV cache: 16 blocks") == 1, err
-
-
 def test_prompt_logprobs_of_more_positions_than_max_num_seqs(tiny_model_factory) -> None:
     """A step with prompt logprobs keeps a logits row per prompt position: more rows than
     max_num_seqs (the step buffers once held only max_num_seqs and raised here)."""

@@ -35,7 +35,12 @@ def family_case(request, tiny_model_factory, prompts):
     return request.param, path, hf_greedy(path, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# every layout with the serial engine; the async engine (planning the next step while this
+# one's forward runs) on the layout where it has most to get wrong: preemption + chunking
+ENGINE_CASES = [(layout, "serial") for layout in LAYOUTS] + [("preempt+chunked", "async")]
+
+
+@pytest.mark.parametrize("layout, engine_mode", ENGINE_CASES, indirect=["engine_mode"])
 def test_greedy_equals_hf_generate(family_case, prompts, layout, engine_mode):
     family, path, expected = family_case
     block_size, blocks, budget, seqs, backend = LAYOUTS[layout]

@@ -52,7 +52,7 @@ def test_prompt_is_computed_once(model_dir):
     assert [len(c.token_ids) for c in out[0].outputs] == [3] * 6
 
 
-def test_samples_are_seeded_per_index_and_batch_invariant(model_dir, engine_mode):
+def test_samples_are_seeded_per_index_and_batch_invariant(model_dir):
     llm = LLM(model_dir, block_size=4, num_kv_blocks=1024)
     prompts = make_prompt_token_ids(4, 5, 30, vocab_size=512, seed=8)
     sp = SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=77)
@@ -68,7 +68,7 @@ def test_samples_are_seeded_per_index_and_batch_invariant(model_dir, engine_mode
     assert [c.token_ids for c in three.outputs] == [c.token_ids for c in alone.outputs[:3]]
 
 
-def test_preempted_n_groups_recompute_with_sharing(model_dir, engine_mode):
+def test_preempted_n_groups_recompute_with_sharing(model_dir):
     prompts = make_prompt_token_ids(6, 10, 40, vocab_size=512, seed=9)
     sp = [SamplingParams(n=4, temperature=1.0, max_tokens=16, seed=i, ignore_eos=True)
           for i in range(6)]

@@ -90,21 +90,21 @@ def test_two_actors_equal_the_local_runner(local_ray, model: Path) -> None:
     got = by_id(build_processor(config(model))(blocks).take_all())
     assert got == local  # every column, every sample of every row
     assert all(len(r["outputs"]) == 4 for r in got)
-    # without a row_id column the processor numbers rows by position
-    numbered = build_processor(config(model))(
-        ray.data.from_items(rows(48), override_num_blocks=6)).take_all()
-    assert by_id(numbered) == local
 
 
 def test_beams_pre_and_postprocess(local_ray, model: Path) -> None:
+    """Also: without a row_id column (ray.data.from_items) the processor numbers rows by
+    position, so each row's best beam lands on the local runner's row."""
     data = datasets.Dataset.from_list(rows(12))
     bp = BeamSearchParams(beam_width=3, max_tokens=6)
     local = generate_dataset(LLM(str(model), device="cpu"), data, bp, use_tqdm=False)
     proc = build_processor(
         config(model, sampling_params=bp, prompt_column="text"),
         preprocess=lambda r: {**r, "text": r["prompt"]},
-        postprocess=lambda r: {"row_id": r["row_id"], "best": r["outputs"][0]["text"]})
-    got = by_id(proc(ray.data.from_arrow(numbered_blocks(data, 4))).take_all())
+        postprocess=lambda r: {"row_id": r["row_id"], "k": r["k"],
+                               "best": r["outputs"][0]["text"]})
+    got = by_id(proc(ray.data.from_items(rows(12), override_num_blocks=3)).take_all())
+    assert [r["row_id"] for r in got] == [r["k"] for r in got] == list(range(12))
     assert [r["best"] for r in got] == [o[0]["text"] for o in local["outputs"]]
 
 
