@@ -15,7 +15,7 @@ diversity penalty). The logits modes have no meaning for beams and are refused.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from batchgen.checks import check, check_choice
 
@@ -23,6 +23,9 @@ RAW_LOGPROBS, PROCESSED_LOGPROBS = "raw_logprobs", "processed_logprobs"
 RAW_LOGITS, PROCESSED_LOGITS = "raw_logits", "processed_logits"
 LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS, RAW_LOGITS, PROCESSED_LOGITS)
 BEAM_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS)
+
+if TYPE_CHECKING:  # torch stays out of the CLI's start-up (`batchgen --help` reads the modes)
+    import torch
 
 
 def check_logprobs_mode(mode: object) -> str:
@@ -49,5 +52,5 @@ def reported(mode: str, raw: torch.Tensor, processed: torch.Tensor | None
     values = processed if is_processed(mode) else raw
     assert values is not None, "processed logits were not kept"
     if mode in (RAW_LOGITS, PROCESSED_LOGITS):
-        return values, torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)
-    return values, torch.logsumexp(values, dim=-1)
+        return values, values.new_zeros(values.shape[0])
+    return values, values.logsumexp(dim=-1)
