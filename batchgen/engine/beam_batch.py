@@ -1,15 +1,18 @@
 """HF beam selection for many requests in one pass (the arithmetic of ``engine/beam.py``).
 
-A :class:`BeamBank` holds the tensor state of every request that shares a beam width and a
-number of stop ids (so the same ``K`` candidates) on one device, one row per request: running
-scores, the finished buffer (scores, sums, finish codes, done flags, and where each slot's
-hypothesis came from) and HF's early-stop flag. :func:`select` runs one step for ``G`` of its
-rows: one ``topk`` over ``[G, W * V]``, the stopping criteria, the next running beams, the
-finished-buffer merge and the stopping test, each a few tensor ops over all rows, in HF's
-float32 order (``transformers`` 5.24 ``_beam_search`` with ``batch_size = G``; every op is
-row-wise, so a row's bits do not depend on the others). The step's candidates go to the host
-once, as a :class:`StepRecord`; hypotheses' tokens are read back from those records only when
-a hypothesis is admitted or returned.
+A :class:`BeamBank` holds the state of every request that shares a beam width and a number
+of stop ids (so the same ``K`` candidates) on one device, one row per request, in host arrays
+(``[rows, W]``, read every step): running scores, the finished buffer (scores, sums, finish
+codes, done flags, and where each slot's hypothesis came from) and HF's early-stop flag.
+:func:`select` runs one step for ``G`` of its rows: on the device, the accumulate, one
+``topk`` over ``[G, W * V]`` and the candidates' own log-probs and ranks (read by the host
+once); on the host, the stopping criteria, the next running beams, the finished-buffer merge
+and the stopping test, each a few array ops over all rows, in HF's float32 order
+(``transformers`` 5.24 ``_beam_search`` with ``batch_size = G``; every op is row-wise, so a
+row's bits do not depend on the others; the two small ``topk`` run on the device, so ties
+break as HF's). The step's candidates stay on the host as a :class:`StepRecord`;
+hypotheses' tokens are read back from those records only when a hypothesis is admitted or
+returned.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ __all__ = ["LENGTH", "NEG", "STOP", "UNSET", "BeamBank", "SelectResult",
            "StepRecord", "select"]
 
 NEG = -1.0e9  # HF's "impossible" score
+NEG32 = np.float32(NEG)  # the same in host arithmetic (float32, as HF's ops)
 UNSET, STOP, LENGTH = 0, 1, 2  # finish codes of a finished-buffer slot
 
 
@@ -58,7 +62,10 @@ class SelectResult:
 
 
 class BeamBank:
-    """The tensor state of requests sharing (beam width, stop-id count, device), a row each."""
+    """The state of requests sharing (beam width, stop-id count, device), a row each. The
+    state is small (``[rows, W]``) and read by the host every step, so it lives in host
+    arrays; only the accumulate, the K-candidate ``topk`` and the ranks' row reads touch
+    the step's log-probs on the device (``topk`` runs on the device, so ties break as HF's)."""
 
     def __init__(self, width: int, num_stop_ids: int, device: torch.device) -> None:
         self.width = width
@@ -68,38 +75,33 @@ class BeamBank:
         self._free: list[int] = []
         self._size = 0
         k = self.num_candidates
-        self.top_mask = torch.cat((torch.ones(width, dtype=torch.bool),
-                                   torch.zeros(k - width, dtype=torch.bool))).to(device)
-        self.cand = torch.arange(k, device=device)[None, :]
+        self.top_mask = np.arange(k) < width
+        self.cand = np.arange(k)[None, :]
         self._alloc(4)
 
     def _alloc(self, cap: int) -> None:
-        """(Re)make the state tensors with ``cap`` rows, keeping the rows in use."""
-        w, dev = self.width, self.device
-        old = None if self._size == 0 else self.state()
-        self.running = torch.full((cap, w), NEG, dtype=torch.float, device=dev)
+        """(Re)make the state arrays with ``cap`` rows, keeping the rows in use."""
+        w, old = self.width, None if self._size == 0 else self.state()
+        self.running = np.full((cap, w), NEG, np.float32)
         # finished buffer: scores, raw sums | finish code, done, step, candidate (0: none)
-        self.fin_f = torch.full((cap, 2, w), NEG, dtype=torch.float, device=dev)
-        self.fin_i = torch.zeros((cap, 4, w), dtype=torch.long, device=dev)
-        self.unsatisfied = torch.ones((cap, 1), dtype=torch.bool, device=dev)
-        self.stops = torch.full((cap, max(self.num_stop_ids, 1)), -1, dtype=torch.long,
-                                device=dev)
+        self.fin_f = np.full((cap, 2, w), NEG, np.float32)
+        self.fin_i = np.zeros((cap, 4, w), np.int64)
+        self.unsatisfied = np.ones((cap, 1), bool)
+        self.stops = np.full((cap, max(self.num_stop_ids, 1)), -1, np.int64)
+        # per row: generated length, max_tokens, early_stopping is True, "never" with a
+        # positive length penalty; the length penalty
+        self.ints = np.zeros((cap, 4), np.int64)
+        self.penalty = np.ones(cap, np.float64)
         if old is not None:
             for dst, src in zip(self.state(), old):
                 dst[:len(src)] = src
-        # per row on the host: generated length, max_tokens, early_stopping is True, "never"
-        # with a positive length penalty; the length penalty
-        ints = np.zeros((cap, 4), np.int64)
-        penalty = np.ones(cap, np.float64)
-        if old is not None:
-            ints[:self._size], penalty[:self._size] = self.ints, self.penalty
-        self.ints, self.penalty = ints, penalty
         self._free += list(range(cap - 1, self._size - 1, -1))
         self._size = cap
 
-    def state(self) -> tuple[torch.Tensor, ...]:
-        """Every per-row tensor, in one order."""
-        return self.running, self.fin_f, self.fin_i, self.unsatisfied, self.stops
+    def state(self) -> tuple[np.ndarray, ...]:
+        """Every per-row array, in one order."""
+        return (self.running, self.fin_f, self.fin_i, self.unsatisfied, self.stops, self.ints,
+                self.penalty)
 
     def add(self, stop_ids: list[int], max_tokens: int, length_penalty: float,
             early_stopping: bool | str) -> int:
@@ -117,8 +119,7 @@ class BeamBank:
         self.fin_i[row] = 0
         self.unsatisfied[row] = True
         self.stops[row] = -1
-        if stop_ids:
-            self.stops[row, :len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long)
+        self.stops[row, :len(stop_ids)] = stop_ids
         return row
 
     def release(self, row: int) -> None:
@@ -126,9 +127,15 @@ class BeamBank:
         self._free.append(row)
 
     def buffer(self, row: int) -> tuple[list, ...]:
-        """A row's finished buffer on the host: scores, sums, codes, done, step, candidate."""
+        """A row's finished buffer: scores, sums, codes, done, step, candidate."""
         f, i = self.fin_f[row].tolist(), self.fin_i[row].tolist()
         return f[0], f[1], i[0], [bool(x) for x in i[1]], i[2], i[3]
+
+    def topk(self, values: np.ndarray, k: int) -> np.ndarray:
+        """The indices of each row's ``k`` largest ``values`` (``[G, n]`` float32), by
+        ``torch.topk`` on the bank's device: its order among ties is HF's."""
+        t = torch.from_numpy(np.ascontiguousarray(values))
+        return torch.topk(t.to(self.device), k=k)[1].cpu().numpy()
 
 
 def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torch.Tensor,
@@ -137,81 +144,59 @@ def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torc
     """One HF beam step for the ``G`` requests in bank ``rows``: ``logprobs`` ``[G, W, V]``
     float32 (processed; ``singles``: a first step's one row, repeated). ``stop_fns[g](parent,
     token)``: does that candidate of request ``g`` end on a stop string (HF's
-    StopStringCriteria on all K candidates)?"""
-    w, k = bank.width, bank.num_candidates
-    at = _bank_rows(rows, bank.device)
-    gen, max_t, early_h, never = bank.ints[rows].T
+    StopStringCriteria on all K candidates)? On the device: the candidates and their own
+    log-probs; the rest on the host, in float32 as HF's ops."""
+    w = bank.width
+    at = _bank_rows(rows)
+    gen, max_t, early_h, never = bank.ints[at].T
     new_len = gen + 1
     best_len = np.where(never.astype(bool), max_t, new_len)
-    host = np.stack((new_len, max_t, early_h), 1)
-    ints = torch.from_numpy(host).to(bank.device)
-    new_len_t, early = ints[:, :1], ints[:, 2].bool()
-    divisors = torch.from_numpy(_powers(np.stack((new_len, best_len), 1),
-                                        bank.penalty[rows])).to(bank.device)
-    bank.ints[rows, 0] = new_len
-    top_lp, top_idx, ids, parents = _candidates(bank, at, singles, logprobs)
+    divisors = _powers(np.stack((new_len, best_len), 1), bank.penalty[at])
+    bank.ints[at, 0] = new_len
+    early = early_h.astype(bool)
+    top_lp, ids, parents, lp_tok, ranks = _candidates(bank, at, singles, logprobs)
     stop_tok = _stop_tokens(bank, at, ids, parents, stop_fns)
-    hits = (new_len_t >= ints[:, 1:2]).expand(ids.shape)
+    hits = np.broadcast_to((new_len >= max_t)[:, None], ids.shape)
     if stop_tok is not None:
         hits = stop_tok | hits
     # next running beams (_get_running_beams_for_next_iteration)
-    running_lp = top_lp + hits.to(torch.float32) * NEG
-    next_idx = torch.topk(running_lp, k=w)[1]
-    running = torch.take_along_dim(running_lp, next_idx, dim=1)
+    running_lp = top_lp + hits.astype(np.float32) * NEG32
+    next_idx = bank.topk(running_lp, w)
+    running = np.take_along_axis(running_lp, next_idx, 1)
     bank.running[at] = running
     admitted, fin_scores, fin_done = _update_finished(bank, at, early, divisors[:, :1],
-                                                      top_lp, hits, stop_tok, new_len_t)
+                                                      top_lp, hits, stop_tok, new_len)
     done = _done(bank, at, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
-    exact = bool(singles.any())  # a first step's copies: every rank by its parent's row
-    lp_tok, ranks = (_token_logprobs(logprobs, parents, ids) if exact
-                     else _fast_ranks(logprobs, top_lp, top_idx, parents))
-    host = torch.cat((ids, parents, ranks, next_idx, torch.gather(parents, 1, next_idx),
-                      torch.gather(ids, 1, next_idx), admitted.long(), done[:, None].long(),
-                      (top_lp[:, :-1] == top_lp[:, -1:]).any(1, keepdim=True).long()),
-                     dim=1).cpu().numpy()  # what the host reads: two copies (one sync)
-    cuts = np.cumsum([k, k, k, w, w, w, w, 1])
-    ids_h, par_h, ranks_h, nxt_h, np_h, ni_h, adm_h, done_h, tied = np.split(host, cuts, 1)
-    if not exact and tied.any():  # a tie with the K-th candidate: those rows' ranks in full
-        _exact_ranks(ranks_h, np.flatnonzero(tied[:, 0]), logprobs, parents, ids)
-    record = StepRecord(ids_h, par_h, lp_tok.cpu().numpy(), ranks_h, nxt_h, np_h, ni_h,
-                        tops or {})
-    adm = np.nonzero(adm_h)
-    return SelectResult(record, done_h[:, 0].astype(bool),
-                        list(zip(*(a.tolist() for a in adm))))
+    record = StepRecord(ids, parents, lp_tok, ranks, next_idx,
+                        np.take_along_axis(parents, next_idx, 1),
+                        np.take_along_axis(ids, next_idx, 1), tops or {})
+    adm = np.nonzero(admitted)
+    return SelectResult(record, done, list(zip(*(a.tolist() for a in adm))))
 
 
-def _bank_rows(rows: np.ndarray, device: torch.device) -> slice | torch.Tensor:
-    """The requests' bank rows as an index: a slice (views, no gather) when they are
-    consecutive and ascending, the usual case; else an index tensor."""
+def _bank_rows(rows: np.ndarray) -> slice | np.ndarray:
+    """The requests' bank rows as an index: a slice (views, no copy) when they are
+    consecutive and ascending, the usual case; else the rows."""
     first = int(rows[0])
     if int(rows[-1]) - first == len(rows) - 1 and (len(rows) < 3 or
                                                    (np.diff(rows) == 1).all()):
         return slice(first, first + len(rows))
-    return torch.from_numpy(rows).to(device)
+    return rows
 
 
-def _stop_tokens(bank: BeamBank, at: slice | torch.Tensor, ids: torch.Tensor,
-                 parents: torch.Tensor,
-                 stop_fns: dict[int, Callable[[int, int], bool]] | None
-                 ) -> torch.Tensor | None:
+def _stop_tokens(bank: BeamBank, at: slice | np.ndarray, ids: np.ndarray,
+                 parents: np.ndarray, stop_fns: dict[int, Callable[[int, int], bool]] | None
+                 ) -> np.ndarray | None:
     """Which candidates end on a stop id or a stop string (None: no request has either)."""
     stop_tok = None
     if bank.num_stop_ids:
         stop_tok = (ids[:, :, None] == bank.stops[at][:, None, :]).any(-1)
     if stop_fns:
-        extra = _host_stops(stop_fns, ids, parents)
+        extra = np.zeros(ids.shape, bool)
+        for g, fn in stop_fns.items():
+            extra[g] = [bool(fn(p, t)) for p, t in zip(parents[g].tolist(), ids[g].tolist())]
         stop_tok = extra if stop_tok is None else stop_tok | extra
     return stop_tok
-
-
-def _host_stops(stop_fns: dict[int, Callable[[int, int], bool]], ids: torch.Tensor,
-                parents: torch.Tensor) -> torch.Tensor:
-    """The stop-string verdict of the rows that have one, on their K candidates."""
-    extra = torch.zeros(ids.shape, dtype=torch.bool)
-    for g, fn in stop_fns.items():
-        extra[g] = torch.tensor([bool(fn(p, t)) for p, t in zip(parents[g].tolist(),
-                                                                 ids[g].tolist())])
-    return extra.to(ids.device)
 
 
 def _powers(lengths: np.ndarray, penalty: np.ndarray) -> np.ndarray:
@@ -223,19 +208,31 @@ def _powers(lengths: np.ndarray, penalty: np.ndarray) -> np.ndarray:
                      zip(lengths.tolist(), penalty.tolist())], np.float64).astype(np.float32)
 
 
-def _candidates(bank: BeamBank, at: slice | torch.Tensor, singles: np.ndarray,
+def _candidates(bank: BeamBank, at: slice | np.ndarray, singles: np.ndarray,
                 logprobs: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """HF _get_top_k_continuations for every row: accumulate, flatten, top K (scores, flat
-    indices, tokens, parents)."""
-    g, _, vocab = logprobs.shape
-    flat = (logprobs + bank.running[at][:, :, None]).reshape(g, -1)
-    top_lp, top_idx = torch.topk(flat, k=bank.num_candidates)
-    ids = top_idx % vocab
-    parents = top_idx // vocab
-    if singles.any():  # a single row: parent 0
-        parents = parents * torch.from_numpy(1 - singles).to(parents.device)[:, None]
-    return top_lp, top_idx, ids, parents
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """HF _get_top_k_continuations for every row (accumulate, flatten, top K) on the
+    device, and each candidate's own log-prob and rank in its parent's row; on the host:
+    scores, tokens, parents, log-probs, ranks."""
+    g, w, vocab = logprobs.shape
+    dev = logprobs.device
+    running = torch.from_numpy(bank.running[at]).to(dev)
+    flat = (logprobs + running[:, :, None]).reshape(g, -1)
+    top_lp_t, top_idx_t = torch.topk(flat, k=bank.num_candidates)
+    top_lp, top_idx = top_lp_t.cpu().numpy(), top_idx_t.cpu().numpy()
+    ids, parents = top_idx % vocab, top_idx // vocab
+    if singles.any():  # a single row: parent 0; every rank by its parent's row
+        parents = parents * (1 - singles)[:, None]
+        lp, ranks = _token_logprobs(logprobs, torch.from_numpy(parents).to(dev),
+                                    torch.from_numpy(ids).to(dev))
+        return top_lp, ids, parents, lp.cpu().numpy(), ranks.cpu().numpy()
+    lp, ranks = _fast_ranks(logprobs, top_lp, top_idx_t, parents)
+    tied = np.flatnonzero((top_lp[:, :-1] == top_lp[:, -1:]).any(1))
+    if len(tied):  # a tie with the K-th candidate: those rows' ranks in full
+        at_t = torch.from_numpy(tied).to(dev)
+        ranks[tied] = _token_logprobs(logprobs[at_t], torch.from_numpy(parents[tied]).to(dev),
+                                      torch.from_numpy(ids[tied]).to(dev))[1].cpu().numpy()
+    return top_lp, ids, parents, lp, ranks
 
 
 def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Tensor
@@ -250,66 +247,60 @@ def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Te
     return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
-def _fast_ranks(logprobs: torch.Tensor, top_lp: torch.Tensor, top_idx: torch.Tensor,
-                parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _fast_ranks(logprobs: torch.Tensor, top_lp: np.ndarray, top_idx: torch.Tensor,
+                parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each candidate's log-prob and rank in its parent's row, without comparing whole rows:
     a token above a candidate in its parent's row scores at least as high after the parent's
     running score is added, so it is among the K unless it ties the K-th; the ranks count the
     candidates above, and the K-th candidate's row is compared in full (a row where another
-    candidate ties the K-th is redone by ``_exact_ranks``)."""
+    candidate ties the K-th is redone in full by the caller)."""
     g, w, vocab = logprobs.shape
-    lp = logprobs.reshape(g, w * vocab).gather(1, top_idx)
+    lp_t = logprobs.reshape(g, w * vocab).gather(1, top_idx)
+    at = torch.from_numpy(parents[:, -1] + np.arange(g) * w).to(logprobs.device)
+    last = logprobs.reshape(g * w, vocab).index_select(0, at)
+    last_rank = (torch.count_nonzero(last > lp_t[:, -1:], dim=-1) + 1).cpu().numpy()
+    lp = lp_t.cpu().numpy()
     above = (lp[:, None, :] > lp[:, :, None]) & (parents[:, None, :] == parents[:, :, None])
     ranks = above.sum(-1) + 1
-    at = parents[:, -1] + torch.arange(g, device=parents.device) * w
-    last = logprobs.reshape(g * w, vocab).index_select(0, at)
-    ranks[:, -1] = torch.count_nonzero(last > lp[:, -1:], dim=-1) + 1
+    ranks[:, -1] = last_rank
     return lp, ranks
 
 
-def _exact_ranks(ranks: np.ndarray, rows: np.ndarray, logprobs: torch.Tensor,
-                 parents: torch.Tensor, ids: torch.Tensor) -> None:
-    """The ranks of ``rows`` (host) by comparing their parents' rows in full."""
-    at = torch.from_numpy(rows).to(parents.device)
-    ranks[rows] = _token_logprobs(logprobs[at], parents[at], ids[at])[1].cpu().numpy()
-
-
-def _update_finished(bank: BeamBank, g_rows: slice | torch.Tensor, early: torch.Tensor,
-                     divisor: torch.Tensor, top_lp: torch.Tensor, hits: torch.Tensor,
-                     stop_tok: torch.Tensor | None, new_len: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _update_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
+                     divisor: np.ndarray, top_lp: np.ndarray, hits: np.ndarray,
+                     stop_tok: np.ndarray | None, new_len: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """HF _update_finished_beams for every row: which kept slots were admitted now, and the
-    buffer's scores and done flags after the merge."""
+    buffer's scores and done flags after the merge (float32 throughout, as HF's ops)."""
     w = bank.width
     did_finish = hits & bank.top_mask[None, :]
     scores = top_lp / divisor
-    fin_f, fin_i = bank.fin_f[g_rows], bank.fin_i[g_rows]
-    full = torch.all(fin_i[:, 1].bool(), dim=-1, keepdim=True) & early[:, None]
-    scores += full.to(torch.float32) * NEG
-    scores += (~bank.unsatisfied[g_rows]).to(torch.float32) * NEG
-    scores += (~did_finish) * NEG
-    why = LENGTH if stop_tok is None else torch.where(stop_tok, STOP, LENGTH)
-    reason = torch.where(did_finish, why, UNSET)
-    new_i = torch.stack((reason, did_finish.long(), new_len.expand_as(reason),
-                         bank.cand.expand_as(reason)), 1)
-    merged_f = torch.cat((fin_f, torch.stack((scores, top_lp), 1)), dim=2)
-    merged_i = torch.cat((fin_i, new_i), dim=2)
-    keep = torch.topk(merged_f[:, 0].contiguous(), k=w)[1]
-    kept_f = torch.take_along_dim(merged_f, keep[:, None, :], dim=2)
-    kept_i = torch.take_along_dim(merged_i, keep[:, None, :], dim=2)
-    bank.fin_f[g_rows], bank.fin_i[g_rows] = kept_f, kept_i
-    return (keep >= w) & (kept_i[:, 0] != UNSET), kept_f[:, 0], kept_i[:, 1].bool()
+    fin_f, fin_i = bank.fin_f[at], bank.fin_i[at]
+    full = fin_i[:, 1].astype(bool).all(-1, keepdims=True) & early[:, None]
+    scores += full.astype(np.float32) * NEG32
+    scores += (~bank.unsatisfied[at]).astype(np.float32) * NEG32
+    scores += (~did_finish).astype(np.float32) * NEG32
+    why = LENGTH if stop_tok is None else np.where(stop_tok, STOP, LENGTH)
+    reason = np.where(did_finish, why, UNSET)
+    new_i = np.stack(np.broadcast_arrays(reason, did_finish.astype(np.int64), new_len[:, None],
+                                         bank.cand), 1)
+    merged_f = np.concatenate((fin_f, np.stack((scores, top_lp), 1)), axis=2)
+    merged_i = np.concatenate((fin_i, new_i), axis=2)
+    keep = bank.topk(merged_f[:, 0], w)
+    kept_f = np.take_along_axis(merged_f, keep[:, None, :], 2)
+    kept_i = np.take_along_axis(merged_i, keep[:, None, :], 2)
+    bank.fin_f[at], bank.fin_i[at] = kept_f, kept_i
+    return (keep >= w) & (kept_i[:, 0] != UNSET), kept_f[:, 0], kept_i[:, 1].astype(bool)
 
 
-def _done(bank: BeamBank, g_rows: slice | torch.Tensor, early: torch.Tensor, divisor: torch.Tensor,
-          running: torch.Tensor, hits: torch.Tensor, fin_scores: torch.Tensor,
-          fin_done: torch.Tensor) -> torch.Tensor:
+def _done(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray, divisor: np.ndarray,
+          running: np.ndarray, hits: np.ndarray, fin_scores: np.ndarray,
+          fin_done: np.ndarray) -> np.ndarray:
     """HF _check_early_stop_heuristic + _beam_search_has_unfinished_sequences, every row."""
     best_running = running[:, :1] / divisor
-    worst_finished = torch.where(fin_done, torch.min(fin_scores, dim=1, keepdim=True)[0], NEG)
-    unsatisfied = bank.unsatisfied[g_rows] & torch.any(best_running > worst_finished, dim=-1,
-                                                       keepdim=True)
-    bank.unsatisfied[g_rows] = unsatisfied
-    exists_open_beam = ~(torch.all(fin_done, dim=-1) & early)
-    valid_continuations = ~torch.all(hits, dim=-1)
+    worst_finished = np.where(fin_done, fin_scores.min(1, keepdims=True), NEG32)
+    unsatisfied = bank.unsatisfied[at] & (best_running > worst_finished).any(-1, keepdims=True)
+    bank.unsatisfied[at] = unsatisfied
+    exists_open_beam = ~(fin_done.all(-1) & early)
+    valid_continuations = ~hits.all(-1)
     return ~(unsatisfied[:, 0] & exists_open_beam & valid_continuations)

@@ -74,10 +74,10 @@ class KVManager:
         bm = self.block_manager
         return list(bm.table(seq)) if bm.has_table(seq) else []
 
-    def decoding_units(self, groups: list[SequenceGroup]) -> list[Sequence]:
+    def decoding_units(self, groups: list[SequenceGroup]) -> tuple[list[Sequence], np.ndarray]:
         """The sequences of every group whose running sequences all have exactly one token to
-        compute (a beam group's decode unit), in the groups' order; by vector ops over their
-        slots (the groups waiting for a fork have none)."""
+        compute (a beam group's decode unit), in the groups' order, and their slots; by vector
+        ops over their slots (the groups waiting for a fork have none)."""
         groups = [g for g in groups if g.seqs and not g.fork_pending]
         seqs = [s for g in groups for s in g.seqs]
         slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
@@ -85,7 +85,8 @@ class KVManager:
         ready = (slots >= 0) & (c["num_tokens"][at] - c["num_computed"][at] == 1)
         sizes = np.fromiter((len(g.seqs) for g in groups), np.int64, len(groups))
         whole = np.logical_and.reduceat(ready, np.cumsum(sizes) - sizes) if seqs else ready
-        return [s for s, ok in zip(seqs, np.repeat(whole, sizes).tolist()) if ok]
+        keep = np.repeat(whole, sizes)
+        return [s for s, ok in zip(seqs, keep.tolist()) if ok], slots[keep]
 
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()

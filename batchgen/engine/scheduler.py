@@ -70,6 +70,7 @@ class _Draft:
     decode_rows: int = 0
     decode_slots: np.ndarray | None = None  # valid while the batch's `moves`...
     moves: int = -1  # ...is still this
+    beam_slots: np.ndarray | None = None  # the beams' decode rows (right after), likewise
 
     def fits(self, tokens: int, seqs: int) -> bool:
         return tokens <= self.tokens and seqs <= self.num_seqs
@@ -143,9 +144,10 @@ class Scheduler:
         self._preempted_now = set()
         self._swap_in(d)
         beams = [g for g in self.running if g.spec.beam]
-        ready = self.kv.decoding_units(beams)
+        ready, slots = self.kv.decoding_units(beams)
         if self._decode_samples(d, len(ready)):
-            preempted = not self._decode_beams(d, ready) and self._schedule_decodes(d, beams)
+            preempted = (not self._decode_beams(d, ready, slots)
+                         and self._schedule_decodes(d, beams))
         else:
             preempted = self._schedule_decodes(d, list(self.running))
         preempted |= self._schedule_prefills(d)
@@ -158,12 +160,13 @@ class Scheduler:
         and the tokens each has computed."""
         k, c = d.decode_rows, self.batch.cols
         fresh = d.moves == self.batch.moves
-        first = k if fresh else 0
-        slots = np.fromiter((s.slot for s in d.seqs[first:]), np.int64, len(d.seqs) - first)
-        if fresh and k:
-            slots = np.concatenate((d.decode_slots, slots)) if len(slots) else d.decode_slots
-        starts = np.concatenate((c["num_computed"][slots[:k]], np.fromiter(
-            (self.kv.num_computed(s) for s in d.seqs[k:]), np.int64, len(d.seqs) - k)))
+        found = [a for a in (d.decode_slots, d.beam_slots) if a is not None] if fresh else []
+        first = sum(map(len, found))
+        rest = np.fromiter((s.slot for s in d.seqs[first:]), np.int64, len(d.seqs) - first)
+        slots = np.concatenate((*found, rest)) if found else rest
+        starts = c["num_computed"][slots]  # a row without a slot: (swapped) its own count
+        for i in np.flatnonzero(slots < 0).tolist():
+            starts[i] = self.kv.num_computed(d.seqs[i])
         seqs, num_new = tuple(d.seqs), np.array(d.num_new, np.int64)
         return StepPlan(seqs, slots, starts, num_new, k, tuple(d.copies), tuple(d.swap_in),
                         tuple(d.swap_out), self.kv.take_state_ops(seqs, starts, num_new))
@@ -173,19 +176,21 @@ class Scheduler:
         return [s for s in group.seqs if s.status is SequenceStatus.RUNNING
                 and len(s.token_ids) - self.kv.num_computed(s) == 1]
 
-    def _decode_beams(self, d: _Draft, seqs: list[Sequence]) -> bool:
-        """The ready beams at once, in order, when they fit the step and the pool has a block
-        for every row that opens or shares one (no preemption); else False, doing nothing."""
+    def _decode_beams(self, d: _Draft, seqs: list[Sequence], slots: np.ndarray) -> bool:
+        """The ready beams (at `slots`) at once, in order, when they fit the step and the pool
+        has a block for every row that opens or shares one (no preemption); else False,
+        doing nothing."""
         n, c = len(seqs), self.batch.cols
         if self._preempted_now or not d.fits(n, n):
             return False
-        slots = np.fromiter((s.slot for s in seqs), np.int64, n)
         needy = slots[(c["num_computed"][slots] // self.block_size >= c["num_blocks"][slots])
                       | c["cow_check"][slots]]
         if len(needy) > self.kv.num_free_blocks():
             return False
         if len(needy):
             self.kv.grow_decodes(needy, d.copies)
+        if len(d.seqs) == d.decode_rows:  # right after the samples: their slots follow
+            d.beam_slots = slots
         d.seqs += seqs
         d.num_new += [1] * n
         d.tokens, d.num_seqs = d.tokens - n, d.num_seqs - n
