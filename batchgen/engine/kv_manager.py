@@ -173,7 +173,20 @@ class KVManager:
         PoolExhausted leaves what was reserved, and the copies made, in place."""
         bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
         cow = c["cow_check"][slots]
-        for slot, pos in zip(slots[cow].tolist(), c["num_computed"][slots[cow]].tolist()):
+        checked = slots[cow]
+        if len(checked) <= bm.num_free_blocks():  # a block for each, worst case: one pass
+            pos = c["num_computed"][checked]
+            at, blocks, made = bm.write_heads([b.seqs[s] for s in checked.tolist()],
+                                              pos.tolist())
+            copies += made
+            if at:
+                rows, k = checked[at], pos[at] // bs
+                b.block_table[rows, k] = blocks
+                opened = pos[at] % bs == 0
+                c["num_blocks"][rows[opened]] = k[opened] + 1
+            c["cow_check"][checked] = False
+            checked = checked[:0]
+        for slot, pos in zip(checked.tolist(), c["num_computed"][checked].tolist()):
             seq, at = b.seqs[slot], pos // bs
             if pos % bs:  # writes into a block it may share: copied unless it is the last
                 src, dst = bm.cow_append(seq, at)
@@ -238,13 +251,14 @@ class KVManager:
         block tables change here, pair by pair; the batch rows follow in `adopt_rows`.
         Returns, per pair, the leading tokens the two shared already (in shared blocks)."""
         bm, bs = self.block_manager, self.block_size
-        same = []
-        for seq, parent in pairs:
-            same.append(bm.adopt(seq, parent) * bs)
-            shared = len(parent.token_ids) // bs  # all computed: the fork's count
-            self._hashes[seq] = self._hashes.get(parent, [])[:shared]
-            self._published[seq] = min(self._published.get(parent, 0), shared)
-            if self.state is not None:  # the parent's state, copied (as a fork, then a free)
+        same = [n * bs for n in bm.adopt_many(pairs)]
+        if bm.enable_prefix_caching:  # the hash memo follows the blocks
+            for seq, parent in pairs:
+                shared = len(parent.token_ids) // bs  # all computed: the fork's count
+                self._hashes[seq] = self._hashes.get(parent, [])[:shared]
+                self._published[seq] = min(self._published.get(parent, 0), shared)
+        if self.state is not None:  # the parent's state, copied (as a fork, then a free)
+            for seq, parent in pairs:
                 slot = self.state.fork(self._state_of[parent])
                 self.state.free(self._state_of[seq])
                 self._state_of[seq] = slot

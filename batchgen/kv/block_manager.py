@@ -260,6 +260,56 @@ class BlockManager:
         self._tables[seq_id] = list(new)
         return same
 
+    def adopt_many(self, pairs: Sequence[tuple[Hashable, Hashable]]) -> list[int]:
+        """`adopt(seq_id, parent_id)` for each pair in order (a beam step's adoptions, in
+        one loop); returns each pair's count of blocks shared already."""
+        ref, tables, release = self._ref_count, self._tables, self._release
+        out = []
+        for seq_id, parent_id in pairs:
+            old, new = tables[seq_id], tables[parent_id]
+            same = min(len(old), len(new))
+            while same and old[same - 1] != new[same - 1]:
+                same -= 1
+            for blk in new[same:]:
+                ref[blk] += 1
+            for blk in old[same:]:
+                release(blk)
+            tables[seq_id] = new.copy()
+            out.append(same)
+        return out
+
+    def write_heads(self, seq_ids: Sequence[Hashable], positions: Sequence[int]
+                    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Make each sequence's position writable (a decode token), in order: copy-on-write
+        the block holding it where others share it, or open the next block where it starts
+        one. All or nothing: PoolExhausted (nothing changed) unless a block for every
+        sequence is free. Returns the indices that got a block, their blocks, and the
+        (src, dst) copies."""
+        if len(seq_ids) > self.num_free_blocks():
+            raise PoolExhausted("KV pool exhausted: no block for the next token")
+        bs, ref, tables, alloc = self.block_size, self._ref_count, self._tables, self._alloc_block
+        at, blocks, copies = [], [], []
+        for i, (seq_id, pos) in enumerate(zip(seq_ids, positions)):
+            table, k = tables[seq_id], pos // bs
+            if pos % bs:
+                phys = table[k]
+                if ref[phys] == 1:
+                    continue
+                blk = alloc()
+                ref[phys] -= 1
+                table[k] = blk
+                copies.append((phys, blk))
+            elif len(table) > k:
+                continue
+            else:
+                blk = alloc()
+                table.append(blk)
+            at.append(i)
+            blocks.append(blk)
+        self.cow_copies += len(copies)
+        self._track_peak()
+        return at, blocks, copies
+
     def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
         """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""
         table = self._tables[seq_id]
