@@ -61,6 +61,14 @@ else
   rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
   tail -20 "$logs/host_overhead.log"
 fi
+# Beams, 64 prompts x W=4: host ms per step early and late, real forward and stubbed, HF's own.
+if timeout 150 python3 benchmarks/host_overhead.py --device cuda --beams --repeats 2 \
+  --json "$logs/host_beams.json" > "$logs/host_beams.log" 2>&1; then
+  sed -n '/^| system/,$p' "$logs/host_beams.log"
+else
+  rc=$?; status=1; echo "gpu_check: host_overhead --beams FAILED (rc $rc); the end of its log:"
+  tail -20 "$logs/host_beams.log"
+fi
 if timeout 120 python3 benchmarks/host_overhead.py --device cuda --overlap --overlap-model \
   --rows 64,256 --repeats 2 --json "$logs/overlap.json" > "$logs/overlap.log" 2>&1; then
   sed -n '/^| model forward/,$p' "$logs/overlap.log"

@@ -113,11 +113,11 @@ def test_host_overhead_beam_case(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = re.sub(r" +", " ", proc.stdout)  # table cells without their padding
     for line in ("| batchgen | 64 x W=4 | 2-3", "| batchgen | 64 x W=4 | 5-6",
-                 "| HF generate | 64 x W=4 | 2-3", "| batchgen, stand-in forward | 64 x W=4 | 5-6",
+                 "| HF generate | 64 x W=4 | 2-3", "| batchgen, forward stubbed | 64 x W=4 | 5-6",
                  "growth (beams, batchgen): host ms at tokens 5-6",
-                 "growth (beams, batchgen, stand-in forward): host ms at tokens 5-6"):
+                 "growth (beams, batchgen, forward stubbed): host ms at tokens 5-6"):
         assert line in text, proc.stdout[-3000:]
-    assert {"growth", "growth_standin"} <= set(json.loads(out.read_text()))
+    assert {"growth", "growth_stubbed"} <= set(json.loads(out.read_text()))
 def test_host_overhead_overlap_case_runs(tmp_path):
     """host_overhead.py --overlap: serial vs async steps around the stand-in device, and
     around the random model's forward (same tokens asserted inside)."""
