@@ -219,14 +219,20 @@ def _candidates(bank: BeamBank, at: slice | np.ndarray, singles: np.ndarray,
     running = torch.from_numpy(bank.running[at]).to(dev)
     flat = (logprobs + running[:, :, None]).reshape(g, -1)
     top_lp_t, top_idx_t = torch.topk(flat, k=bank.num_candidates)
-    top_lp, top_idx = top_lp_t.cpu().numpy(), top_idx_t.cpu().numpy()
-    ids, parents = top_idx % vocab, top_idx // vocab
     if singles.any():  # a single row: parent 0; every rank by its parent's row
-        parents = parents * (1 - singles)[:, None]
+        top_lp, top_idx = top_lp_t.cpu().numpy(), top_idx_t.cpu().numpy()
+        ids, parents = top_idx % vocab, top_idx // vocab * (1 - singles)[:, None]
         lp, ranks = _token_logprobs(logprobs, torch.from_numpy(parents).to(dev),
                                     torch.from_numpy(ids).to(dev))
         return top_lp, ids, parents, lp.cpu().numpy(), ranks.cpu().numpy()
-    lp, ranks = _fast_ranks(logprobs, top_lp, top_idx_t, parents)
+    lp_t, last_rank_t = _fast_ranks(logprobs, top_idx_t)
+    # every device op is queued before the first read: one wait for the device a step
+    top_lp, top_idx, lp, last_rank = (t.cpu().numpy() for t in (top_lp_t, top_idx_t, lp_t,
+                                                                 last_rank_t))
+    ids, parents = top_idx % vocab, top_idx // vocab
+    above = (lp[:, None, :] > lp[:, :, None]) & (parents[:, None, :] == parents[:, :, None])
+    ranks = above.sum(-1) + 1
+    ranks[:, -1] = last_rank
     tied = np.flatnonzero((top_lp[:, :-1] == top_lp[:, -1:]).any(1))
     if len(tied):  # a tie with the K-th candidate: those rows' ranks in full
         at_t = torch.from_numpy(tied).to(dev)
@@ -247,23 +253,18 @@ def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Te
     return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
-def _fast_ranks(logprobs: torch.Tensor, top_lp: np.ndarray, top_idx: torch.Tensor,
-                parents: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each candidate's log-prob and rank in its parent's row, without comparing whole rows:
-    a token above a candidate in its parent's row scores at least as high after the parent's
-    running score is added, so it is among the K unless it ties the K-th; the ranks count the
-    candidates above, and the K-th candidate's row is compared in full (a row where another
-    candidate ties the K-th is redone in full by the caller)."""
+def _fast_ranks(logprobs: torch.Tensor, top_idx: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device: each candidate's own log-prob, and the K-th candidate's rank in its
+    parent's row, compared in full. The other ranks need no whole row: a token above a
+    candidate in its parent's row scores at least as high once the parent's running score is
+    added, so it is among the K unless it ties the K-th; they count the candidates above
+    (the caller, on the host; a row where another candidate ties the K-th is redone in full)."""
     g, w, vocab = logprobs.shape
-    lp_t = logprobs.reshape(g, w * vocab).gather(1, top_idx)
-    at = torch.from_numpy(parents[:, -1] + np.arange(g) * w).to(logprobs.device)
+    lp = logprobs.reshape(g, w * vocab).gather(1, top_idx)
+    at = top_idx[:, -1] // vocab + torch.arange(g, device=logprobs.device) * w
     last = logprobs.reshape(g * w, vocab).index_select(0, at)
-    last_rank = (torch.count_nonzero(last > lp_t[:, -1:], dim=-1) + 1).cpu().numpy()
-    lp = lp_t.cpu().numpy()
-    above = (lp[:, None, :] > lp[:, :, None]) & (parents[:, None, :] == parents[:, :, None])
-    ranks = above.sum(-1) + 1
-    ranks[:, -1] = last_rank
-    return lp, ranks
+    return lp, torch.count_nonzero(last > lp[:, -1:], dim=-1) + 1
 
 
 def _update_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
