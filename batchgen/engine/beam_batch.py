@@ -131,11 +131,13 @@ class BeamBank:
         f, i = self.fin_f[row].tolist(), self.fin_i[row].tolist()
         return f[0], f[1], i[0], [bool(x) for x in i[1]], i[2], i[3]
 
-    def topk(self, values: np.ndarray, k: int) -> np.ndarray:
-        """The indices of each row's ``k`` largest ``values`` (``[G, n]`` float32), by
-        ``torch.topk`` on the bank's device: its order among ties is HF's."""
-        t = torch.from_numpy(np.ascontiguousarray(values))
-        return torch.topk(t.to(self.device), k=k)[1].cpu().numpy()
+    def topk(self, *asks: tuple[np.ndarray, int]) -> list[np.ndarray]:
+        """For each ``(values, k)``: the indices of each row's ``k`` largest ``values``
+        (``[G, n]`` float32), by ``torch.topk`` on the bank's device (its order among ties is
+        HF's); all of them queued before the first read (one wait for the device)."""
+        idx = [torch.topk(torch.from_numpy(np.ascontiguousarray(v)).to(self.device), k=k)[1]
+               for v, k in asks]
+        return [i.cpu().numpy() for i in idx]
 
 
 def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torch.Tensor,
@@ -161,11 +163,12 @@ def select(bank: BeamBank, rows: np.ndarray, singles: np.ndarray, logprobs: torc
         hits = stop_tok | hits
     # next running beams (_get_running_beams_for_next_iteration)
     running_lp = top_lp + hits.astype(np.float32) * NEG32
-    next_idx = bank.topk(running_lp, w)
+    merged_f, merged_i = _merge_finished(bank, at, early, divisors[:, :1], top_lp, hits,
+                                         stop_tok, new_len)
+    next_idx, keep = bank.topk((running_lp, w), (merged_f[:, 0], w))
     running = np.take_along_axis(running_lp, next_idx, 1)
     bank.running[at] = running
-    admitted, fin_scores, fin_done = _update_finished(bank, at, early, divisors[:, :1],
-                                                      top_lp, hits, stop_tok, new_len)
+    admitted, fin_scores, fin_done = _keep_finished(bank, at, merged_f, merged_i, keep)
     done = _done(bank, at, early, divisors[:, 1:], running, hits, fin_scores, fin_done)
     record = StepRecord(ids, parents, lp_tok, ranks, next_idx,
                         np.take_along_axis(parents, next_idx, 1),
@@ -267,13 +270,13 @@ def _fast_ranks(logprobs: torch.Tensor, top_idx: torch.Tensor
     return lp, torch.count_nonzero(last > lp[:, -1:], dim=-1) + 1
 
 
-def _update_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
-                     divisor: np.ndarray, top_lp: np.ndarray, hits: np.ndarray,
-                     stop_tok: np.ndarray | None, new_len: np.ndarray
-                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """HF _update_finished_beams for every row: which kept slots were admitted now, and the
-    buffer's scores and done flags after the merge (float32 throughout, as HF's ops)."""
-    w = bank.width
+def _merge_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
+                    divisor: np.ndarray, top_lp: np.ndarray, hits: np.ndarray,
+                    stop_tok: np.ndarray | None, new_len: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """HF _update_finished_beams for every row, up to its top-k: the finished buffer and the
+    step's candidates side by side (floats: scores, sums; ints: codes, done, step,
+    candidate), a candidate's score -1e9 unless it may enter (float32, as HF's ops)."""
     did_finish = hits & bank.top_mask[None, :]
     scores = top_lp / divisor
     fin_f, fin_i = bank.fin_f[at], bank.fin_i[at]
@@ -285,9 +288,16 @@ def _update_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
     reason = np.where(did_finish, why, UNSET)
     new_i = np.stack(np.broadcast_arrays(reason, did_finish.astype(np.int64), new_len[:, None],
                                          bank.cand), 1)
-    merged_f = np.concatenate((fin_f, np.stack((scores, top_lp), 1)), axis=2)
-    merged_i = np.concatenate((fin_i, new_i), axis=2)
-    keep = bank.topk(merged_f[:, 0], w)
+    return (np.concatenate((fin_f, np.stack((scores, top_lp), 1)), axis=2),
+            np.concatenate((fin_i, new_i), axis=2))
+
+
+def _keep_finished(bank: BeamBank, at: slice | np.ndarray, merged_f: np.ndarray,
+                   merged_i: np.ndarray, keep: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rest of HF _update_finished_beams: the buffer keeps the merge's top ``W`` (``keep``);
+    returns which kept slots were admitted now, and the buffer's scores and done flags."""
+    w = bank.width
     kept_f = np.take_along_axis(merged_f, keep[:, None, :], 2)
     kept_i = np.take_along_axis(merged_i, keep[:, None, :], 2)
     bank.fin_f[at], bank.fin_i[at] = kept_f, kept_i
