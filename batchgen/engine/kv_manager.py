@@ -85,6 +85,8 @@ class KVManager:
         ready = (slots >= 0) & (c["num_tokens"][at] - c["num_computed"][at] == 1)
         sizes = np.fromiter((len(g.seqs) for g in groups), np.int64, len(groups))
         whole = np.logical_and.reduceat(ready, np.cumsum(sizes) - sizes) if seqs else ready
+        if whole.all():  # the usual step: every beam decodes
+            return seqs, slots
         keep = np.repeat(whole, sizes)
         return [s for s, ok in zip(seqs, keep.tolist()) if ok], slots[keep]
 
