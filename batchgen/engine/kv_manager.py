@@ -20,7 +20,7 @@ import numpy as np
 
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
-from batchgen.kv.block_manager import BlockManager, blocks_for, chain_hashes
+from batchgen.kv.block_manager import BlockManager, PoolExhausted, blocks_for, chain_hashes
 from batchgen.state.slots import StateOps, StateSlots
 from batchgen.state.snapshots import StateSnapshots, grid_cuts, merge_cuts
 
@@ -176,29 +176,18 @@ class KVManager:
         bm, b, c, bs = self.block_manager, self.batch, self.batch.cols, self.block_size
         cow = c["cow_check"][slots]
         checked = slots[cow]
-        if len(checked) <= bm.num_free_blocks():  # a block for each, worst case: one pass
-            pos = c["num_computed"][checked]
-            at, blocks, made = bm.write_heads([b.seqs[s] for s in checked.tolist()],
-                                              pos.tolist())
-            copies += made
-            if at:
-                rows, k = checked[at], pos[at] // bs
-                b.block_table[rows, k] = blocks
-                opened = pos[at] % bs == 0
-                c["num_blocks"][rows[opened]] = k[opened] + 1
-            c["cow_check"][checked] = False
-            checked = checked[:0]
-        for slot, pos in zip(checked.tolist(), c["num_computed"][checked].tolist()):
-            seq, at = b.seqs[slot], pos // bs
-            if pos % bs:  # writes into a block it may share: copied unless it is the last
-                src, dst = bm.cow_append(seq, at)
-                if src != dst:
-                    copies.append((src, dst))
-                    b.block_table[slot, at] = dst
-            elif new := bm.append_tokens([seq], [pos]):  # opens its next block
-                b.block_table[slot, at] = new[0]
-                c["num_blocks"][slot] = at + 1
-            c["cow_check"][slot] = False
+        pos = c["num_computed"][checked]
+        done, at, blocks, made = bm.write_heads([b.seqs[s] for s in checked.tolist()],
+                                                pos.tolist())
+        copies += made
+        if at:
+            rows, k = checked[at], pos[at] // bs
+            b.block_table[rows, k] = blocks
+            opened = pos[at] % bs == 0
+            c["num_blocks"][rows[opened]] = k[opened] + 1
+        c["cow_check"][checked[:done]] = False
+        if done < len(checked):
+            raise PoolExhausted("KV pool exhausted: no block for the next token")
         opening = slots[~cow]  # each opens exactly one block: its table's next
         if len(opening):
             blocks = bm.append_tokens([b.seqs[i] for i in opening.tolist()],

@@ -246,29 +246,20 @@ class BlockManager:
 
     def adopt(self, seq_id: Hashable, parent_id: Hashable) -> int:
         """`seq_id` drops its table and shares all of the parent's blocks instead (`free_seq`
-        then `fork`, in one): only the blocks past their common prefix change references,
-        the dropped ones in table order (the order `free_seq` gives them back). Returns the
-        number of leading blocks they shared already (their tokens there are the same)."""
-        old, new = self._tables[seq_id], self._tables[parent_id]
-        same = min(len(old), len(new))
-        while same and old[same - 1] != new[same - 1]:  # a shared block's prefix is shared
-            same -= 1
-        for blk in new[same:]:
-            self._ref_count[blk] += 1
-        for blk in old[same:]:
-            self._release(blk)
-        self._tables[seq_id] = list(new)
-        return same
+        then `fork`, in one); see `adopt_many`."""
+        return self.adopt_many([(seq_id, parent_id)])[0]
 
     def adopt_many(self, pairs: Sequence[tuple[Hashable, Hashable]]) -> list[int]:
-        """`adopt(seq_id, parent_id)` for each pair in order (a beam step's adoptions, in
-        one loop); returns each pair's count of blocks shared already."""
+        """`adopt` for each pair in order (a beam step's adoptions, in one loop): only the
+        blocks past a pair's common prefix change references, the dropped ones in table order
+        (the order `free_seq` gives them back). Returns each pair's number of leading blocks
+        shared already (their tokens there are the same)."""
         ref, tables, release = self._ref_count, self._tables, self._release
         out = []
         for seq_id, parent_id in pairs:
             old, new = tables[seq_id], tables[parent_id]
             same = min(len(old), len(new))
-            while same and old[same - 1] != new[same - 1]:
+            while same and old[same - 1] != new[same - 1]:  # a shared block's prefix is shared
                 same -= 1
             for blk in new[same:]:
                 ref[blk] += 1
@@ -279,36 +270,34 @@ class BlockManager:
         return out
 
     def write_heads(self, seq_ids: Sequence[Hashable], positions: Sequence[int]
-                    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-        """Make each sequence's position writable (a decode token), in order: copy-on-write
-        the block holding it where others share it, or open the next block where it starts
-        one. All or nothing: PoolExhausted (nothing changed) unless a block for every
-        sequence is free. Returns the indices that got a block, their blocks, and the
-        (src, dst) copies."""
-        if len(seq_ids) > self.num_free_blocks():
-            raise PoolExhausted("KV pool exhausted: no block for the next token")
+                    ) -> tuple[int, list[int], list[int], list[tuple[int, int]]]:
+        """Make each sequence's position writable (a decode token), in order, until the pool
+        runs out: copy-on-write the block holding it where others share it (`cow_append`),
+        or open the next block where it starts one (`append_token`). Returns how many were
+        made writable (the rest untouched), the indices that got a block, their blocks, and
+        the (src, dst) copies."""
         bs, ref, tables, alloc = self.block_size, self._ref_count, self._tables, self._alloc_block
         at, blocks, copies = [], [], []
+        done = len(seq_ids)
         for i, (seq_id, pos) in enumerate(zip(seq_ids, positions)):
             table, k = tables[seq_id], pos // bs
+            if (ref[table[k]] == 1) if pos % bs else (len(table) > k):
+                continue  # its own block already
+            if not (self._free or self._evictable):
+                done = i
+                break
+            blk = alloc()
             if pos % bs:
-                phys = table[k]
-                if ref[phys] == 1:
-                    continue
-                blk = alloc()
-                ref[phys] -= 1
+                copies.append((table[k], blk))
+                ref[table[k]] -= 1
                 table[k] = blk
-                copies.append((phys, blk))
-            elif len(table) > k:
-                continue
             else:
-                blk = alloc()
                 table.append(blk)
             at.append(i)
             blocks.append(blk)
         self.cow_copies += len(copies)
         self._track_peak()
-        return at, blocks, copies
+        return done, at, blocks, copies
 
     def cow_append(self, seq_id: Hashable, logical_block_idx: int) -> tuple[int, int]:
         """Make `seq_id` own the block before writing; returns (src, dst), equal if no copy."""
