@@ -13,9 +13,11 @@ scheduling (the forward and sampler on the ForwardQueue while the host plans the
 a step), host ms per decode step at tokens ``--beam-windows`` (early, late: flat in length?),
 against HF ``generate(num_beams=4)``'s own host time per beam step on the same rows (early);
 then the same beams with the model's forward stubbed (logits rows looked up from a table; the
-rest of the step as before): on the CPU a real forward streams the K/V through the caches the
-host's work then misses in (the late steps' host time grows with the forward's), which a GPU's
-forward does not.
+rest of the step as before), and stubbed but reading as many bytes as the real forward's
+attention reads of the K/V (a sum over a buffer that size): on the CPU a real forward streams
+the K/V through the caches the host's work then misses in (the late steps' host time grows
+with the forward's, and grows as much with the stub that only reads those bytes), which a
+GPU's forward does not.
 
     PYTHONPATH=. python benchmarks/host_overhead.py --beams --repeats 3
     PYTHONPATH=. python benchmarks/host_overhead.py --overlap --rows 256 --repeats 5
@@ -41,6 +43,8 @@ LONG_ROWS = 64  # rows of the growth run
 BEAM_PROMPTS, BEAM_WIDTH = 64, 4  # the beam case: 256 rows per decode step
 PENALTIES = dict(repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.2)
 TOP_P = dict(temperature=0.8, top_p=0.95)
+KV_READ = "batchgen, forward stubbed, K/V read"
+STUBS = {"batchgen, forward stubbed": False, KV_READ: True}  # stub -> reads the K/V's bytes
 SCENARIOS = {  # name -> (n, SamplingParams kwargs); the stop strings never match
     "greedy": (1, dict(temperature=0.0)),
     "n8 top-p": (8, TOP_P),
@@ -293,11 +297,14 @@ def beam_case(args, info: dict) -> dict:
             out = bg_run(d)
             keep("batchgen", out, a, b)
             keep("batchgen", out, c, d)
-        with stub_forward(h.engine_model(llm), args.vocab_size):
-            for _ in range(args.repeats):
-                out = bg_run(d)
-                keep("batchgen, forward stubbed", out, a, b)
-                keep("batchgen, forward stubbed", out, c, d)
+        for system, kv_bytes in STUBS.items():
+            model = h.engine_model(llm)  # K/V bytes: every row at the longest length
+            with stub_forward(model, args.vocab_size,
+                              kv_bytes and kv_bytes_per_token(model) * rows * (d + 64)):
+                for _ in range(args.repeats):
+                    out = bg_run(d)
+                    keep(system, out, a, b)
+                    keep(system, out, c, d)
         clock.close()
         if not args.skip_hf:
             hf = h.load_hf_model(model_dir, torch.float32, args.device)
@@ -317,7 +324,7 @@ def beam_case(args, info: dict) -> dict:
                            [[s, f"{BEAM_PROMPTS} x W={BEAM_WIDTH}", t, f"{host:.3f}",
                              f"{fwd:.3f}"] for (s, t), (host, fwd) in figures.items()]))
     growth = {}
-    for system in ("batchgen", "batchgen, forward stubbed"):
+    for system in ("batchgen", *STUBS):
         early, late = figures[(system, f"{a}-{b}")][0], figures[(system, f"{c}-{d}")][0]
         growth[system] = late / early
         print(f"growth (beams, {system}): host ms at tokens {c}-{d} / at {a}-{b} = "
@@ -325,19 +332,41 @@ def beam_case(args, info: dict) -> dict:
     return h.finish(args, info, {"figures": [dict(system=s, tokens=t, host_ms=host, forward_ms=f)
                                              for (s, t), (host, f) in figures.items()],
                                  "growth": growth["batchgen"],
-                                 "growth_stubbed": growth["batchgen, forward stubbed"]})
+                                 "growth_stubbed": growth["batchgen, forward stubbed"],
+                                 "growth_stubbed_kv_read": growth[KV_READ]})
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes of K and V one token keeps over all the model's layers (what attention reads)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.finfo(cfg.dtype).bits // 8
 
 
 @contextlib.contextmanager
-def stub_forward(model: torch.nn.Module, vocab_size: int) -> Iterator[None]:
+def stub_forward(model: torch.nn.Module, vocab_size: int, kv_bytes: int = 0
+                 ) -> Iterator[None]:
     """The model's forward replaced by a lookup (each kept position's logits row from a fixed
     random table, by its token): every step's host work runs as before (scheduling, step
     inputs, the attention plan, block copies, the beams' scoring and bookkeeping), around a
-    forward that costs nothing and leaves the caches warm."""
+    forward that costs nothing and leaves the caches warm. With ``kv_bytes`` (a buffer that
+    size), the stub also reads as many of its bytes as the step's attention reads of K/V
+    (each row's keys and values up to its last position, once: a decode step's exactly):
+    the real forward's memory traffic through the CPU's caches, without its compute."""
     table = torch.randn(vocab_size, vocab_size, generator=torch.Generator().manual_seed(0)) * 3
     table = table.to(next(model.parameters()).device)
+    per_token = kv_bytes_per_token(model)
+    pool = torch.ones(kv_bytes // 4 if kv_bytes else 0, device=table.device)
 
-    def forward(input_ids=None, logits_to_keep=None, **kwargs):
+    def forward(input_ids=None, logits_to_keep=None, position_ids=None, **kwargs):
+        if kv_bytes:  # each row's keys and values once: up to its last position
+            last = position_ids[0] if logits_to_keep is None else position_ids[0, logits_to_keep]
+            read = int((last + 1).sum()) * per_token // 4
+            if read > pool.numel():
+                raise RuntimeError(f"the stub's K/V buffer holds {kv_bytes} bytes; the step "
+                                   f"reads {read * 4}")
+            pool[:read].sum()
         ids = input_ids[0] if logits_to_keep is None else input_ids[0, logits_to_keep]
         return SimpleNamespace(logits=table[ids][None])
 

@@ -104,7 +104,8 @@ def test_benchmark_script_runs(script, tmp_path):
 
 
 def test_host_overhead_beam_case(tmp_path):
-    """`host_overhead.py --beams`: 64 prompts x width 4, batchgen early and late, HF's own."""
+    """`host_overhead.py --beams`: 64 prompts x width 4, batchgen early and late (the real
+    forward, stubbed, stubbed reading the K/V's bytes), HF's own."""
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, "benchmarks/host_overhead.py", "--beams",
                            "--beam-windows", "2,3,5,6", "--threads", "1", "--repeats", "1",
@@ -115,9 +116,12 @@ def test_host_overhead_beam_case(tmp_path):
     for line in ("| batchgen | 64 x W=4 | 2-3", "| batchgen | 64 x W=4 | 5-6",
                  "| HF generate | 64 x W=4 | 2-3", "| batchgen, forward stubbed | 64 x W=4 | 5-6",
                  "growth (beams, batchgen): host ms at tokens 5-6",
-                 "growth (beams, batchgen, forward stubbed): host ms at tokens 5-6"):
+                 "growth (beams, batchgen, forward stubbed): host ms at tokens 5-6",
+                 "| batchgen, forward stubbed, K/V read | 64 x W=4 | 5-6",
+                 "growth (beams, batchgen, forward stubbed, K/V read): host ms at tokens 5-6"):
         assert line in text, proc.stdout[-3000:]
-    assert {"growth", "growth_stubbed"} <= set(json.loads(out.read_text()))
+    assert {"growth", "growth_stubbed", "growth_stubbed_kv_read"} <= set(
+        json.loads(out.read_text()))
 def test_host_overhead_overlap_case_runs(tmp_path):
     """host_overhead.py --overlap: serial vs async steps around the stand-in device, and
     around the random model's forward (same tokens asserted inside)."""
