@@ -40,8 +40,7 @@ def test_many_requests_in_one_pass_equal_each_alone() -> None:
         rows = {i: _rows(gen, steps == 0) for i in live}
         solo = {i: alone[i].step(rows[i]) for i in live}
         batch = torch.stack([rows[i].expand(W, V) for i in live]).contiguous()
-        result = step_many([many[i] for i in live], batch, [steps == 0] * len(live),
-                           [None] * len(live))
+        result = step_many([many[i] for i in live], batch, [steps == 0] * len(live), {})
         for g, i in enumerate(live):
             got = many[i].step_of(result, g, [s for r, s in result.admitted if r == g])
             want = solo[i]
@@ -99,7 +98,7 @@ def test_ranks_from_the_candidates_equal_whole_row_ranks_also_on_ties() -> None:
         rows[0] = F.log_softmax(torch.randn(rows.shape[1:], generator=gen), dim=-1)
         rows[:, :, 7] = float("-inf")
         rows = rows.expand(3, W, V).contiguous()
-        result = step_many(states, rows.clone(), [step == 0] * 3, [None] * 3)
+        result = step_many(states, rows.clone(), [step == 0] * 3, {})
         rec = result.record
         for g in range(3):
             parent_rows = rows[g][torch.from_numpy(rec.parents[g])]

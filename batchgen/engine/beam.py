@@ -172,6 +172,7 @@ class BeamSearchState:
         self.num_return_sequences = num_return_sequences or beam_width
         self.vocab_size = vocab_size
         self.top_logprobs = top_logprobs
+        self.extra = controls is not None or top_logprobs > 0  # per-request work each step
         self.stop_ids = list(dict.fromkeys(int(t) for t in (*eos_token_ids, *stop_token_ids)))
         self.num_candidates = max(2, 1 + len(self.stop_ids)) * beam_width  # HF beams_to_keep
         self.gen_len = 0  # generated tokens so far (HF cur_len - decoder_prompt_len)
@@ -213,7 +214,7 @@ class BeamSearchState:
             self.join(BeamBank(self.beam_width, len(self.stop_ids), logprobs.device))
         rows = logprobs.expand(self.beam_width, -1) if single else logprobs
         result = step_many([self], rows.to(torch.float32)[None].contiguous(), [single],
-                           [is_stop])
+                           {} if is_stop is None else {0: is_stop})
         step = self.step_of(result, 0, [slot for _, slot in result.admitted])
         if not step.done:
             step.token_logprobs = self.running_logprobs()
@@ -330,27 +331,31 @@ class BeamSearchState:
         return [self._slot_hypothesis(i) for i in range(self.num_return_sequences)]
 
 
-def step_many(states: list[BeamSearchState], logprobs: torch.Tensor, singles: list[bool],
-              stop_fns: list[StopFn | None]) -> SelectResult:
+def step_many(states: list[BeamSearchState], logprobs: torch.Tensor,
+              singles: Sequence[bool] | np.ndarray, stop_fns: dict[int, StopFn],
+              rows: np.ndarray | None = None) -> SelectResult:
     """One step of every state (all in one bank): ``logprobs`` ``[G, W, V]`` float32, a first
-    step's single row repeated (written in place by the processors). HF's processors run per
-    request that has them, the selection for all at once; Python per request only to take its
-    row (its hypotheses are built when asked: :meth:`BeamSearchState.step_of`, finalize)."""
+    step's single row repeated (written in place by the processors); ``stop_fns``: request
+    ``g``'s stop strings, by ``g``; ``rows``: the states' bank rows (read from them when
+    None). HF's processors run per request that has them, the selection for all at once;
+    Python per request only to take its row (its hypotheses are built when asked:
+    :meth:`BeamSearchState.step_of`, finalize)."""
     tops: dict[int, StepTop] = {}
-    for g in [g for g, s in enumerate(states) if s.controls is not None or s.top_logprobs]:
+    for g in [g for g, s in enumerate(states) if s.extra]:
         s = states[g]
         if s.controls is not None:
             logprobs[g] = s.controls.process(logprobs[g])
         if s.top_logprobs:
             tops[g] = step_top(logprobs[g], s.top_logprobs)
-    fns = {g: fn for g, fn in enumerate(stop_fns) if fn is not None}
-    rows = np.fromiter((s.row for s in states), np.int64, len(states))
-    result = select(states[0].bank, rows, np.array(singles, np.int64), logprobs, fns, tops)
+    if rows is None:
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+    result = select(states[0].bank, rows, np.asarray(singles, np.int64), logprobs, stop_fns,
+                    tops)
     rec, done = result.record, result.done.tolist()
     for g, s in enumerate(states):  # each takes its row; Python beyond that only for some
         s._history.append((rec, g))
         s.gen_len += 1
-        if done[g] or s.controls is not None or s._live != s.beam_width:
+        if done[g] or s.extra or s._live != s.beam_width:
             s.settle(result, g)
     return result
 

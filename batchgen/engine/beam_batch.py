@@ -77,6 +77,7 @@ class BeamBank:
         k = self.num_candidates
         self.top_mask = np.arange(k) < width
         self.cand = np.arange(k)[None, :]
+        self._row_starts: dict[int, torch.Tensor] = {}
         self._alloc(4)
 
     def _alloc(self, cap: int) -> None:
@@ -130,6 +131,14 @@ class BeamBank:
         """A row's finished buffer: scores, sums, codes, done, step, candidate."""
         f, i = self.fin_f[row].tolist(), self.fin_i[row].tolist()
         return f[0], f[1], i[0], [bool(x) for x in i[1]], i[2], i[3]
+
+    def row_starts(self, g: int) -> torch.Tensor:
+        """``arange(g) * width`` on the bank's device: each of ``g`` requests' first row in a
+        step's ``[g * W, V]`` log-probs (made once per ``g``, not every step)."""
+        starts = self._row_starts.get(g)
+        if starts is None:
+            starts = self._row_starts[g] = torch.arange(g, device=self.device) * self.width
+        return starts
 
     def topk(self, *asks: tuple[np.ndarray, int]) -> list[np.ndarray]:
         """For each ``(values, k)``: the indices of each row's ``k`` largest ``values``
@@ -228,7 +237,7 @@ def _candidates(bank: BeamBank, at: slice | np.ndarray, singles: np.ndarray,
         lp, ranks = _token_logprobs(logprobs, torch.from_numpy(parents).to(dev),
                                     torch.from_numpy(ids).to(dev))
         return top_lp, ids, parents, lp.cpu().numpy(), ranks.cpu().numpy()
-    lp_t, last_rank_t = _fast_ranks(logprobs, top_idx_t)
+    lp_t, last_rank_t = _fast_ranks(logprobs, top_idx_t, bank.row_starts(g))
     # every device op is queued before the first read: one wait for the device a step
     top_lp, top_idx, lp, last_rank = (t.cpu().numpy() for t in (top_lp_t, top_idx_t, lp_t,
                                                                  last_rank_t))
@@ -256,16 +265,17 @@ def _token_logprobs(logprobs: torch.Tensor, parents: torch.Tensor, ids: torch.Te
     return lp.reshape(ids.shape), ranks.reshape(ids.shape)
 
 
-def _fast_ranks(logprobs: torch.Tensor, top_idx: torch.Tensor
+def _fast_ranks(logprobs: torch.Tensor, top_idx: torch.Tensor, row_starts: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """On the device: each candidate's own log-prob, and the K-th candidate's rank in its
     parent's row, compared in full. The other ranks need no whole row: a token above a
     candidate in its parent's row scores at least as high once the parent's running score is
     added, so it is among the K unless it ties the K-th; they count the candidates above
-    (the caller, on the host; a row where another candidate ties the K-th is redone in full)."""
+    (the caller, on the host; a row where another candidate ties the K-th is redone in full).
+    ``row_starts``: ``arange(G) * W`` on the device, each request's first row."""
     g, w, vocab = logprobs.shape
     lp = logprobs.reshape(g, w * vocab).gather(1, top_idx)
-    at = top_idx[:, -1] // vocab + torch.arange(g, device=logprobs.device) * w
+    at = top_idx[:, -1] // vocab + row_starts
     last = logprobs.reshape(g * w, vocab).index_select(0, at)
     return lp, torch.count_nonzero(last > lp[:, -1:], dim=-1) + 1
 
@@ -285,11 +295,18 @@ def _merge_finished(bank: BeamBank, at: slice | np.ndarray, early: np.ndarray,
     scores += (~bank.unsatisfied[at]).astype(np.float32) * NEG32
     scores += (~did_finish).astype(np.float32) * NEG32
     why = LENGTH if stop_tok is None else np.where(stop_tok, STOP, LENGTH)
-    reason = np.where(did_finish, why, UNSET)
-    new_i = np.stack(np.broadcast_arrays(reason, did_finish.astype(np.int64), new_len[:, None],
-                                         bank.cand), 1)
-    return (np.concatenate((fin_f, np.stack((scores, top_lp), 1)), axis=2),
-            np.concatenate((fin_i, new_i), axis=2))
+    g, w = len(top_lp), bank.width
+    merged_f = np.empty((g, 2, w + top_lp.shape[1]), np.float32)
+    merged_f[:, :, :w] = fin_f
+    merged_f[:, 0, w:] = scores
+    merged_f[:, 1, w:] = top_lp
+    merged_i = np.empty((g, 4, merged_f.shape[2]), np.int64)
+    merged_i[:, :, :w] = fin_i
+    merged_i[:, 0, w:] = np.where(did_finish, why, UNSET)
+    merged_i[:, 1, w:] = did_finish
+    merged_i[:, 2, w:] = new_len[:, None]
+    merged_i[:, 3, w:] = bank.cand
+    return merged_f, merged_i
 
 
 def _keep_finished(bank: BeamBank, at: slice | np.ndarray, merged_f: np.ndarray,

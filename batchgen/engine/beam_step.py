@@ -92,25 +92,29 @@ class BeamStepper:
         bank = self._banks.get(key)
         if bank is None:
             bank = self._banks[key] = BeamBank(key[0], key[1], key[2])
-        w = key[0]
+        w, n = key[0], len(groups)
         policies: list[BeamPolicy] = [g.policy for g in groups]  # type: ignore[misc]
         states: list[BeamSearchState] = [p.state for p in policies]  # type: ignore[misc]
-        for s in states:
-            if s.bank is None:
-                s.join(bank)
-        starts = np.fromiter((spans[g][0] for g in groups), np.int64, len(groups))
+        rows = np.fromiter((s.row for s in states), np.int64, n)
+        if (rows < 0).any():  # a first step: the request takes its bank row
+            for g in np.flatnonzero(rows < 0).tolist():
+                states[g].join(bank)
+                rows[g] = states[g].row
+        starts = np.fromiter((spans[g][0] for g in groups), np.int64, n)
         seqs = [g.seqs for g in groups]
-        singles = np.fromiter((len(b) == 1 < w for b in seqs), bool, len(groups))
-        rows = _bank_rows(logprobs, starts, singles, w)
-        stops = [b[0].stop is not None for b in seqs]
-        stop_fns = [policies[g].stop_fn(seqs[g]) if stop else None
-                    for g, stop in enumerate(stops)]
-        result = step_many(states, rows, singles.tolist(), stop_fns)
-        plain = ~np.array(stops) & np.fromiter(
-            (p.trace is None and b[0].constraint is None for p, b in zip(policies, seqs)),
-            bool, len(groups))
-        plain &= ~result.done & ~singles & (np.fromiter(map(len, seqs), np.int64,
-                                                        len(groups)) == w)
+        live = np.fromiter(map(len, seqs), np.int64, n)
+        singles = (live == 1) & (1 < w)
+        # a trace, stop strings or a grammar: the group's step goes through its policy
+        special = np.fromiter((p.trace is not None or b[0].stop is not None
+                               or b[0].constraint is not None for p, b in zip(policies, seqs)),
+                              bool, n)
+        stop_fns = {}
+        for g in np.flatnonzero(special).tolist():
+            if (fn := policies[g].stop_fn(seqs[g])) is not None:
+                stop_fns[g] = fn
+        result = step_many(states, _bank_rows(logprobs, starts, singles, w), singles,
+                           stop_fns, rows)
+        plain = ~special & ~result.done & ~singles & (live == w)
         for g in np.flatnonzero(~plain).tolist():
             out.ops.append((int(at[g]), policies[g].ops(groups[g], states[g].step_of(
                 result, g, []), tables)))

@@ -6,6 +6,7 @@ a step's rows advance first and its block moves, forward and sampler run on the 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import chain
 from typing import Protocol
 
 import numpy as np
@@ -195,11 +196,12 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Ten
     """The beam groups' float32 log-probabilities (one log_softmax for the step's beams), each
     group's rows in its beam order (its first row and count there); a constrained beam's
     forbidden tokens at -inf."""
-    first = np.fromiter((f for f, _ in beam_rows.values()), np.int64, len(beam_rows))
-    count = np.fromiter((n for _, n in beam_rows.values()), np.int64, len(beam_rows))
+    first, count = np.fromiter(chain.from_iterable(beam_rows.values()), np.int64,
+                               2 * len(beam_rows)).reshape(-1, 2).T
     at = np.cumsum(count) - count  # each group's first row in the result
     total = int(count.sum())
-    if (first == at).all():  # the beams lead the step's rows, in order: a view
+    lead = bool((first == at).all())
+    if lead:  # the beams lead the step's rows, in order: a view, the spans as they are
         picked = logits[:total]
     else:
         picked = logits[to_device(np.repeat(first - at, count) + np.arange(total), logits.device)]
@@ -208,7 +210,7 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Ten
         constrained = [s.constraint for g in beam_rows for s in g.seqs]  # (or none)
         idx = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
         mask_beams(lp, [constrained[j] for j in idx.tolist()], idx)
-    return lp, dict(zip(beam_rows, zip(at.tolist(), count.tolist())))
+    return lp, beam_rows if lead else dict(zip(beam_rows, zip(at.tolist(), count.tolist())))
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...],
