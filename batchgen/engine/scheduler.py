@@ -145,7 +145,7 @@ class Scheduler:
         self._swap_in(d)
         beams = [g for g in self.running if g.spec.beam]
         ready, slots = self.kv.decoding_units(beams)
-        if self._decode_samples(d, len(ready)):
+        if self._decode_samples(d, len(ready), len(beams) < len(self.running)):
             preempted = (not self._decode_beams(d, ready, slots)
                          and self._schedule_decodes(d, beams))
         else:
@@ -196,20 +196,24 @@ class Scheduler:
         d.tokens, d.num_seqs = d.tokens - n, d.num_seqs - n
         return True
 
-    def _decode_samples(self, d: _Draft, units: int) -> bool:
+    def _decode_samples(self, d: _Draft, units: int, samples: bool = True) -> bool:
         """Every decoding sample at once, when all of them and the beams' decodes fit the
         step: candidates from the columns, a block reserved only for rows that open one or
         may share one (after a fork). False (nothing scheduled; what was reserved stays, and
         the copies made stay in the draft) to go through the groups in order instead: when
-        the pool runs short, their order decides who is preempted."""
+        the pool runs short, their order decides who is preempted. `samples`: False when
+        only beam groups run (no row to look for)."""
         b, c, n = self.batch, self.batch.cols, self.batch.num_seqs
-        computed = c["num_computed"][:n]
-        ready = (c["num_tokens"][:n] - computed == 1) & ~c["beam"][:n] & ~c["fork_pending"][:n]
-        rows = np.flatnonzero(ready)
+        rows = np.zeros(0, np.int64)
+        if samples:
+            computed = c["num_computed"][:n]
+            ready = ((c["num_tokens"][:n] - computed == 1) & ~c["beam"][:n]
+                     & ~c["fork_pending"][:n])
+            rows = np.flatnonzero(ready)
         if not d.fits(len(rows) + units, len(rows) + units):
             return False
-        needy = rows[(computed[rows] // self.block_size >= c["num_blocks"][rows])
-                     | c["cow_check"][rows]]
+        needy = rows[(c["num_computed"][rows] // self.block_size >= c["num_blocks"][rows])
+                     | c["cow_check"][rows]] if len(rows) else rows
         if len(needy):
             try:
                 self.kv.grow_decodes(needy, d.copies)
