@@ -166,9 +166,8 @@ def _adoptions(parents: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     parent's second or later child) continuing in beam ``u`` (a beam without children),
     children in order, childless beams in order, rows in order."""
     w = parents.shape[1]
-    again = np.zeros(parents.shape, bool)
-    for j in range(1, w):
-        again[:, j] = (parents[:, :j] == parents[:, j:j + 1]).any(1)
+    earlier = np.tri(w, k=-1, dtype=bool)  # [j, i]: i < j
+    again = ((parents[:, :, None] == parents[:, None, :]) & earlier).any(2)
     childless = ~(parents[:, :, None] == np.arange(w)[None, None, :]).any(1)
     g, j = np.nonzero(again)
     _, u = np.nonzero(childless)  # as many per row as its second children: same row order

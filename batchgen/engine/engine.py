@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from itertools import chain
+from operator import attrgetter
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,8 @@ from batchgen.sampling.sampler import (
     ranked_logprobs,
 )
 from batchgen.transfer import to_device
+
+_CONSTRAINT = attrgetter("constraint")  # a group's structured-outputs matcher (or None)
 
 
 class Runner(Protocol):
@@ -206,8 +209,8 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Ten
     else:
         picked = logits[to_device(np.repeat(first - at, count) + np.arange(total), logits.device)]
     lp = torch.log_softmax(picked.float(), dim=-1)
-    if any(g.seqs[0].constraint is not None for g in beam_rows):  # a group's beams all are
-        constrained = [s.constraint for g in beam_rows for s in g.seqs]  # (or none)
+    if [*map(_CONSTRAINT, beam_rows)].count(None) < len(beam_rows):  # a group's matcher:
+        constrained = [s.constraint for g in beam_rows for s in g.seqs]  # its beams' forks
         idx = np.array([j for j, c in enumerate(constrained) if c is not None], np.int64)
         mask_beams(lp, [constrained[j] for j in idx.tolist()], idx)
     return lp, beam_rows if lead else dict(zip(beam_rows, zip(at.tolist(), count.tolist())))
