@@ -211,7 +211,17 @@ def count_params(model_dir: str | os.PathLike) -> int:
 
 
 def model_line(args: argparse.Namespace, n_params: int | None = None) -> str:
+    """The model a run measures: the --model-dir folder's (from its config) when it holds
+    one, else the random Llama of the model flags."""
     size = f"{n_params / 1e6:.2f}M params, " if n_params is not None else ""
+    given = getattr(args, "model_dir", None)
+    if given is not None and (Path(given) / "config.json").is_file():
+        cfg = json.loads((Path(given) / "config.json").read_text())
+        return (f"model: {Path(given).name} ({cfg.get('model_type', '?')}), {size}hidden "
+                f"{cfg.get('hidden_size')}, {cfg.get('num_hidden_layers')} layers, "
+                f"{cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')} q/kv heads, "
+                f"ffn {cfg.get('intermediate_size')}, vocab {cfg.get('vocab_size')}, "
+                f"{args.dtype}")
     return (f"model: random Llama, {size}hidden {args.hidden_size}, {args.num_layers} layers, "
             f"{args.num_heads}/{args.num_kv_heads} q/kv heads, ffn {args.intermediate_size}, "
             f"vocab {args.vocab_size}, {args.dtype}")
