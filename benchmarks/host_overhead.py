@@ -272,7 +272,9 @@ def parse_args(argv: list[str] | None):
 
 def beam_case(args, info: dict) -> dict:
     """Beam search, 64 prompts x width 4 (256 rows a step): batchgen's host ms per decode step
-    early and late in a long run (lowest of --repeats), HF ``generate``'s on the same rows early."""
+    early and late in a long run (lowest of --repeats; the real forward, stubbed, stubbed
+    reading the K/V's bytes) and its function calls per step there, HF ``generate``'s host ms
+    on the same rows early."""
     rows, (a, b, c, d) = BEAM_PROMPTS * BEAM_WIDTH, args.beam_windows
     prompts = h.make_prompts(BEAM_PROMPTS, 16, 32, args.vocab_size, seed=0)
     figures: dict = {}  # (system, tokens) -> (host ms, forward ms), the lowest host of the runs
@@ -305,6 +307,9 @@ def beam_case(args, info: dict) -> dict:
                     out = bg_run(d)
                     keep(system, out, a, b)
                     keep(system, out, c, d)
+        clock.count_calls = True  # once more, untimed: the host's function calls per step
+        counts = bg_run(d)[2]
+        calls = [window(counts, a, b), window(counts, c, d)]
         clock.close()
         if not args.skip_hf:
             hf = h.load_hf_model(model_dir, torch.float32, args.device)
@@ -329,11 +334,14 @@ def beam_case(args, info: dict) -> dict:
         growth[system] = late / early
         print(f"growth (beams, {system}): host ms at tokens {c}-{d} / at {a}-{b} = "
               f"{late / early:.2f}x")
+    print(f"function calls per decode step (beams): {calls[0]:.0f} at tokens {a}-{b}, "
+          f"{calls[1]:.0f} at {c}-{d} ({calls[1] / calls[0]:.2f}x)")
     return h.finish(args, info, {"figures": [dict(system=s, tokens=t, host_ms=host, forward_ms=f)
                                              for (s, t), (host, f) in figures.items()],
                                  "growth": growth["batchgen"],
                                  "growth_stubbed": growth["batchgen, forward stubbed"],
-                                 "growth_stubbed_kv_read": growth[KV_READ]})
+                                 "growth_stubbed_kv_read": growth[KV_READ],
+                                 "calls_per_step": calls})
 
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:

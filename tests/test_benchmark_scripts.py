@@ -118,10 +118,12 @@ def test_host_overhead_beam_case(tmp_path):
                  "growth (beams, batchgen): host ms at tokens 5-6",
                  "growth (beams, batchgen, forward stubbed): host ms at tokens 5-6",
                  "| batchgen, forward stubbed, K/V read | 64 x W=4 | 5-6",
-                 "growth (beams, batchgen, forward stubbed, K/V read): host ms at tokens 5-6"):
+                 "growth (beams, batchgen, forward stubbed, K/V read): host ms at tokens 5-6",
+                 "function calls per decode step (beams):"):
         assert line in text, proc.stdout[-3000:]
-    assert {"growth", "growth_stubbed", "growth_stubbed_kv_read"} <= set(
-        json.loads(out.read_text()))
+    result = json.loads(out.read_text())
+    assert {"growth", "growth_stubbed", "growth_stubbed_kv_read"} <= set(result)
+    assert len(result["calls_per_step"]) == 2 and min(result["calls_per_step"]) > 0
 def test_host_overhead_overlap_case_runs(tmp_path):
     """host_overhead.py --overlap: serial vs async steps around the stand-in device, and
     around the random model's forward (same tokens asserted inside)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ __all__ = ["BeamMoves", "BeamOutcome", "BeamSpans", "BeamStepper"]
 
 #: each beam group's rows in the step's log-probs: (first row, number of rows)
 BeamSpans = dict[SequenceGroup, tuple[int, int]]
+_ROW, _FIRST = attrgetter("row"), itemgetter(0)  # a state's bank row; a span's first row
 
 
 @dataclass
@@ -95,12 +96,12 @@ class BeamStepper:
         w, n = key[0], len(groups)
         policies: list[BeamPolicy] = [g.policy for g in groups]  # type: ignore[misc]
         states: list[BeamSearchState] = [p.state for p in policies]  # type: ignore[misc]
-        rows = np.fromiter((s.row for s in states), np.int64, n)
+        rows = np.fromiter(map(_ROW, states), np.int64, n)
         if (rows < 0).any():  # a first step: the request takes its bank row
             for g in np.flatnonzero(rows < 0).tolist():
                 states[g].join(bank)
                 rows[g] = states[g].row
-        starts = np.fromiter((spans[g][0] for g in groups), np.int64, n)
+        starts = np.fromiter(map(_FIRST, map(spans.__getitem__, groups)), np.int64, n)
         seqs = [g.seqs for g in groups]
         live = np.fromiter(map(len, seqs), np.int64, n)
         singles = (live == 1) & (1 < w)

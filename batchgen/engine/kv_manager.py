@@ -16,13 +16,17 @@ out, else 0.
 
 from __future__ import annotations
 
+from operator import attrgetter, itemgetter
+
 import numpy as np
 
 from batchgen.engine.batch import PersistentBatch
-from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus, slots_of
 from batchgen.kv.block_manager import BlockManager, PoolExhausted, blocks_for, chain_hashes
 from batchgen.state.slots import StateOps, StateSlots
 from batchgen.state.snapshots import StateSnapshots, grid_cuts, merge_cuts
+
+_SEQS = attrgetter("seqs")
 
 
 def request_peak_blocks(num_prompt_tokens: int, width: int, max_tokens: int,
@@ -80,10 +84,10 @@ class KVManager:
         ops over their slots (the groups waiting for a fork have none)."""
         groups = [g for g in groups if g.seqs and not g.fork_pending]
         seqs = [s for g in groups for s in g.seqs]
-        slots = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
+        slots = slots_of(seqs, len(seqs))
         c, at = self.batch.cols, np.maximum(slots, 0)
         ready = (slots >= 0) & (c["num_tokens"][at] - c["num_computed"][at] == 1)
-        sizes = np.fromiter((len(g.seqs) for g in groups), np.int64, len(groups))
+        sizes = np.fromiter(map(len, map(_SEQS, groups)), np.int64, len(groups))
         whole = np.logical_and.reduceat(ready, np.cumsum(sizes) - sizes) if seqs else ready
         if whole.all():  # the usual step: every beam decodes
             return seqs, slots
@@ -258,8 +262,8 @@ class KVManager:
     def adopt_rows(self, pairs: list[tuple[Sequence, Sequence]]) -> None:
         """The batch rows of adopted beams (`adopt`) become their parents', in one copy;
         both may now write into a shared block (cow_check)."""
-        dst = np.fromiter((s.slot for s, _ in pairs), np.int64, len(pairs))
-        src = np.fromiter((p.slot for _, p in pairs), np.int64, len(pairs))
+        dst = slots_of(map(itemgetter(0), pairs), len(pairs))
+        src = slots_of(map(itemgetter(1), pairs), len(pairs))
         self.batch.copy_rows(dst, src)
         if self.state is not None:  # each keeps its own state slot (`adopt` copied the state)
             self.batch.cols["state_slot"][dst] = [self._state_of[s] for s, _ in pairs]

@@ -23,7 +23,7 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.layout import LogitsLayout
 from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
 from batchgen.engine.scheduler import StepPlan
-from batchgen.engine.sequence import Sequence, SequenceGroup
+from batchgen.engine.sequence import Sequence, SequenceGroup, slots_of
 from batchgen.log import logger
 from batchgen.sampling.sampler import RankedLogprobs, SamplerOutput
 from batchgen.sampling.stop import EOS_STOP, GOES_ON, ID_STOP, finish_of
@@ -68,8 +68,7 @@ class OutputProcessor:
                    if kv.num_computed(s.group.leader) >= s.group.num_prompt_tokens}
         for group in forking:
             kv.fork_siblings(group)
-        rest = np.fromiter((s.slot for s in layout.samplers[k:]), np.int64,
-                           len(layout.samplers) - k)
+        rest = slots_of(layout.samplers[k:], len(layout.samplers) - k)
         slots = plan.slots[:k] if not len(rest) else np.concatenate((plan.slots[:k], rest))
         return SampleSlots(slots, self.batch.rows(slots))
 
@@ -171,7 +170,7 @@ class OutputProcessor:
         for j, (seq, token) in enumerate(zip(beams, tokens)):
             seq.index = j % w
             seq.token_ids.append(token)
-        slots = np.fromiter((s.slot for s in beams), np.int64, len(beams))
+        slots = slots_of(beams, len(beams))
         self.batch.append(slots, m.tokens.astype(np.int64, copy=False), None)
         return len(tokens)
 

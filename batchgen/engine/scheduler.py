@@ -29,7 +29,7 @@ import numpy as np
 
 from batchgen.engine.chunking import chunk_size
 from batchgen.engine.kv_manager import KVManager
-from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus, slots_of
 from batchgen.kv.block_manager import PoolExhausted
 from batchgen.state.slots import StateOps
 
@@ -162,7 +162,7 @@ class Scheduler:
         fresh = d.moves == self.batch.moves
         found = [a for a in (d.decode_slots, d.beam_slots) if a is not None] if fresh else []
         first = sum(map(len, found))
-        rest = np.fromiter((s.slot for s in d.seqs[first:]), np.int64, len(d.seqs) - first)
+        rest = slots_of(d.seqs[first:], len(d.seqs) - first)
         slots = np.concatenate((*found, rest)) if found else rest
         starts = c["num_computed"][slots]  # a row without a slot: (swapped) its own count
         for i in np.flatnonzero(slots < 0).tolist():
