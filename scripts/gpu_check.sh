@@ -61,7 +61,8 @@ else
   rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
   tail -20 "$logs/host_overhead.log"
 fi
-# Beams, 64 prompts x W=4: host ms per step early and late, real forward and stubbed, HF's own.
+# Beams, 64 prompts x W=4: host ms per step early and late (the real forward, stubbed, stubbed
+# reading the K/V's bytes), function calls per step, HF's own host ms.
 if timeout 150 python3 benchmarks/host_overhead.py --device cuda --beams --repeats 2 \
   --json "$logs/host_beams.json" > "$logs/host_beams.log" 2>&1; then
   sed -n '/^| system/,$p' "$logs/host_beams.log"
