@@ -1,6 +1,7 @@
 """Every benchmark script runs end to end on a very small model and workload (the figures in
 benchmarks/RESULTS.md come from the same scripts at full size)."""
 
+import argparse
 import json
 import os
 import re
@@ -101,6 +102,24 @@ def test_benchmark_script_runs(script, tmp_path):
     words = " ".join(proc.stdout.split())  # table cells compared without their padding
     for line in EXPECT.get(script, []):
         assert " ".join(line.split()) in words, proc.stdout[-3000:]
+
+
+def test_model_line_names_the_model_dir_model(tmp_path):
+    """The benchmarks' header describes a --model-dir model from its config, and the random
+    Llama from the model flags otherwise."""
+    from benchmarks import common as h
+
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, intermediate_size=1536, vocab_size=49152)))
+    flags = dict(dtype="float32", hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
+                 intermediate_size=688, vocab_size=4096)
+    line = h.model_line(argparse.Namespace(model_dir=tmp_path, **flags), 134_520_000)
+    assert line == (f"model: {tmp_path.name} (llama), 134.52M params, hidden 576, 30 layers, "
+                    "9/3 q/kv heads, ffn 1536, vocab 49152, float32")
+    assert h.model_line(argparse.Namespace(model_dir=None, **flags)) == (
+        "model: random Llama, hidden 256, 4 layers, 8/2 q/kv heads, ffn 688, vocab 4096, "
+        "float32")
 
 
 def test_host_overhead_beam_case(tmp_path):

@@ -47,6 +47,34 @@ def _check_samples(llm, prompts, params):
     return outs
 
 
+def test_samples_and_beams_in_one_run_equal_their_references():
+    """n samples and beam groups in one engine run (the scheduler's decode steps take both
+    kinds at once, and beam-only steps once the samples are done; a tight pool preempts):
+    every output equals its unpaged reference."""
+    from batchgen.kinds import BEAMS, SAMPLES
+
+    rng = random.Random(5)
+    llm = FakeLLM(num_blocks=40, block_size=2, max_num_batched_tokens=16)
+    prompts = _prompts(rng, 6, 3, 1, 6)
+    sp = [SamplingParams(n=2, seed=1, max_tokens=4), SamplingParams(temperature=0,
+                                                                     max_tokens=12)]
+    bp = [BeamSearchParams(beam_width=3, max_tokens=9),
+          BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True)]
+    samples = llm.requests.build([{"prompt_token_ids": q} for q in prompts[:3]],
+                                 [sp[0], sp[1], sp[0]], SAMPLES)
+    beams = llm.requests.build([{"prompt_token_ids": q} for q in prompts[3:]],
+                               [bp[0], bp[1], bp[0]], BEAMS)
+    mixed = [g for pair in zip(samples, beams) for g in pair]
+    llm.engine.run(mixed)
+    for g, q, p in zip(samples, prompts[:3], [sp[0], sp[1], sp[0]]):
+        want = reference_samples(q, p, p.max_tokens)
+        assert [c.token_ids for c in SAMPLES.output(llm.results, g).outputs] == want
+    for g, q, p in zip(beams, prompts[3:], [bp[0], bp[1], bp[0]]):
+        want = reference_beams(q, p, p.max_tokens)
+        assert [s.token_ids for s in BEAMS.output(llm.results, g).sequences] == want
+    _assert_whole(llm)
+
+
 def test_the_fake_model_reads_what_was_written():
     """Sanity: the fake runner's greedy tokens follow its logits of the true context."""
     llm = FakeLLM(num_blocks=64)
