@@ -1,24 +1,54 @@
 #!/usr/bin/env bash
-# The one prepared run for a GPU host (the `device` tool), under 8 minutes: FlashInfer from the
-# offline bundle when the host lacks it, the GPU tests, then the GPU benchmark (issue 9's bar)
-# and the host overhead per decode step on CUDA (issue 17), then async scheduling on CUDA (issue
-# 33: serial vs async steps of the random model, same tokens asserted; the GPU tests include its
-# bit-for-bit check), printing short tables; on a host with
-# two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19, at most 2 more minutes;
-# skipped with one line otherwise). Full logs go to $OUT when it is set. Exits non-zero if a step fails.
+# The one prepared run for a GPU host (the `device` tool), inside a deadline (GPU_CHECK_BUDGET
+# seconds, default 540): the carried packages and FlashInfer from the offline bundle when the
+# host lacks them; every FlashInfer kernel module the later steps use, built several at once
+# (scripts/gpu_warmup.py); the GPU tests; the GPU benchmark (issue 9's bar); a hybrid model;
+# the host overhead per decode step on CUDA (issue 17), for beams, and async scheduling (issue
+# 33); on a host with two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19). Steps
+# run in that order, most valuable first; a step that would start with too little time left is
+# skipped with one line. Short tables are printed; every log is packed after each step into
+# $OUT/gpu_logs.tar.gz (when OUT is set), so a run cut short still returns what it did.
+# Exits non-zero if a step fails.
 #
-# Here, once (the folder stays out of git):
+# Here, once (both folders stay out of git):
 #   bash ../shared/tools/flashinfer-offline-bundle.sh flashinfer-bundle 0.7.4 312
-# Then: device run, carry ["flashinfer-bundle"], command "bash scripts/gpu_check.sh".
+#   bash scripts/gpu_wheels.sh     # the pinned transformers and what it needs, for Python 3.12
+# Then: device run, carry ["flashinfer-bundle", ".whl"], command "bash scripts/gpu_check.sh".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH=.
-logs="${OUT:-$(mktemp -d)}"
+start=$SECONDS
+budget=${GPU_CHECK_BUDGET:-540}
+logs=$(mktemp -d)
 status=0
+site=$PWD/flashinfer-bundle/site
+mkdir -p "$site"
+pack() { [ -n "${OUT:-}" ] && tar -czf "$OUT/gpu_logs.tar.gz" -C "$logs" . 2>/dev/null; true; }
+# step NAME LIMIT CMD...: runs CMD into $logs/NAME.log under min(LIMIT, the time left), or
+# skips it when under 45 s are left. Returns CMD's status (0 when skipped).
+step() {
+  local name=$1 limit=$2; shift 2
+  local left=$((budget - (SECONDS - start)))
+  if [ "$left" -lt 45 ]; then
+    echo "gpu_check: $name skipped ($left s of the ${budget} s budget left)"; return 0
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  local t0=$SECONDS rc=0
+  timeout "$limit" "$@" > "$logs/$name.log" 2>&1 || rc=$?
+  echo "gpu_check: $name: rc $rc in $((SECONDS - t0)) s (limit $limit s)"
+  [ "$rc" -ne 0 ] && { status=1; echo "gpu_check: $name FAILED; the end of its log:"; tail -30 "$logs/$name.log"; }
+  pack
+  return "$rc"
+}
+# The pinned transformers (and its needs) when .whl/ is carried: the versions CI tests with.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" .whl/*.whl ||
+    status=1
+  export PYTHONPATH=$site:$PYTHONPATH
+fi
 if ! python3 -c "import flashinfer" 2>/dev/null; then
   if ls flashinfer-bundle/flashinfer-*.tar.xz >/dev/null 2>&1; then
-    site=$PWD/flashinfer-bundle/site
-    mkdir -p "$site" && tar -xJf flashinfer-bundle/flashinfer-*.tar.xz -C "$site" &&
+    tar -xJf flashinfer-bundle/flashinfer-*.tar.xz -C "$site" &&
       python3 -m pip install -q --no-index --no-deps --target "$site" \
         flashinfer-bundle/apache_tvm_ffi-*.whl || status=1
     # FlashInfer JIT-compiles every kernel with nvcc: without it CUDA_HOME would become "."
@@ -40,66 +70,46 @@ if ! python3 -c "import flashinfer" 2>/dev/null; then
     status=1
   fi
 fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
-python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" || status=1
-timeout 270 python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py \
-  tests/test_cuda_flashinfer.py tests/test_cuda_flashinfer_mla.py > "$logs/gpu_tests.log" 2>&1 || status=1
-tail -20 "$logs/gpu_tests.log"
-# A step's tables when it passed; the tail of its log (the traceback) when it failed.
-if timeout 230 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" \
-  > "$logs/gpu_bench.log" 2>&1; then
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  nproc
+  python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)"
+} 2>&1 | tee "$logs/env.log"
+python3 -c "import flashinfer" 2>/dev/null || status=1
+# Every kernel module at once (10 processes, 3 nvcc each on a 16-core host): the tests load them.
+step gpu_warmup 200 env MAX_JOBS=3 python3 scripts/gpu_warmup.py --jobs 10
+grep '^gpu_warmup' "$logs/gpu_warmup.log"
+step gpu_tests 200 python3 -m pytest -q -m cuda -p no:cacheprovider --durations=8 \
+  tests/test_cuda.py tests/test_cuda_flashinfer.py tests/test_cuda_flashinfer_mla.py
+tail -22 "$logs/gpu_tests.log"
+step gpu_bench 150 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" &&
   sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log"
-else
-  rc=$?; status=1; echo "gpu_check: gpu_bench FAILED (rc $rc); the end of its log:"
-  tail -30 "$logs/gpu_bench.log"
-fi
-if timeout 90 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 \
-  --json "$logs/host_overhead.json" > "$logs/host_overhead.log" 2>&1; then
-  sed -n '/^| system/,$p' "$logs/host_overhead.log"
-else
-  rc=$?; status=1; echo "gpu_check: host_overhead FAILED (rc $rc); the end of its log:"
-  tail -20 "$logs/host_overhead.log"
-fi
+# A hybrid (Gated DeltaNet + attention): greedy agreement with HF and tok/s, greedy/n=8/beams.
+step hybrid 100 python3 benchmarks/hybrid.py --device cuda --num-prompts 64 --output-len 32 \
+  --json "$logs/hybrid.json" &&
+  sed -n '/^model:/p; /^greedy agreement/p; /^| workload/,$p' "$logs/hybrid.log"
+step host_overhead 80 python3 benchmarks/host_overhead.py --device cuda --long-tokens 0 \
+  --json "$logs/host_overhead.json" && sed -n '/^| system/,$p' "$logs/host_overhead.log"
 # Beams, 64 prompts x W=4: host ms per step early and late (the real forward, stubbed, stubbed
 # reading the K/V's bytes), function calls per step, HF's own host ms.
-if timeout 150 python3 benchmarks/host_overhead.py --device cuda --beams --repeats 2 \
-  --json "$logs/host_beams.json" > "$logs/host_beams.log" 2>&1; then
-  sed -n '/^| system/,$p' "$logs/host_beams.log"
-else
-  rc=$?; status=1; echo "gpu_check: host_overhead --beams FAILED (rc $rc); the end of its log:"
-  tail -20 "$logs/host_beams.log"
-fi
-if timeout 120 python3 benchmarks/host_overhead.py --device cuda --overlap --overlap-model \
-  --rows 64,256 --repeats 2 --json "$logs/overlap.json" > "$logs/overlap.log" 2>&1; then
+step host_beams 120 python3 benchmarks/host_overhead.py --device cuda --beams --repeats 2 \
+  --json "$logs/host_beams.json" && sed -n '/^| system/,$p' "$logs/host_beams.log"
+step overlap 100 python3 benchmarks/host_overhead.py --device cuda --overlap --overlap-model \
+  --rows 64,256 --repeats 2 --json "$logs/overlap.json" &&
   sed -n '/^| model forward/,$p' "$logs/overlap.log"
-else
-  rc=$?; status=1; echo "gpu_check: host_overhead --overlap FAILED (rc $rc); the end of its log:"
-  tail -20 "$logs/overlap.log"
-fi
-# A hybrid (Gated DeltaNet + attention): greedy agreement with HF and tok/s, greedy/n=8/beams.
-if timeout 150 python3 benchmarks/hybrid.py --device cuda --num-prompts 64 --output-len 32 \
-  --json "$logs/hybrid.json" > "$logs/hybrid.log" 2>&1; then
-  sed -n '/^model:/p; /^greedy agreement/p; /^| workload/,$p' "$logs/hybrid.log"
-else
-  rc=$?; status=1; echo "gpu_check: hybrid FAILED (rc $rc); the end of its log:"
-  tail -20 "$logs/hybrid.log"
-fi
 # Tensor parallelism needs a GPU per rank: a 600M-parameter Llama in bf16, TP=1 vs TP=2.
 gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 if [ "${gpus:-0}" -ge 2 ]; then
-  if timeout 120 python3 benchmarks/tensor_parallel.py --device cuda --tp 1,2 --repeats 2 \
-    --hidden-size 2048 --num-layers 8 --num-heads 32 --num-kv-heads 8 --intermediate-size 8192 \
-    --vocab-size 32000 --dtype bfloat16 --num-prompts 128 --min-prompt-len 64 \
-    --max-prompt-len 256 --output-len 64 --json "$logs/tensor_parallel.json" \
-    > "$logs/tensor_parallel.log" 2>&1; then
-    sed -n '/^model:/p; /^| TP/,$p' "$logs/tensor_parallel.log"
-  else
-    rc=$?; status=1; echo "gpu_check: tensor_parallel FAILED (rc $rc); the end of its log:"
-    tail -30 "$logs/tensor_parallel.log"
-  fi
+  step tensor_parallel 120 python3 benchmarks/tensor_parallel.py --device cuda --tp 1,2 \
+    --repeats 2 --hidden-size 2048 --num-layers 8 --num-heads 32 --num-kv-heads 8 \
+    --intermediate-size 8192 --vocab-size 32000 --dtype bfloat16 --num-prompts 128 \
+    --min-prompt-len 64 --max-prompt-len 256 --output-len 64 \
+    --json "$logs/tensor_parallel.json" && sed -n '/^model:/p; /^| TP/,$p' "$logs/tensor_parallel.log"
 else
   echo "gpu_check: tensor parallel skipped (fewer than 2 GPUs: ${gpus:-0} listed by nvidia-smi -L)"
 fi
-[ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: $logs)"
+pack
+echo "gpu_check: $((SECONDS - start)) s in all"
+[ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: ${OUT:-$logs})"
 exit "$status"

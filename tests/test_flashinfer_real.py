@@ -242,3 +242,24 @@ def test_the_test_install_brings_no_cuda_wheel():
                                                     "nvidia-cublas", "nvidia-cutlass",
                                                     "cuda-python", "cuda-tile", "nccl")))
     assert not cuda, cuda
+
+
+def test_the_gpu_warmup_builds_one_distinct_module_per_variant(fi):
+    """scripts/gpu_warmup.py's variants go through FlashInfer's wrapper code (our backends'
+    constructors) and each asks for a kernel module of its own: none is a duplicate, so the
+    parallel warm-up covers as many modules as it runs processes for."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_warmup.py"
+    spec = importlib.util.spec_from_file_location("gpu_warmup", path)
+    warmup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(warmup)
+    _, recorder = fi
+    modules = []
+    for variant in warmup.VARIANTS:
+        seen = len(recorder.calls)
+        warmup.build(variant, device="cpu")
+        modules.append({c.module for c in recorder.calls[seen:]})
+    assert all(len(m) == 1 for m in modules), modules
+    assert len(set().union(*modules)) == len(warmup.VARIANTS)
