@@ -205,3 +205,40 @@ def test_async_scheduling_resolves_from_the_argument_or_the_environment(monkeypa
         EngineConfig(async_scheduling=1)
     with pytest.raises(ValueError, match="async_scheduling must be False with tensor_par"):
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
+
+
+def test_the_worker_runs_on_the_callers_cuda_device(monkeypatch):
+    """A bare "cuda" device is the caller's current one: the worker thread is set to its
+    index (torch.cuda.set_device refuses a device without one: the first run on a GPU hung
+    there). Without CUDA here, torch.cuda's two calls are recorded instead."""
+    import torch
+
+    from batchgen.model.forward_queue import ForwardQueue
+
+    calls: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", calls.append)
+    for device, want in (("cuda", [1]), ("cuda:2", [2]), ("cpu", [])):
+        calls.clear()
+        queue = ForwardQueue(torch.device(device))
+        assert queue.submit(lambda: 7).result(timeout=10) == 7
+        queue.close()
+        assert calls == want, device
+
+
+def test_a_worker_that_cannot_start_fails_the_step_instead_of_hanging(monkeypatch):
+    """The worker's set-up raising (a device it cannot take) reaches the caller through the
+    step's future; submit returns instead of waiting for a step that never starts."""
+    import torch
+
+    from batchgen.model.forward_queue import ForwardQueue
+
+    queue = ForwardQueue(torch.device("cpu"))
+    monkeypatch.setattr(ForwardQueue, "_enter", lambda self: 1 / 0)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(queue.submit(lambda: 7)), daemon=True)
+    t.start()
+    t.join(10)
+    assert box, "submit hung on a worker that could not start"
+    with pytest.raises(Exception, match="initializer|division"):
+        box[0].result(timeout=10)

@@ -25,6 +25,7 @@ class ForwardQueue:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._cuda_index: int | None = None  # the caller's CUDA device, fixed on first use
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
 
@@ -35,10 +36,13 @@ class ForwardQueue:
         would start only when the host next waits."""
         with self._lock:
             if self._pool is None:
+                self._cuda_index = cuda_index(self.device)
                 self._pool = ThreadPoolExecutor(1, "batchgen-forward", self._enter)
                 weakref.finalize(self, self._pool.shutdown, wait=False)
         taken = threading.Event()
         future = self._pool.submit(_in_inference_mode, step, taken)
+        # a worker that could not start (its set-up raised) fails the future instead
+        future.add_done_callback(lambda _: taken.set())
         taken.wait()
         return future
 
@@ -49,9 +53,10 @@ class ForwardQueue:
             self._pool.submit(_nothing).result()
 
     def _enter(self) -> None:
-        """The worker's thread-local settings: the model's CUDA device."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        """The worker's thread-local settings: the model's CUDA device (a new thread starts
+        on device 0 whatever the caller's is)."""
+        if self._cuda_index is not None:
+            torch.cuda.set_device(self._cuda_index)
 
     def close(self) -> None:
         """Stop the worker once the queued steps are done."""
@@ -59,6 +64,14 @@ class ForwardQueue:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def cuda_index(device: torch.device) -> int | None:
+    """The CUDA device index steps run on: the device's own, or for a bare "cuda" the
+    calling thread's current one (what the model was loaded onto); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _nothing() -> None:
