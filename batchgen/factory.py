@@ -279,10 +279,12 @@ def check_tp(config: PretrainedConfig, tp_size: int, device: torch.device) -> No
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device asked for (the GPU when one is there and none is named); ValueError for one
-    that is not 'cpu', 'cuda' or 'cuda:N', or a GPU that is not there."""
+    """The device asked for (the GPU when one is there and none is named), a GPU always with
+    its index (the current one for a bare 'cuda': torch.cuda.set_device and device
+    comparisons need it); ValueError for one that is not 'cpu', 'cuda' or 'cuda:N', or a GPU
+    that is not there."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
@@ -291,6 +293,11 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
         raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device is 'cuda' but no CUDA device is available")
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if dev.type == "cuda" and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device is {device!r} but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s) (cuda:0 ...)")
     return dev
 
 

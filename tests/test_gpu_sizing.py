@@ -140,3 +140,20 @@ def test_llm_keeps_the_backend_reserve_out_of_the_gpu_budget(tiny_model_factory,
     assert lines[at + 1] == (f"GPU memory kept beyond the pool when sizing it: "
                              f"{backend / MiB:.1f} MiB for the attention backend, "
                              f"{graphs / MiB:.1f} MiB for the CUDA graph pool")
+
+
+def test_a_bare_cuda_device_resolves_to_the_current_gpu_by_index(monkeypatch):
+    """'cuda' (or no device on a GPU machine) becomes cuda:<current>, so per-thread
+    set_device calls and device comparisons work; an index past the GPUs is refused.
+    torch.cuda's answers are stand-ins here (no GPU on this machine)."""
+    from batchgen.factory import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(None) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="2 CUDA device"):
+        resolve_device("cuda:2")
