@@ -10,6 +10,12 @@
 # $OUT/gpu_logs.tar.gz (when OUT is set), so a run cut short still returns what it did.
 # Exits non-zero if a step fails.
 #
+# First run (2026-12-04, one H200, 16 cores; 15 device minutes in all, machine start ~30 s):
+# the warm-up built its 10 modules in 113-126 s; the 1.5B benchmark's batchgen runs took 37 s
+# eager and 17 s with graphs, and its HF baselines did not finish in the 150 s left to it;
+# the rest did not fit. A session gets through warm-up + tests + gpu_bench in one lease:
+# choose later steps with GPU_CHECK_STEPS (e.g. "gpu_warmup hybrid host_overhead").
+#
 # Here, once (both folders stay out of git):
 #   bash ../shared/tools/flashinfer-offline-bundle.sh flashinfer-bundle 0.7.4 312
 #   bash scripts/gpu_wheels.sh     # the pinned transformers and what it needs, for Python 3.12
@@ -82,11 +88,14 @@ python3 -c "import flashinfer" 2>/dev/null || status=1
 # Every kernel module at once (10 processes, 3 nvcc each on a 16-core host): the tests load them.
 step gpu_warmup 200 env MAX_JOBS=3 python3 scripts/gpu_warmup.py --jobs 10
 grep '^gpu_warmup' "$logs/gpu_warmup.log" 2>/dev/null
-# A test still running after 60 s dumps every thread's stack into the log (a hang shows where).
-step gpu_tests 200 python3 -m pytest -v -m cuda -p no:cacheprovider --durations=8 \
-  -o faulthandler_timeout=60 ${GPU_CHECK_TESTS:-tests/test_cuda_flashinfer.py \
+# A test still running after 60 s dumps every thread's stack into the log (a hang shows where);
+# with pytest-timeout (the GPU image has it) one past 90 s fails alone, so the session still
+# ends with every failure's traceback (-rfE).
+per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90 --timeout_method=signal")
+step gpu_tests 240 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider \
+  --durations=8 -o faulthandler_timeout=60 $per_test ${GPU_CHECK_TESTS:-tests/test_cuda_flashinfer.py \
   tests/test_cuda_flashinfer_mla.py tests/test_cuda.py}
-grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$logs/gpu_tests.log" | tail -30
+grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E  " "$logs/gpu_tests.log" | tail -40
 step gpu_bench 150 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" &&
   sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log"
 # A hybrid (Gated DeltaNet + attention): greedy agreement with HF and tok/s, greedy/n=8/beams.

@@ -73,14 +73,15 @@ def test_flashinfer_matches_the_torch_backend(kind, window, softcap):
     torch.testing.assert_close(outs[0], outs[1], **BF16)
 
 
-def _first_divergence_is_a_near_tie(model, prompt, got, want, margin=0.05):
-    """Where two bf16 greedy runs part, the two candidates were within `margin` logits."""
+def _first_divergence_gap(model, prompt, got, want) -> tuple[int, float] | None:
+    """Where two bf16 greedy runs first part: (position, HF's logit gap between the two
+    candidates there); None where they never part."""
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + want[:i]], device="cuda")).logits[0, -1]
-            return abs(float(logits[a] - logits[b])) < margin
-    return True
+            return i, abs(float(logits[a] - logits[b]))
+    return None
 
 
 # The tiny GPT-OSS routes each token to 1 of 2 experts: a bf16 near-tie in the router flips the
@@ -99,17 +100,22 @@ def test_greedy_on_flashinfer_follows_hf_in_bf16(tiny_model_factory, family):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     hf = load_hf_model(path).to("cuda", torch.bfloat16)
+    parted = []  # (prompt, position, gap) wherever the runs part at more than a near-tie
     try:
-        for p, o in zip(prompts, outs):
+        for k, (p, o) in enumerate(zip(prompts, outs)):
             with torch.no_grad():
                 ids = torch.tensor([p], device="cuda")
                 want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
                                    do_sample=False, eos_token_id=2, pad_token_id=0)
             want = want[0, len(p):].tolist()
             want = want[:want.index(2) + 1] if 2 in want else want
-            assert _first_divergence_is_a_near_tie(hf, p, o.outputs[0].token_ids, want)
+            gap = _first_divergence_gap(hf, p, o.outputs[0].token_ids, want)
+            if gap is not None and gap[1] >= 0.05:
+                parted.append((k, *gap))
     finally:
         hf.to("cpu", torch.float32)
+    assert not parted, f"{len(parted)}/{len(prompts)} runs part at more than a near-tie " \
+        f"(prompt, position, HF's logit gap): {parted}"
 
 
 def test_graph_replay_equals_eager(tiny_model_factory):
@@ -135,11 +141,11 @@ def test_fp8_pool_stays_close_to_bf16(tiny_model_factory):
     bf16, fp8 = (LLM(path, device="cuda", num_kv_blocks=256, kv_cache_dtype=kv,
                      attention_backend="flashinfer").generate(prompts, sp, use_tqdm=False)
                  for kv in ("auto", "fp8"))
-    agree = 0
+    agree, worst = 0, 0.0
     for a, b in zip(bf16, fp8):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         agree += ta == tb
         n = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
         for la, lb in zip(a.outputs[0].logprobs[:n], b.outputs[0].logprobs[:n]):
-            assert abs(next(iter(la.values())) - next(iter(lb.values()))) < 0.1
-    assert agree >= 6
+            worst = max(worst, abs(next(iter(la.values())) - next(iter(lb.values()))))
+    assert worst < 0.1 and agree >= 6, f"{agree}/8 runs agree; largest logprob gap {worst:.3f}"
