@@ -70,13 +70,20 @@ class StateCache:
     def bind(self, slots: torch.Tensor, fresh: bool) -> Any:
         """Gather the state of `slots` (one per batch row) for the next forward; `fresh`: the
         rows start their sequences (no previous state: the mixers start from zero, as HF's
-        first forward does). A single row is bound as a view: written in place."""
+        first forward does). A single row is bound as a view: written in place.
+
+        A fresh row's state is zeroed, not merely flagged absent: its slot may still hold a
+        finished sequence's state, and a mixer may read the state whatever the flags say
+        (transformers 5.25's Mamba-2 and Jamba scans ask for the recurrent state after the conv
+        update has set `has_previous_state`; zeros are what HF's reset cache gives them)."""
         self._slots = slots
         single = len(slots) == 1
         s = int(slots[0]) if single else 0
         cache = self.cache
         for e, t in self.pool.tensors.items():
             view = t[s:s + 1] if single else t[slots]
+            if fresh:
+                view.zero_()
             self._bound[e] = view
             if e.kind == LINEAR:
                 cache.linear_states[e.layer] = view
