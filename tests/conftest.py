@@ -59,3 +59,15 @@ def engine_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     runs every other test with the async engine too."""
     monkeypatch.setenv("BATCHGEN_ASYNC_SCHEDULING", "1" if request.param == "async" else "0")
     return request.param
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """The family matrix's families without an expectation (tests/test_families.py records
+    each as a "new_family" user property of its test report): one line each."""
+    lines = dict.fromkeys(
+        value for reports in terminalreporter.stats.values() for report in reports
+        for key, value in getattr(report, "user_properties", ()) if key == "new_family")
+    if lines:
+        terminalreporter.section("family matrix: families new to the expectations")
+        for line in lines:
+            terminalreporter.write_line(line)

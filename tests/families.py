@@ -7,6 +7,11 @@ layer-type pattern (windows, sinks, MLA, MoE, alternating and hybrid layers): 4 
 64, 4 heads / 2 KV heads, sliding windows of 8 (short prompts cross them), small MoE, MLA and
 state sizes. `FAMILY_OVERRIDES` fixes the families whose own checks need other values.
 `NOT_SHRUNK` names the causal-LM families left out, and why.
+
+`MATRIX` is what the matrix expects of each family ("parity" or "refused"). A family of the
+installed transformers it does not list is judged all the same and reported (NewFamilyWarning,
+a terminal-summary line), never an error; an expected family the installed transformers lacks
+is skipped when `ADDED_IN` says it is newer, and is a stale expectation otherwise.
 """
 
 from __future__ import annotations
@@ -71,6 +76,11 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "kimi_linear": {**_MLA, "linear_attn_config": {
         "full_attn_layers": [2, 4], "kda_layers": [1, 3], "num_heads": 4, "head_dim": 16,
         "short_conv_kernel_size": 4}},
+    # its dense first block and shared experts have their own (model-sized) widths
+    "ergo": {"first_dense_intermediate_size": 128, "shared_intermediate_size": 32},
+    # every 5th layer is indexed (sparse) attention: 5 layers keep one; the indexer scores
+    # keys with at most the query heads of one KV head (2 here)
+    "kolibri1_1": {"num_hidden_layers": 5, "index_num_heads": 2},
 }
 
 # Kimi-K2 is a DeepSeek-V3 (model_type "deepseek_v3") with its own shape: no q LoRA, more
@@ -118,7 +128,48 @@ def families() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) - set(NOT_SHRUNK)
-    return sorted(names | set(VARIANTS))
+    return sorted(names | {v for v, (base, _) in VARIANTS.items() if base in names})
+
+
+class NewFamilyWarning(UserWarning):
+    """A family of the installed transformers that MATRIX has no expectation for: the matrix
+    judged it like the others; add it to PARITY_FAMILIES or REFUSED_FAMILIES."""
+
+
+def new_families() -> list[str]:
+    """Families of the installed transformers without an expectation in MATRIX."""
+    return sorted(set(families()) - set(MATRIX))
+
+
+def matrix_families() -> list[str]:
+    """What the matrix runs: every installed family and every expected one, sorted."""
+    return sorted(set(families()) | set(MATRIX))
+
+
+def transformers_version() -> Any:
+    """The installed transformers' version (a packaging Version)."""
+    import transformers
+    from packaging.version import Version
+
+    return Version(transformers.__version__)
+
+
+def newer_than_installed(family: str) -> bool:
+    """Whether `family` is new in a transformers newer than the installed one (ADDED_IN)."""
+    from packaging.version import Version
+
+    return family in ADDED_IN and transformers_version() < Version(ADDED_IN[family])
+
+
+def not_installed(family: str) -> str | None:
+    """Why an expected `family` is not run (the installed transformers lacks it), or None."""
+    if family in families():
+        return None
+    if newer_than_installed(family):
+        return (f"{family} is new in transformers {ADDED_IN[family]}, installed "
+                f"{transformers_version()}")
+    return (f"{family} is not in the installed transformers {transformers_version()}: a stale "
+            "expectation (test_the_matrix_covers_every_family fails on it)")
 
 
 def _settable(config: Any, name: str) -> bool:
@@ -173,22 +224,22 @@ def save_family_config(family: str, out_dir: str | Path, **overrides: Any) -> Pa
     return out
 # Families equal to HF greedy (tests/test_families.py), and families refused before weights.
 PARITY_FAMILIES = (
-    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'bailing_hybrid',
-    'bamba', 'beam', 'biogpt', 'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe',
+    'afmoe', 'apertus', 'apertus1p5_text', 'arcee', 'aria_text', 'axk1', 'bailing_hybrid', 'bamba',
+    'beam', 'biogpt', 'bitnet', 'codegen', 'cohere', 'cohere2', 'cohere2_moe',
     'cohere_compass_text', 'ctrl', 'cwm', 'dbrx', 'deepseek_v2', 'deepseek_v3', 'doge', 'dots1',
-    'ernie4_5', 'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'falcon_h1', 'falcon_mamba',
-    'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3_text', 'glm', 'glm4', 'glm4_moe',
-    'glm4_moe_lite', 'gpt-sw3', 'gpt2', 'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj', 'granite',
-    'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid', 'granitemoeshared',
-    'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hyperclovax', 'internlm3',
-    'iquestcoder', 'jais2', 'jamba', 'kimi_k2', 'kimi_linear', 'kolibri1', 'laguna',
+    'ergo', 'ernie4_5', 'ernie4_5_moe', 'exaone', 'exaone4', 'exaone_moe', 'falcon_h1',
+    'falcon_mamba', 'flex_olmo', 'flint', 'gemma', 'gemma2', 'gemma3_text', 'glm', 'glm4',
+    'glm4_moe', 'glm4_moe_lite', 'gpt-sw3', 'gpt2', 'gpt_bigcode', 'gpt_neox', 'gpt_oss', 'gptj',
+    'granite', 'granite_swa', 'granitemoe', 'granitemoe_swa', 'granitemoehybrid',
+    'granitemoeshared', 'helium', 'hunyuan_v1_dense', 'hunyuan_v1_moe', 'hy_v3', 'hyperclovax',
+    'internlm3', 'iquestcoder', 'jais2', 'jamba', 'kimi_k2', 'kimi_linear', 'kolibri1', 'laguna',
     'lara_mini', 'lfm2', 'lfm2_moe', 'lfm3', 'llama', 'mamba', 'mamba2', 'mellum', 'minicpm3',
-    'minimax', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'ministral3', 'mistral',
-    'mixtral', 'modernbert-decoder', 'nanochat', 'nemotron_h', 'olmo', 'olmo2', 'olmo3',
-    'olmo_hybrid', 'olmoe', 'opt', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2', 'qwen2_moe',
-    'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next', 'sarvam_mla',
-    'sarvam_moe', 'seed_oss', 'smollm3', 'solar_open', 'starcoder2', 'vaultgemma', 'youtu',
-    'zaya',
+    'minicpm5_moe', 'minimax', 'minimax_m2', 'minimax_m3_vl_text', 'ministral', 'ministral3',
+    'mistral', 'mixtral', 'modernbert-decoder', 'nanochat', 'nemotron_h', 'olmo', 'olmo2', 'olmo3',
+    'olmo_hybrid', 'olmoe', 'opt', 'param2moe', 'persimmon', 'phi', 'phi3', 'phimoe', 'qwen2',
+    'qwen2_moe', 'qwen3', 'qwen3_5_moe_text', 'qwen3_5_text', 'qwen3_moe', 'qwen3_next',
+    'sarvam_mla', 'sarvam_moe', 'seed_oss', 'smollm3', 'solar_open', 'starcoder2', 'vaultgemma',
+    'youtu', 'zaya',
 )
 REFUSED_FAMILIES = (
     'axk2', 'bart', 'bert', 'bert-generation', 'big_bird', 'bigbird_pegasus', 'blenderbot',
@@ -196,10 +247,13 @@ REFUSED_FAMILIES = (
     'deepseek_v4', 'diffllama', 'dory', 'dots3_note_text', 'electra', 'ernie', 'falcon',
     'gemma3n_text', 'gemma4_text', 'gemma4_unified_text', 'glm_moe_dsa', 'gpt_neo',
     'gpt_neox_japanese', 'hrm_text', 'hy_v4', 'inkling2_loop_text', 'inkling2_text',
-    'inkling_text', 'jetmoe', 'llama4_text', 'longcat_flash', 'marian', 'mbart',
-    'megatron-bert', 'mimo_v2_flash', 'mpt', 'mvp', 'nemotron', 'openai-gpt', 'pegasus',
-    'plbart', 'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta', 'roberta-prelayernorm',
-    'roc_bert', 'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm', 'xlm-roberta', 'xlm-roberta-xl',
-    'xlstm', 'zamba', 'zamba2',
+    'inkling_text', 'jetmoe', 'kolibri1_1', 'llama4_text', 'longcat_flash', 'marian', 'mbart',
+    'megatron-bert', 'mimo_v2_flash', 'mpt', 'mvp', 'nemotron', 'openai-gpt', 'pegasus', 'plbart',
+    'qwen4_exp_text', 'recurrent_gemma', 'rembert', 'roberta', 'roberta-prelayernorm', 'roc_bert',
+    'roformer', 'rwkv', 'stablelm', 'xglm', 'xlm', 'xlm-roberta', 'xlm-roberta-xl', 'xlstm',
+    'zamba', 'zamba2',
 )
 MATRIX = {**dict.fromkeys(PARITY_FAMILIES, "parity"), **dict.fromkeys(REFUSED_FAMILIES, "refused")}
+# Families newer than the oldest transformers the matrix runs under (5.24): under an older one
+# their expectations are skipped; any other expected family missing is a stale expectation.
+ADDED_IN = dict.fromkeys(("ergo", "kolibri1_1", "minicpm5_moe", "param2moe"), "5.25.0")
