@@ -23,6 +23,7 @@ from batchgen.model.families import (
     text_config,
 )
 from batchgen.model.submesh import sharded_class
+from batchgen.model.versions import check_transformers
 
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -105,9 +106,11 @@ def check_weights(path: Path) -> None:
 
 def check_supported(config: PretrainedConfig) -> ModelLayout:
     """Refuse model families, layer kinds and RoPE scalings that batchgen cannot run exactly,
-    from the config alone (before any weights are read); return the layers' classes."""
+    and state mixers on an unverified transformers, from the config alone (before any weights
+    are read); return the layers' classes."""
     layout = classify(config)
     check_served(layout)
+    check_transformers(layout.family, layout.mixer_kinds)
     for attr in ("rope_scaling", "rope_parameters"):
         rope = getattr(config, attr, None)
         if isinstance(rope, dict):
