@@ -192,3 +192,36 @@ def traced_workload(llm: Any, tracer: Any) -> tuple[list, list]:
         sys.settrace(None)
     return ([[c.token_ids for c in o.outputs] for o in a],
             [[s.token_ids for s in o.sequences] for o in b])
+
+
+@torch.no_grad()
+def hf_greedy_top(model: Any, prompt: Sequence[int], max_new_tokens: int, k: int = 5
+                  ) -> tuple[list[int], list[set[int]]]:
+    """HF ``generate`` greedy tokens of one prompt on `model` (any device and dtype), up to and
+    including EOS, with each step's top-`k` token ids."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=dev)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+                         output_scores=True, return_dict_in_generate=True)
+    tokens = strip_after_eos(out.sequences[0, ids.shape[1]:].tolist())
+    tops = [set(s[0].float().topk(k).indices.tolist()) for s in out.scores[:len(tokens)]]
+    return tokens, tops
+
+
+def first_divergence_out_of_top(got: Sequence[int], got_top: Sequence[set[int]],
+                                want: Sequence[int], want_top: Sequence[set[int]]
+                                ) -> tuple[int, int, int] | None:
+    """Where two greedy runs first part, (position, got token, wanted token) if either token is
+    outside the other run's top-k there; None when they never part or part at a near-tie (the
+    criterion of vLLM's `check_logprobs_close`: low-precision runs may part, but only between
+    candidates both rank near the top; after a parting the contexts differ, so it stops)."""
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            return None if a in want_top[i] and b in got_top[i] else (i, a, b)
+    return None
+
+
+def top_ids(position: Any, k: int) -> set[int]:
+    """The token ids of rank <= k in one position of a batchgen output's `logprobs`."""
+    return {t for t, lp in position.items() if lp.rank is not None and lp.rank <= k}
