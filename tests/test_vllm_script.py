@@ -421,6 +421,11 @@ def test_a_hub_id_resolves_through_the_local_cache(folders, tmp_path, monkeypatc
     assert llm.get_tokenizer() is not None
     with pytest.raises(ValueError, match="hf download tiny-org/missing"):
         LLM("tiny-org/missing")
+    _fake_hub_cache(tmp_path, "tinyllama", folders[0])  # an id without an org, as "gpt2" is
+    bare = LLM("tinyllama", tokenizer="tiny-org/tiny-tokenizer", num_kv_blocks=8)
+    assert bare.model_path.parent.parent.name == "models--tinyllama"
+    with pytest.raises(ValueError, match="hf download missing-model"):
+        LLM("missing-model")
 
 
 LOGGING_SCRIPT = """
