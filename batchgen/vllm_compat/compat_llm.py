@@ -19,7 +19,8 @@ SHARED: dict[str, torch.nn.Module] = {}
 
 class CompatLLM(LLM):
     """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
-    the engine's own model code, which for batchgen is transformers'."""
+    the engine's own model code, which for batchgen is transformers'. A sample's
+    `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
         if kwargs.get("model_impl") == "vllm":
@@ -28,6 +29,7 @@ class CompatLLM(LLM):
             model = SHARED.get(str(model), model)
         super().__init__(model, **kwargs)
         self.llm_engine = _engine_paths(self)
+        self.results.cumulative_without_logprobs = False
 
 
 class _Model:
