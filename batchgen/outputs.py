@@ -60,8 +60,9 @@ class RequestMetrics:
         self.queued_ts = self.queued_ts or time.monotonic()
 
     def scheduled(self, when: float) -> None:
-        """It was admitted (the first time) in the step planned at monotonic time `when`."""
-        self.scheduled_ts = self.scheduled_ts or when
+        """It was admitted (the first time) in the step planned at monotonic time `when` (not
+        before it was queued: the first step's plan pulls the requests it admits)."""
+        self.scheduled_ts = self.scheduled_ts or max(when, self.queued_ts)
 
     def first_token(self, now: float) -> None:
         """Its first generated token was applied at monotonic time `now`."""
