@@ -177,14 +177,18 @@ class RequestBuilder:
         max_model_len."""
         lim = self.limits
         if not ids:
-            raise ValueError(f"{_label(at)} is empty: a prompt needs at least one token")
+            raise ValidationError(f"{_label(at)} is empty: a prompt needs at least one token (the "
+                                  "decoder prompt cannot be empty)", parameter="prompts")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= lim.vocab_size:
-            raise ValueError(f"{_label(at)} has token id {lo if lo < 0 else hi} outside the "
-                             f"model's vocabulary [0, {lim.vocab_size})")
+            raise ValidationError(f"{_label(at)} has token id {lo if lo < 0 else hi} out of "
+                                  f"vocabulary: outside the model's vocabulary "
+                                  f"[0, {lim.vocab_size})", parameter="prompts")
         if len(ids) >= lim.max_model_len:
-            raise ValueError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
-                             f"{lim.max_model_len}, leaving no room to generate")
+            raise ValidationError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
+                                  f"{lim.max_model_len}, leaving no room to generate (the "
+                                  f"maximum context length is {lim.max_model_len} tokens)",
+                                  parameter="prompts")
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
@@ -309,8 +313,8 @@ def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     check_type(sp, name, (list, tuple), f"a {cls.__name__} or a list of {n}")
     sp = list(sp)
     if len(sp) != n:
-        raise ValueError(f"{name} must be one {cls.__name__} or a list of {n} "
-                         f"(one per prompt), got {len(sp)} items")
+        raise ValidationError(f"{name} must be one {cls.__name__} or a list of {n} "
+                              f"(one per prompt), got {len(sp)} items", parameter=name)
     for i, p in enumerate(sp):
         check_type(p, f"{name}[{i}]", cls)
     return sp

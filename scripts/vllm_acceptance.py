@@ -109,6 +109,7 @@ def run_pytest(run: Path, out: Path, extra: list[str]) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(run), str(ROOT)]),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEs",
+           "--continue-on-collection-errors",
            "-o", "addopts=", f"--rootdir={run}", "-p", "tests.conftest_report",
            *[f"tests/{f}" for f in FILES], *extra]
     (run / "tests" / "conftest_report.py").write_text(_REPORTER.format(path=str(report)))

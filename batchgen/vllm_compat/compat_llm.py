@@ -48,5 +48,14 @@ def _engine_paths(llm: LLM) -> SimpleNamespace:
     runner = SimpleNamespace(model=_Model(llm))
     return SimpleNamespace(
         model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
-        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path)),
-        get_tokenizer=llm.get_tokenizer)
+        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path),
+                                     get_vocab_size=lambda: llm.vocab_size),
+        get_tokenizer=llm.get_tokenizer,
+        get_num_unfinished_requests=lambda: _unfinished(llm))
+
+
+def _unfinished(llm: LLM) -> int:
+    """Requests queued, running or swapped out (0 between calls: a call that fails frees
+    every one)."""
+    s = llm.engine.scheduler
+    return len(s.waiting) + len(s.running) + len(s.swapped)

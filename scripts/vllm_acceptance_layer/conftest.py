@@ -46,7 +46,10 @@ REV = "0" * 40
 def _hub_entry(repo_id: str, family: str, seed: int) -> None:
     """A tiny model under `repo_id` in the HF cache's layout (refs/main -> snapshots/REV)."""
     repo = HUB / ("models--" + repo_id.replace("/", "--"))
-    made = make_tiny_model(HUB / "_made" / repo.name, family=family, vocab_size=512, seed=seed)
+    # rotary families get a real checkpoint's context (scripts ask for max_model_len=4096)
+    longer = {"max_position_embeddings": 8192} if family in ("llama", "qwen3") else {}
+    made = make_tiny_model(HUB / "_made" / repo.name, family=family, vocab_size=512, seed=seed,
+                           **longer)
     shutil.copytree(made, repo / "snapshots" / REV)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(REV)

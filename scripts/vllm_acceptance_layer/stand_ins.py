@@ -47,6 +47,18 @@ class _EngineInternal:
         raise NotImplementedError("a vLLM engine internal: not part of batchgen")
 
 
+class FlatLogprobs(list):
+    """vLLM's flat logprobs container: batchgen returns the list of dicts only
+    (SamplingParams(flat_logprobs=True) is refused), so no output is ever one."""
+
+
+class AudioAsset:
+    """vLLM's audio fixtures: batchgen serves no audio model."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("audio inputs: batchgen serves text models only")
+
+
 def _module(name: str, **attrs: Any) -> types.ModuleType:
     mod = types.ModuleType(name)
     mod.__path__ = []
@@ -62,10 +74,19 @@ def install() -> None:
         "vllm.config": _module("vllm.config"),
         "vllm.config.model": _module("vllm.config.model", LogprobsMode=LogprobsMode),
         "vllm.v1.engine": _module("vllm.v1.engine"),
+        "vllm.lora": _module("vllm.lora"),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=_EngineInternal),
+        "vllm.assets": _module("vllm.assets"),
+        "vllm.assets.audio": _module("vllm.assets.audio", AudioAsset=AudioAsset),
         "vllm.v1.engine.input_processor": _module("vllm.v1.engine.input_processor",
                                                   InputProcessor=_EngineInternal),
     }
     mods["vllm.distributed"].cleanup_dist_env_and_memory = lambda *a, **k: None
+    logprobs = sys.modules["vllm.logprobs"]  # batchgen's Logprob; the containers' names
+    logprobs.FlatLogprobs = FlatLogprobs
+    logprobs.SampleLogprobs = logprobs.PromptLogprobs = list
+    inputs = sys.modules["vllm.inputs"]
+    inputs.TokensInput = inputs.TokensPrompt
     for name, mod in mods.items():
         sys.modules[name] = mod
         parent, _, child = name.rpartition(".")

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-# a test marked for a large GPU is skipped: batchgen's acceptance runs on the CPU
-large_gpu_mark = pytest.mark.skip(reason="needs a large GPU")
 
-
-def large_gpu_test(*args, **kwargs):
+def large_gpu_mark(*args, **kwargs):
+    """A test marked for a large GPU is skipped: batchgen's acceptance runs on the CPU."""
     return pytest.mark.skip(reason="needs a large GPU")
+
+
+large_gpu_test = large_gpu_mark
 
 
 class RemoteOpenAIServer:
