@@ -119,3 +119,30 @@ def test_best_of_is_built_then_refused_at_generate(tiny_model_factory) -> None:
     with pytest.raises(ValueError, match="concurrency_limit"):
         llm.beam_search(["hi"], BeamSearchParams(beam_width=2, max_tokens=2),
                         concurrency_limit=0)
+
+
+def test_new_fields_at_their_defaults_leave_a_jobs_identity_as_before() -> None:
+    """A dataset job started before vLLM's fields existed stays resumable: at their defaults
+    they are left out of the job's params (the fields below are those of the code before)."""
+    from batchgen.data import runner
+
+    before = {SamplingParams: {
+        "allowed_token_ids", "bad_words", "detokenize", "frequency_penalty", "ignore_eos",
+        "include_stop_str_in_output", "logit_bias", "logits_processors", "logprobs",
+        "max_tokens", "min_p", "min_tokens", "n", "presence_penalty", "prompt_logprobs",
+        "prompt_logprobs_start", "repetition_penalty", "seed", "skip_special_tokens", "stop",
+        "stop_token_ids", "structured_outputs", "temperature", "top_k", "top_p",
+        "truncate_prompt_tokens"}, BeamSearchParams: {
+        "bad_words", "bad_words_ids", "beam_width", "diversity_penalty", "early_stopping",
+        "ignore_eos", "length_penalty", "logprobs", "max_tokens", "min_tokens",
+        "no_repeat_ngram_size", "num_beam_groups", "num_return_sequences",
+        "repetition_penalty", "return_trace", "stop", "stop_token_ids", "structured_outputs",
+        "temperature"}}
+    for params, new in ((SamplingParams(), runner.VLLM_SAMPLING_FIELDS),
+                        (BeamSearchParams(beam_width=2, max_tokens=3), runner.VLLM_BEAM_FIELDS)):
+        fields = {f: getattr(params, f) for f in before[type(params)] | set(new)}
+        runner.drop_defaults(params, fields, new)
+        assert set(fields) == before[type(params)]
+    fields = {"best_of": 3}
+    runner.drop_defaults(SamplingParams(n=1, best_of=3), fields, ("best_of",))
+    assert fields == {"best_of": 3}  # a value asked for stays in the identity
