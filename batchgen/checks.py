@@ -10,10 +10,22 @@ from collections.abc import Collection
 SEED_RANGE = (-(2**63), 2**64)
 
 
+class ValidationError(ValueError):
+    """A bad argument: a ValueError that also carries the argument's name and the value given
+    (vLLM's `VLLMValidationError` fields, which `vllm_compat` maps to this class)."""
+
+    def __init__(self, message: str, *, parameter: str | None = None, value: object = None
+                 ) -> None:
+        super().__init__(message)
+        self.parameter = parameter
+        self.value = value
+
+
 def check(cond: bool, name: str, allowed: str, value: object) -> None:
-    """Raise `ValueError("<name> must be <allowed>, got <value>")` unless `cond`."""
+    """Raise `ValidationError("<name> must be <allowed>, got <value>")` unless `cond`."""
     if not cond:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValidationError(f"{name} must be {allowed}, got {value!r}", parameter=name,
+                              value=value)
 
 
 def is_int(x: object) -> bool:

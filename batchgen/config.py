@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 from batchgen.model.loader import KVGeometry
 from batchgen.sampling.logprobs_mode import check_logprobs_mode
+from batchgen.vllm_args import ALIASES, split_engine_args
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 # async_scheduling=None: this environment variable ("1" or "0"), else the default (measured:
@@ -42,6 +44,13 @@ PREEMPTION_MODES = ("recompute", "swap")
 MODEL_IMPLS = ("auto", "transformers")
 EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher")
 QUANTIZATIONS = (None,)
+# vLLM's: the order waiting requests start in ("priority": lower `priority` first, ties by
+# arrival); what a generation_config of "vllm" means (the model's generation_config.json
+# ignored); the structured-outputs backends that mean xgrammar, the one batchgen runs.
+SCHEDULING_POLICIES = ("fcfs", "priority")
+GENERATION_CONFIGS = ("auto", "vllm")
+STRUCTURED_BACKENDS = ("auto", "xgrammar")
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -73,6 +82,33 @@ class EngineConfig:
     distributed_executor_backend: str | None = None
     quantization: str | None = None
     async_scheduling: bool | None = None  # None: $BATCHGEN_ASYNC_SCHEDULING, else the default
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # most (prompt) logprobs a request asks; -1: any
+    disable_log_stats: bool = True  # False: per-request metrics and aggregate stats
+    enable_chunked_prefill: bool | None = None  # accepted: prefills are always chunked here
+    scheduling_policy: str = "fcfs"
+    generation_config: str = "auto"
+    structured_outputs_config: object = None  # vLLM's: a dict (or its config) of defaults
+    chat_template: str | None = None  # LLM.chat's template when a call gives none
+
+    @classmethod
+    def from_llm_args(cls, given: dict[str, Any], extra: dict[str, Any]) -> EngineConfig:
+        """The config of `LLM(**given, **extra)`: its parameters that are this class's fields
+        (vLLM's None defaults as batchgen's; kv_cache_memory_bytes, vLLM's name, as
+        kv_cache_memory), and `extra`, vLLM's other engine arguments, checked (accepted at
+        their defaults, refused otherwise; aliases taken)."""
+        names = {f.name for f in fields(cls)}
+        args = {k: v for k, v in given.items() if k in names}
+        for name in ("block_size", "max_num_seqs", "enable_prefix_caching",
+                     "gpu_memory_utilization"):
+            if args.get(name, 0) is None:
+                args[name] = _DEFAULTS[name]
+        check_int(given.get("kv_cache_memory_bytes"), "kv_cache_memory_bytes", allow_none=True)
+        args["kv_cache_memory"] = _kv_cache_memory(given.get("kv_cache_memory"),
+                                                   given.get("kv_cache_memory_bytes"))
+        for name, value in split_engine_args(extra).items():  # vLLM's spelling, checked so
+            check_int(value, next(k for k, v in ALIASES.items() if v == name), allow_none=True)
+            args[name] = value
+        return cls(**args)
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -109,6 +145,16 @@ class EngineConfig:
             raise ValueError("distributed_executor_backend 'uni' runs one rank: it needs "
                              f"tensor_parallel_size=1, got {self.tensor_parallel_size}")
         check_choice(self.quantization, "quantization", QUANTIZATIONS)
+        check(is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs",
+              "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
+        check_flag(self.disable_log_stats, "disable_log_stats")
+        check(self.enable_chunked_prefill in (None, True, False), "enable_chunked_prefill",
+              "None, True or False", self.enable_chunked_prefill)
+        check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)
+        check_choice(self.generation_config, "generation_config", GENERATION_CONFIGS)
+        _check_structured_config(self.structured_outputs_config)
+        check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template",
+              "None or a Jinja template string", self.chat_template)
 
     def _check_async(self) -> None:
         """async_scheduling (the next step planned while this one's forward runs): True or
@@ -140,6 +186,36 @@ class EngineConfig:
             raise ValueError(f"swap_space must fit the host's available memory "
                              f"({avail / GIB:.1f} GiB for {self.tensor_parallel_size} rank(s)), "
                              f"got {self.swap_space} GiB")
+
+
+def _kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | None
+                     ) -> int | None:
+    """The KV byte budget, given under either name (kv_cache_memory_bytes is vLLM's)."""
+    if kv_cache_memory is not None and kv_cache_memory_bytes is not None:
+        raise ValueError("pass kv_cache_memory or kv_cache_memory_bytes (vLLM's name for "
+                         "it), not both")
+    return kv_cache_memory if kv_cache_memory is not None else kv_cache_memory_bytes
+
+
+def _check_structured_config(value: object) -> None:
+    """vLLM's StructuredOutputsConfig (a dict, or an object with its fields): its backend must
+    be xgrammar's ("auto" picks it) and its other fields their defaults (per-request
+    StructuredOutputsParams set whitespace and properties here)."""
+    if value is None:
+        return
+    fields = value if isinstance(value, dict) else getattr(value, "__dict__", None)
+    check(isinstance(fields, dict), "structured_outputs_config",
+          "None, a dict or a StructuredOutputsConfig", type(value).__name__)
+    for key, v in fields.items():
+        if key == "backend":
+            check_choice(v, "structured_outputs_config.backend", STRUCTURED_BACKENDS)
+        else:
+            check(not v, f"structured_outputs_config.{key}", "its default (set it per request "
+                  "in StructuredOutputsParams)", v)
+
+
+# batchgen's values where vLLM's LLM passes None ("the engine's default")
+_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
 
 
 @dataclass(frozen=True)

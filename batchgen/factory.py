@@ -391,6 +391,8 @@ class EngineShape:
     logprobs_mode: str = "raw_logprobs"
     state_bytes_per_seq: int = 0  # the model has state mixers: sequences hold state slots
     state_grid: int = 0  # their prefills are cut on multiples of this (state/snapshots.py)
+    max_logprobs: int = 20  # vLLM's: most logprobs / prompt_logprobs a request asks (-1: any)
+    scheduling_policy: str = "fcfs"  # or "priority": lower priority starts first
 
 
 def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> Engine:
@@ -404,7 +406,7 @@ def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> E
     kv = KVManager(bm, batch, StateSlots(shape.state_bytes_per_seq)
                    if shape.state_bytes_per_seq else None, shape.state_grid)
     scheduler = Scheduler(kv, shape.max_num_seqs, shape.max_num_batched_tokens,
-                          shape.preemption_mode)
+                          shape.preemption_mode, shape.scheduling_policy == "priority")
     queue = ForwardQueue(shape.device) if overlap else None
     return Engine(scheduler, runner, Sampler(logprobs_mode=shape.logprobs_mode),
                   OutputProcessor(kv), queue)
@@ -416,7 +418,7 @@ def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
     result builder (finished groups to outputs)."""
     stops = StopFactory(tokenizer, shape.eos_token_ids)
     limits = Limits(shape.max_model_len, shape.vocab_size, shape.block_size, shape.num_blocks,
-                    shape.max_num_seqs, shape.max_num_batched_tokens)
+                    shape.max_num_seqs, shape.max_num_batched_tokens, shape.max_logprobs)
     return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id),
             ResultBuilder(tokenizer, stops))
 
@@ -504,7 +506,7 @@ def _engine_shape(cfg: EngineConfig, pool: PoolSize, parts: ModelParts, device: 
                        cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                        _prefix_caching(cfg, state), pool.num_host_blocks, cfg.preemption_mode,
                        device, cfg.logprobs_mode, state.bytes_per_seq if state else 0,
-                       _state_grid(cfg, state))
+                       _state_grid(cfg, state), cfg.max_logprobs, cfg.scheduling_policy)
 
 
 def _prefix_caching(cfg: EngineConfig, state: StateLayout | None) -> bool:

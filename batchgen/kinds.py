@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
+from batchgen.checks import ValidationError
 from batchgen.engine.beam import BeamSearchState
 from batchgen.engine.beam_controls import BeamControls
 from batchgen.engine.beam_trace import TraceRecorder
@@ -58,7 +59,14 @@ class Samples:
     width_arg = "n"
 
     def check(self, params: SamplingParams, step_limit: int) -> None:
-        """Limits beyond the params' own checks (none: samples decode independently)."""
+        """Limits beyond the params' own checks: best_of (vLLM V0's) asking for more samples
+        than n is refused, as vLLM V1 refuses it (samples decode independently: no limit)."""
+        b = params.best_of
+        if b is not None and b != params.n:
+            raise ValidationError(
+                f"best_of must be None or n ({params.n}), got {b!r}: best_of is not supported "
+                "(vLLM V1 does not support it either); ask for n=best_of samples and keep the "
+                "n with the highest cumulative_logprob", parameter="best_of", value=b)
 
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: SamplingParams, max_tokens: int) -> SequenceGroup:

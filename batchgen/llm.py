@@ -7,6 +7,7 @@ user's API and one call at a time over the assembled engine.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from batchgen.calls import length, model_name, queue_order, waves
 from batchgen.config import EngineConfig
 from batchgen.distributed.executor import start_executor
 from batchgen.engine.sequence import SequenceGroup
@@ -29,6 +31,10 @@ from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
 from batchgen.prompts import Conversation, PromptType
 from batchgen.sampling.logprobs_mode import check_beam_mode
+from batchgen.stats import Metric, StatsRecorder
+from batchgen.vllm_args import check_call_args
+
+logger = logging.getLogger("batchgen")
 
 # A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
 # requests finish, few enough that a dataset of any size needs bounded memory.
@@ -44,10 +50,11 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, *,
-                 tokenizer: str | os.PathLike | None = None, block_size: int = 16, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
+                 tokenizer: str | os.PathLike | None = None, block_size: int | None = 16,
+                 max_model_len: int | None = None, max_num_seqs: int | None = 256,
+                 max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool | None = True, kv_cache_dtype: str = "auto",
+                 gpu_memory_utilization: float | None = 0.90, kv_cache_memory: int | None = None,
                  kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
                  dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
                  attention_backend: str | None = None, seed: int | None = 0,
@@ -56,22 +63,16 @@ class LLM:
                  preemption_mode: str | None = None, logprobs_mode: str = "raw_logprobs",
                  enable_sleep_mode: bool = False, model_impl: str = "auto",
                  distributed_executor_backend: str | None = None,
-                 quantization: str | None = None, async_scheduling: bool | None = None
-                 ) -> None:
+                 quantization: str | None = None, async_scheduling: bool | None = None,
+                 max_logprobs: int = 20, disable_log_stats: bool = True,
+                 enable_chunked_prefill: bool | None = None, scheduling_policy: str = "fcfs",
+                 generation_config: str = "auto", structured_outputs_config: Any = None,
+                 chat_template: str | None = None, **engine_args: Any) -> None:
         configure_logging()
-        cfg = EngineConfig(
-            block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory=_kv_cache_memory(kv_cache_memory, kv_cache_memory_bytes),
-            num_kv_blocks=num_kv_blocks, attention_backend=attention_backend, seed=seed,
-            enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
-            trust_remote_code=trust_remote_code, swap_space=swap_space,
-            preemption_mode=preemption_mode, logprobs_mode=logprobs_mode,
-            enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
-            distributed_executor_backend=distributed_executor_backend, quantization=quantization,
-            async_scheduling=async_scheduling)
+        cfg = EngineConfig.from_llm_args(locals(), engine_args)  # vLLM's others: default or refused
+        self.chat_template = chat_template
+        self._use_generation_config = generation_config == "auto"
+        self._stats = None if disable_log_stats else StatsRecorder(model_name(model))
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config = plan.config
@@ -106,12 +107,19 @@ class LLM:
     # ---- public API ---------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Iterable[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool | Callable[..., tqdm] = True) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., tqdm] = True, *,
+                 lora_request: Any = None, priority: int | Seq[int] | None = None,
+                 tokenization_kwargs: dict[str, Any] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Without
-        `sampling_params`, the model's generation_config.json defaults apply (as in vLLM)."""
+        `sampling_params`, the model's generation_config.json defaults apply (as in vLLM).
+        `priority` (one for all or one per prompt) orders admission under
+        `scheduling_policy="priority"`, lower first; it never changes an output."""
+        check_call_args("generate", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+                        tokenization_kwargs=tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run(prompts, sampling_params, SAMPLES, use_tqdm)
+        return self._run(prompts, sampling_params, SAMPLES, use_tqdm, priority)
 
     def generate_stream(self, prompts: PromptType | Iterable[PromptType],
                         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
@@ -138,36 +146,48 @@ class LLM:
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
-                    use_tqdm: bool | Callable[..., tqdm] = True) -> list[BeamSearchOutput]:
+                    use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: Any = None,
+                    concurrency_limit: int | None = None,
+                    priority: int | Seq[int] | None = None) -> list[BeamSearchOutput]:
         """Beam search inside the engine with HF `generate(num_beams=...)` semantics; all
         prompts run at once under continuous batching and beams share prefix blocks. Each
         token's logprob is the value the search ranked (the beam's processed log-probability);
-        a logits `logprobs_mode` is refused."""
+        a logits `logprobs_mode` is refused. `concurrency_limit=k` (vLLM's) runs the prompts k
+        at a time, in input order, each batch to its end before the next starts."""
+        check_call_args("beam_search", lora_request=lora_request)
         check_beam_mode(self.engine.sampler.logprobs_mode)
-        return self._run(prompts, params, BEAMS, use_tqdm)
+        if use_tqdm and concurrency_limit is not None:
+            logger.warning("beam_search: no progress bar with concurrency_limit (as in vLLM)")
+            use_tqdm = False
+        return [out for wave in waves(prompts, params, priority, concurrency_limit)
+                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2])]
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-             use_tqdm: bool | Callable[..., tqdm] = True, chat_template: str | None = None,
+             use_tqdm: bool | Callable[..., tqdm] = True, lora_request: Any = None,
+             priority: int | Seq[int] | None = None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """vLLM's `chat`: each conversation (or the one given) through the chat template, then
-        `generate`. `chat_template_content_format` is accepted for vLLM's signature (content
-        is passed to the template as given)."""
-        prompts = self.requests.render_chat(messages, chat_template, add_generation_prompt,
-                                            continue_final_message, tools, chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm)
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tokenization_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's `chat` (its parameters in its order): each conversation (or the one given)
+        through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
+        then `generate`. `chat_template_content_format` is accepted for vLLM's signature
+        (content is passed to the template as given)."""
+        check_call_args("chat", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+                        tokenization_kwargs=tokenization_kwargs)
+        prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
+                                            add_generation_prompt, continue_final_message, tools,
+                                            chat_template_kwargs)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config.json (the sampling fields it sets
-        away from their defaults, as vLLM reads them), else vLLM's defaults."""
-        diff = self.generation_config.to_diff_dict() if self.generation_config else {}
-        keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-        params = {k: diff[k] for k in keys if diff.get(k) is not None}
-        if diff.get("max_new_tokens") is not None:
-            params["max_tokens"] = diff["max_new_tokens"]
-        return SamplingParams(**params)
+        away from their defaults, as vLLM reads them), else vLLM's defaults (always, with
+        `LLM(generation_config="vllm")`)."""
+        return SamplingParams.from_generation_config(
+            self.generation_config if self._use_generation_config else None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """New values for the model's parameters, by their HF names (trainer wrappers' prefixes
@@ -206,6 +226,13 @@ class LLM:
         and with a swap pool its size, swap-outs, swap-ins and blocks moved."""
         return self._last_stats
 
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's aggregate metrics since the LLM was built (`LLM(disable_log_stats=False)`;
+        batchgen/stats.py lists them) as Counter / Gauge / Histogram records."""
+        if self._stats is None:
+            raise ValueError("get_metrics needs LLM(..., disable_log_stats=False)")
+        return self._stats.metrics()
+
     def get_tokenizer(self):
         """The HF tokenizer prompts are encoded with (None for a folder without one)."""
         return self.tokenizer
@@ -219,10 +246,13 @@ class LLM:
 
     # ---- running a call -----------------------------------------------------------------------
     def _run(self, prompts: Any, params: Any, kind: RequestKind,
-             use_tqdm: bool | Callable[..., tqdm]) -> list[Any]:
-        """A batch call: every prompt validated first, all run, outputs in input order."""
+             use_tqdm: bool | Callable[..., tqdm], priority: Any = None) -> list[Any]:
+        """A batch call: every prompt validated first, all run, outputs in input order. Under
+        the priority policy the groups are queued lower `priority` first (ties in input
+        order), as vLLM's engine, which holds every request of the call, starts them."""
         groups = self.requests.build(prompts, params, kind)
-        for _ in self._stream(groups, len(groups), use_tqdm):
+        order = queue_order(groups, priority, self.engine.scheduler.by_priority)
+        for _ in self._stream(order, len(groups), use_tqdm):
             pass
         return [kind.output(self.results, g) for g in groups]
 
@@ -231,7 +261,7 @@ class LLM:
         """A stream call: groups built lazily from any iterable of prompts; (input index,
         output) as each finishes."""
         groups = self.requests.stream(prompts, params, kind, self.engine.scheduler.max_num_seqs)
-        for g in self._stream(groups, _length(prompts), use_tqdm):
+        for g in self._stream(groups, length(prompts), use_tqdm):
             yield g.index, kind.output(self.results, g)
 
     def _stream(self, groups: Iterable[SequenceGroup], total: int | None,
@@ -246,13 +276,18 @@ class LLM:
             self.reset_prefix_cache()  # the weights changed (a trainer's step): stale K/V
             self._weights_version = version
         self._busy = True
-        meter = CallMeter(self.engine, total, use_tqdm)
+        meter, stats = CallMeter(self.engine, total, use_tqdm), self._stats
+        on_step = meter.on_step
+        if stats is not None:  # disable_log_stats=False: metrics per request and in all
+            groups, on_step = stats.attach(self.engine, groups, on_step)
         try:
             yield from self.engine.stream(groups, STREAM_WINDOW * self.engine.scheduler.max_num_seqs,
-                                          meter.on_step)
+                                          on_step)
         finally:
             self._busy = False
             self._last_stats = meter.close()
+            if stats is not None:
+                stats.end_call(self._last_stats)
 
     def _check_idle(self, what: str, tp_limit: int | None) -> None:
         """RuntimeError while a call runs; ValueError above `tp_limit` ranks."""
@@ -263,22 +298,3 @@ class LLM:
             raise ValueError(f"{what} needs tensor_parallel_size=1 or distributed_executor_"
                              f"backend='external_launcher' (got {self._tp_size} ranks that "
                              "batchgen started)")
-
-
-def _length(prompts: object) -> int | None:
-    """How many prompts, when the iterable knows (for the progress bar's total)."""
-    if isinstance(prompts, (str, dict)):
-        return 1
-    try:
-        return len(prompts)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-
-
-def _kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | None
-                     ) -> int | None:
-    """The KV byte budget, given under either name (kv_cache_memory_bytes is vLLM's)."""
-    if kv_cache_memory is not None and kv_cache_memory_bytes is not None:
-        raise ValueError("pass kv_cache_memory or kv_cache_memory_bytes (vLLM's name for "
-                         "it), not both")
-    return kv_cache_memory if kv_cache_memory is not None else kv_cache_memory_bytes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,51 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """vLLM's per-request stats (`RequestOutput.metrics`, only with
+    `LLM(disable_log_stats=False)`): `arrival_time` is wall-clock (time.time); the `*_ts`
+    fields are time.monotonic() readings (queued, first admitted, first and last generated
+    token), as vLLM's engine-core timestamps are; latencies are seconds."""
+
+    arrival_time: float = field(default_factory=time.time)
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    first_token_latency: float = 0.0  # arrival to first generated token
+    num_generation_tokens: int = 0  # over all of the request's samples
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    _arrival_ts: float = field(default_factory=time.monotonic, repr=False)
+
+    def queued(self) -> None:
+        """It entered the waiting queue (the first time)."""
+        self.queued_ts = self.queued_ts or time.monotonic()
+
+    def scheduled(self, when: float) -> None:
+        """It was admitted (the first time) in the step planned at monotonic time `when` (not
+        before it was queued: the first step's plan pulls the requests it admits)."""
+        self.scheduled_ts = self.scheduled_ts or max(when, self.queued_ts)
+
+    def first_token(self, now: float) -> None:
+        """Its first generated token was applied at monotonic time `now`."""
+        if not self.first_token_ts:
+            self.first_token_ts = now
+            self.first_token_latency = now - self._arrival_ts
+
+    @property
+    def e2e_latency(self) -> float:
+        """Arrival to the last token, seconds (0 until it finished)."""
+        return self.last_token_ts - self._arrival_ts if self.last_token_ts else 0.0
+
+    @property
+    def queued_time(self) -> float:
+        """Seconds between entering the queue and the first admission."""
+        return max(self.scheduled_ts - self.queued_ts, 0.0) if self.scheduled_ts else 0.0
+
+
+@dataclass
 class RequestOutput:
     """All samples of one prompt, in the order the prompts were given. `prompt_logprobs[0]` is
     None (the first token has no context); `num_cached_tokens` came from the prefix cache."""
@@ -47,6 +93,7 @@ class RequestOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    metrics: RequestMetrics | None = None  # with LLM(disable_log_stats=False) only
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 from collections.abc import Callable
@@ -25,6 +26,42 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
 # Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
 MAX_BEAM_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's `SamplingParams.output_kind`. batchgen's offline calls return each request once,
+    finished: CUMULATIVE and FINAL_ONLY both mean that; DELTA (streamed pieces) is refused."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+# vLLM SamplingParams fields batchgen does not implement: the values that mean "off" (vLLM's
+# default first), anything else a ValueError naming the field.
+_OFF_ONLY: dict[str, tuple[object, ...]] = {
+    "watermarking": (None, False),
+    "prompt_logprob_token_ids": (None,),
+    "prompt_logprob_start": (None,),  # batchgen's prompt_logprobs_start does this
+    "logprob_token_ids": (None,),
+    "flat_logprobs": (False,),
+    "spaces_between_special_tokens": (True,),
+    "output_text_buffer_length": (0,),
+    "skip_reading_prefix_cache": (None, False),
+    "thinking_token_budget": (None,),
+    "repetition_detection": (None,),
+    "routed_experts_prompt_start": (0,),
+    "trace_decode_token_ids": (None,),
+}
+
+
+def _check_off(obj: object, table: dict[str, tuple[object, ...]], owner: str) -> None:
+    """Each vLLM-only field at a value that asks for nothing batchgen lacks."""
+    for name, allowed in table.items():
+        v = getattr(obj, name)
+        if not any(v is a or (type(v) is type(a) and v == a) for a in allowed):
+            check(False, name, " or ".join(map(repr, allowed)) + f" (batchgen's {owner} does "
+                  f"not implement vLLM's {name})", v)
 
 
 def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
@@ -179,6 +216,25 @@ class SamplingParams(_Stops):
     # batchgen's own: prompt logprobs from this position on (earlier entries None), so a
     # prefix-cache hit may serve the tokens before it (a shared multiple-choice context)
     prompt_logprobs_start: int = 0
+    # vLLM's remaining fields: best_of (vLLM V0's; refused when it asks for more than n, at
+    # generate, as vLLM V1 did), the ones that change nothing offline, and _OFF_ONLY's
+    best_of: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    stream_interval: int | None = None
+    skip_clone: bool = False
+    extra_args: dict[str, Any] | None = None
+    watermarking: bool | None = None
+    prompt_logprob_token_ids: Any = None
+    prompt_logprob_start: int | None = None
+    logprob_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
+    spaces_between_special_tokens: bool = True
+    output_text_buffer_length: int = 0
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
     _stop_strs: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -191,6 +247,24 @@ class SamplingParams(_Stops):
         check(self.detokenize or not self._stop_strs, "stop",
               "empty when detokenize=False (stop strings are matched on text)", self.stop)
         _check_structured(self.structured_outputs)
+        self._check_vllm_fields()
+
+    def _check_vllm_fields(self) -> None:
+        """vLLM's fields beyond batchgen's: best_of >= n (vLLM V0's rule; more than n is
+        refused at generate), output_kind not DELTA, the no-effect ones' types, the rest off."""
+        b = self.best_of
+        check(b is None or (is_int(b) and b >= self.n), "best_of",
+              f"None or an integer >= n ({self.n})", b)
+        check(self.output_kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY),
+              "output_kind", "RequestOutputKind.CUMULATIVE or FINAL_ONLY (each request is "
+              "returned once, finished)", self.output_kind)
+        si = self.stream_interval
+        check(si is None or (is_int(si) and si >= 1), "stream_interval",
+              "None or an integer >= 1", si)
+        check_flag(self.skip_clone, "skip_clone")
+        check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
+              "None or a dict", self.extra_args)
+        _check_off(self, _OFF_ONLY, "SamplingParams")
 
     def _check_sampling(self) -> None:
         """n, temperature and the warpers and penalties."""
@@ -259,6 +333,17 @@ class SamplingParams(_Stops):
         check(procs is None or (isinstance(procs, (list, tuple)) and all(map(callable, procs))),
               "logits_processors", "a list of callables (token ids, logits) -> logits", procs)
 
+    @classmethod
+    def from_generation_config(cls, gen: Any) -> SamplingParams:
+        """vLLM's defaults, with the sampling fields a transformers GenerationConfig (the
+        model's generation_config.json; None: none) sets away from its defaults."""
+        diff = gen.to_diff_dict() if gen else {}
+        keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+        params = {k: diff[k] for k in keys if diff.get(k) is not None}
+        if diff.get("max_new_tokens") is not None:
+            params["max_tokens"] = diff["max_new_tokens"]
+        return cls(**params)
+
     @property
     def stop_min_tokens(self) -> int:
         """Stop strings count only after min_tokens generated tokens (vLLM)."""
@@ -273,6 +358,14 @@ class SamplingParams(_Stops):
     def width(self) -> int:
         """Sequences one request runs at once."""
         return self.n
+
+
+_BEAM_OFF_ONLY: dict[str, tuple[object, ...]] = {
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "watermarking": (None, False),
+    "allowed_token_ids": (None,),
+}
 
 
 @dataclass(frozen=True)
@@ -326,6 +419,12 @@ class BeamSearchParams(_Stops):
     # what the search records beside its hypotheses (engine/beam_trace.py)
     logprobs: int = 0  # per token, the parent beam's top-k alternatives (0: the token's own)
     return_trace: bool = False  # BeamSearchOutput.trace: every step's beams and blocks
+    # vLLM's fields with one value here: a stop string is cut from a beam's text, special
+    # tokens' text skipped, no logit controls and no watermark (others: a ValueError)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    watermarking: bool | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         check(is_int(self.beam_width) and self.beam_width >= 1, "beam_width",
@@ -351,6 +450,7 @@ class BeamSearchParams(_Stops):
               self.logprobs)
         check_flag(self.return_trace, "return_trace")
         self._check_groups()
+        _check_off(self, _BEAM_OFF_ONLY, "beam search")
 
     def _check_controls(self) -> None:
         """HF's processors: repetition_penalty, no_repeat_ngram_size, bad words, min_tokens
@@ -370,9 +470,11 @@ class BeamSearchParams(_Stops):
             self.bad_words_ids = [list(w) for w in ids]
         check(is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens",
               f"an integer in [0, max_tokens={self.max_tokens}]", self.min_tokens)
+        if self.temperature == 0:  # vLLM's default: the log-probs as they are, as 1 is here
+            self.temperature = 1.0
         check(is_number(self.temperature) and self.temperature > 0, "temperature",
-              "a number > 0 (it divides the beams' processed log-probs; 1 disables it)",
-              self.temperature)
+              "a number > 0 (it divides the beams' processed log-probs; 1, or vLLM's 0, "
+              "disables it)", self.temperature)
 
     def _check_groups(self) -> None:
         """Diverse beam search (HF 4.x group beam search): groups split the beams evenly and
@@ -410,12 +512,8 @@ class BeamSearchParams(_Stops):
     # What beams always do where SamplingParams has a choice (read by the stop rules, the
     # results and the request builder, so they need not ask which params they hold).
     detokenize = property(lambda self: True, doc="Beams always have text.")
-    skip_special_tokens = property(lambda self: True, doc="Special tokens' text is skipped.")
-    include_stop_str_in_output = property(lambda self: False,
-                                          doc="A stop string or token is cut from the text.")
     stop_min_tokens = property(lambda self: 0, doc="Stop strings count from the first token "
                                "(HF's StopStringCriteria ignores min_new_tokens).")
     prompt_logprobs = property(lambda self: None, doc="Beams score no prompt tokens.")
     truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
-    allowed_token_ids = property(lambda self: None, doc="Beams take no logit controls.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")

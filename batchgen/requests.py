@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
 
-from batchgen.checks import check, check_type
+from batchgen.checks import ValidationError, check, check_type
 from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.kinds import RequestKind
@@ -33,6 +33,7 @@ class Limits:
     num_blocks: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    max_logprobs: int = 20  # vLLM's: the most (prompt) logprobs a request may ask; -1: any
 
 
 class RequestBuilder:
@@ -176,14 +177,18 @@ class RequestBuilder:
         max_model_len."""
         lim = self.limits
         if not ids:
-            raise ValueError(f"{_label(at)} is empty: a prompt needs at least one token")
+            raise ValidationError(f"{_label(at)} is empty: a prompt needs at least one token (the "
+                                  "decoder prompt cannot be empty)", parameter="prompts")
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= lim.vocab_size:
-            raise ValueError(f"{_label(at)} has token id {lo if lo < 0 else hi} outside the "
-                             f"model's vocabulary [0, {lim.vocab_size})")
+            raise ValidationError(f"{_label(at)} has token id {lo if lo < 0 else hi} out of "
+                                  f"vocabulary: outside the model's vocabulary "
+                                  f"[0, {lim.vocab_size})", parameter="prompts")
         if len(ids) >= lim.max_model_len:
-            raise ValueError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
-                             f"{lim.max_model_len}, leaving no room to generate")
+            raise ValidationError(f"{_label(at)} has {len(ids)} tokens; max_model_len is "
+                                  f"{lim.max_model_len}, leaving no room to generate (the "
+                                  f"maximum context length is {lim.max_model_len} tokens)",
+                                  parameter="prompts")
         if p.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; the model folder has none "
                              "(use stop_token_ids)")
@@ -206,6 +211,7 @@ class RequestBuilder:
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
             check(k is None or k <= vocab, name, f"<= the vocabulary size {vocab}", k)
+            _check_max_logprobs(name, k, self.limits.max_logprobs, vocab)
         for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
             ids = list(getattr(p, name) or ())
             if any(t >= vocab for t in ids):
@@ -240,6 +246,19 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
+
+
+def _check_max_logprobs(name: str, k: int | None, most: int, vocab: int) -> None:
+    """vLLM's bound: a request asks at most the LLM's max_logprobs (-1 there: the vocabulary)
+    sample or prompt logprobs, -1 counting as the vocabulary; in vLLM's words."""
+    if not k or not isinstance(k, int):
+        return
+    asked, most = (vocab if k == -1 else k), (vocab if most == -1 else most)
+    if asked > most:
+        what = "sample" if name == "logprobs" else "prompt"
+        raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max "
+                              f"allowed: {most} ({name}; raise LLM(max_logprobs=...))",
+                              parameter=name, value=asked)
 
 
 def _label(at: int | str) -> str:
@@ -294,8 +313,8 @@ def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     check_type(sp, name, (list, tuple), f"a {cls.__name__} or a list of {n}")
     sp = list(sp)
     if len(sp) != n:
-        raise ValueError(f"{name} must be one {cls.__name__} or a list of {n} "
-                         f"(one per prompt), got {len(sp)} items")
+        raise ValidationError(f"{name} must be one {cls.__name__} or a list of {n} "
+                              f"(one per prompt), got {len(sp)} items", parameter=name)
     for i, p in enumerate(sp):
         check_type(p, f"{name}[{i}]", cls)
     return sp

@@ -27,6 +27,9 @@ class ResultBuilder:
     def __init__(self, tokenizer: Any | None, stops: StopFactory) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        # batchgen reports a sample's cumulative logprob always; vLLM (vllm_compat) only
+        # when the request asked for logprobs (None otherwise)
+        self.cumulative_without_logprobs = True
 
     def request_output(self, group: SequenceGroup) -> RequestOutput:
         """The finished group's samples: text decoded once (or a stop-string checker's), the
@@ -34,7 +37,8 @@ class ResultBuilder:
         decode = self._decoder(group.params.detokenize)
         outs = [CompletionOutput(
             index=s.index, text=self._text(s), token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob,
+            cumulative_logprob=(s.cumulative_logprob if s.logprobs is not None
+                                or self.cumulative_without_logprobs else None),
             logprobs=None if s.logprobs is None else [_logprobs(top.entry(j), decode)
                                                       for top, j in s.logprobs],
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.seqs]
@@ -45,7 +49,7 @@ class ResultBuilder:
         return RequestOutput(request_id=str(group.index), prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              num_cached_tokens=group.num_cached_tokens or 0,
-                             prompt_logprobs=prompt_lps)
+                             prompt_logprobs=prompt_lps, metrics=group.metrics)
 
     def _text(self, seq: Sequence) -> str:
         """A sample's output text: its checker's (stop strings cut it), else one decode."""

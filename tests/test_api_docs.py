@@ -35,9 +35,10 @@ def sections() -> dict[str, dict[str, str]]:
 
 
 def signature_defaults(fn: Callable[..., Any]) -> dict[str, str]:
-    """Parameter -> repr of its default ('required' when it has none)."""
+    """Parameter -> repr of its default ('required' when it has none, '**' for **kwargs)."""
     params = inspect.signature(fn).parameters.values()
-    return {p.name: REQUIRED if p.default is inspect.Parameter.empty else repr(p.default)
+    return {p.name: "**" if p.kind is p.VAR_KEYWORD else
+            REQUIRED if p.default is inspect.Parameter.empty else repr(p.default)
             for p in params if p.name != "self"}
 
 

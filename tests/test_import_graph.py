@@ -14,15 +14,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
-     "batchgen.outputs", "batchgen.defaults", "batchgen.threads"),  # values and utilities
+     "batchgen.outputs", "batchgen.defaults", "batchgen.threads",
+     "batchgen.vllm_args"),  # values and utilities; vLLM's argument names
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model",),  # loading, the runner, step inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.config",
-     "batchgen.kv_plan"),  # requests in and results out; settings and sizing
-    ("batchgen.factory", "batchgen.progress"),  # building an engine; a call's figures
+     "batchgen.kv_plan", "batchgen.calls"),  # requests in and results out; settings and sizing
+    ("batchgen.factory", "batchgen.progress",
+     "batchgen.stats"),  # building an engine; a call's figures; request metrics
     ("batchgen.distributed",),  # tensor parallelism: workers, the TP executor
     ("batchgen", "batchgen.llm"),  # the user's API
     ("batchgen.data", "batchgen.eval", "batchgen.batch_api",

@@ -41,7 +41,8 @@ from vllm import LLM, SamplingParams, TextPrompt, TokensPrompt
 from vllm.sampling_params import BeamSearchParams
 
 llm = LLM(model=MODEL, tokenizer=TOKENIZER, tensor_parallel_size=1, seed=None,
-          enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, max_model_len=256)
+          enforce_eager=True, kv_cache_memory_bytes=KV_BYTES, max_model_len=256,
+          max_logprobs=-1)
 tokenizer = llm.get_tokenizer()
 bars = []
 
@@ -421,6 +422,11 @@ def test_a_hub_id_resolves_through_the_local_cache(folders, tmp_path, monkeypatc
     assert llm.get_tokenizer() is not None
     with pytest.raises(ValueError, match="hf download tiny-org/missing"):
         LLM("tiny-org/missing")
+    _fake_hub_cache(tmp_path, "tinyllama", folders[0])  # an id without an org, as "gpt2" is
+    bare = LLM("tinyllama", tokenizer="tiny-org/tiny-tokenizer", num_kv_blocks=8)
+    assert bare.model_path.parent.parent.name == "models--tinyllama"
+    with pytest.raises(ValueError, match="hf download missing-model"):
+        LLM("missing-model")
 
 
 LOGGING_SCRIPT = """
@@ -452,4 +458,4 @@ def test_the_capacity_line_prints_once_per_llm(folders, setup, env, expect):
 
 def test_py_typed_ships():
     assert (ROOT / "batchgen" / "py.typed").is_file()
-    assert '"batchgen" = ["py.typed"]' in (ROOT / "pyproject.toml").read_text()
+    assert '"batchgen" = ["py.typed", "vllm_api.json"]' in (ROOT / "pyproject.toml").read_text()

@@ -383,6 +383,8 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
             fields.pop(name)  # written before them (older beam jobs stay resumable)
     if not fields.get("prompt_logprobs_start"):  # absent when 0, as in older manifests
         fields.pop("prompt_logprobs_start", None)
+    drop_defaults(params, fields, VLLM_BEAM_FIELDS if isinstance(params, BeamSearchParams)
+                   else VLLM_SAMPLING_FIELDS)  # likewise the fields added for vLLM's API
     fields["seed"] = None  # the job seed below covers it
     job = {**model_identity(llm), "kind": type(params).__name__,
            "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
@@ -401,6 +403,26 @@ _BEAM_CONTROLS = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_wor
                   "bad_words_ids": None, "min_tokens": 0, "temperature": 1.0,
                   "num_beam_groups": 1, "diversity_penalty": 0.0, "logprobs": 0,
                   "return_trace": False}
+
+
+# fields added for vLLM's API (issue 44): absent from a job's identity at their defaults, so
+# jobs started before them stay resumable
+VLLM_SAMPLING_FIELDS = (
+    "best_of", "output_kind", "stream_interval", "skip_clone", "extra_args", "watermarking",
+    "prompt_logprob_token_ids", "prompt_logprob_start", "logprob_token_ids", "flat_logprobs",
+    "spaces_between_special_tokens", "output_text_buffer_length", "skip_reading_prefix_cache",
+    "thinking_token_budget", "repetition_detection", "routed_experts_prompt_start",
+    "trace_decode_token_ids")
+VLLM_BEAM_FIELDS = ("include_stop_str_in_output", "skip_special_tokens", "watermarking",
+                    "allowed_token_ids")
+
+
+def drop_defaults(params: Any, fields: dict[str, Any], names: tuple[str, ...]) -> None:
+    """Remove `names` from `fields` where they hold their dataclass defaults."""
+    defaults = {f.name: f.default for f in dataclasses.fields(params)}
+    for name in names:
+        if name in fields and name in defaults and fields[name] == defaults[name]:
+            fields.pop(name)
 
 
 def json_safe(value: Any) -> Any:

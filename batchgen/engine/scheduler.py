@@ -22,80 +22,23 @@ from __future__ import annotations
 
 import bisect
 from collections import deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from operator import attrgetter
 
 import numpy as np
 
 from batchgen.engine.chunking import chunk_size
 from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.sequence import Sequence, SequenceGroup, SequenceStatus, slots_of
+from batchgen.engine.step_plan import Draft, StepPlan
 from batchgen.kv.block_manager import PoolExhausted
-from batchgen.state.slots import StateOps
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """One step as the scheduler decided it, frozen: the rows (sequences, their batch slots,
-    tokens already computed and query lengths, in row order; the first `decode_rows` are
-    sample decodes found by vector ops) and the block moves to make before the forward:
-    swaps in, swaps out, then copy-on-write copies."""
-
-    seqs: tuple[Sequence, ...] = ()
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    num_new: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    decode_rows: int = 0
-    copies: tuple[tuple[int, int], ...] = ()  # (src, dst) device blocks
-    swap_in: tuple[tuple[int, int], ...] = ()  # (host, device)
-    swap_out: tuple[tuple[int, int], ...] = ()  # (device, host)
-    state_ops: StateOps | None = None  # state moves (swaps, forks, beams); None: no state
-
-    @property
-    def scheduled(self) -> bool:
-        return bool(self.seqs)
-
-
-@dataclass
-class _Draft:
-    """The step while it is being decided (preemption can still take rows out of it)."""
-
-    tokens: int  # budget left
-    num_seqs: int
-    seqs: list[Sequence] = field(default_factory=list)
-    num_new: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    decode_rows: int = 0
-    decode_slots: np.ndarray | None = None  # valid while the batch's `moves`...
-    moves: int = -1  # ...is still this
-    beam_slots: np.ndarray | None = None  # the beams' decode rows (right after), likewise
-
-    def fits(self, tokens: int, seqs: int) -> bool:
-        return tokens <= self.tokens and seqs <= self.num_seqs
-
-    def take(self, seq: Sequence, n: int) -> None:
-        """Schedule `n` query tokens of `seq` in this step."""
-        self.seqs.append(seq)
-        self.num_new.append(n)
-        self.tokens -= n
-        self.num_seqs -= 1
-
-    def drop(self, group: SequenceGroup) -> None:
-        """Take the group's sequences out of this step, refunding the budget they held."""
-        self.decode_rows -= sum(s.group is group for s in self.seqs[:self.decode_rows])
-        keep = [(s, n) for s, n in zip(self.seqs, self.num_new) if s.group is not group]
-        self.tokens += sum(self.num_new) - sum(n for _, n in keep)
-        self.num_seqs += len(self.seqs) - len(keep)
-        self.seqs, self.num_new = [s for s, _ in keep], [n for _, n in keep]
 
 
 class Scheduler:
     """Owns the waiting queue, the running list (admission order) and the swapped groups."""
 
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 preemption_mode: str = "recompute") -> None:
+                 preemption_mode: str = "recompute", by_priority: bool = False) -> None:
         if preemption_mode == "swap" and not kv.block_manager.num_host_blocks:
             raise ValueError("preemption_mode 'swap' needs a host pool (swap_space > 0)")
         self.kv = kv
@@ -104,6 +47,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        # vLLM's priority policy: waiting groups (new or preempted) in (priority, index)
+        # order, and the victim of a preemption the running group last in that order
+        self.by_priority = by_priority
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []  # swapped out, in admission order
@@ -114,8 +60,16 @@ class Scheduler:
         self.watermark_blocks = max(1, kv.num_blocks // 100)
 
     def add(self, group: SequenceGroup) -> None:
-        """Queue a new group."""
-        self.waiting.append(group)
+        """Queue a new group (behind the others; under the priority policy, at its place)."""
+        self._requeue(group, self.waiting.append)
+
+    def _requeue(self, group: SequenceGroup, fcfs: Callable[[SequenceGroup], None]) -> None:
+        """Into the waiting queue: by `fcfs` (back for new groups, front for preempted ones),
+        or under the priority policy at the group's place in (priority, index) order."""
+        if self.by_priority:
+            bisect.insort(self.waiting, group, key=_PRIORITY)
+        else:
+            fcfs(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -140,7 +94,7 @@ class Scheduler:
         Decoding samples are selected and reserved by vector ops over the batch's columns
         when they all fit the step; beams, and every decode when they do not, go through the
         groups in order."""
-        d = _Draft(self.max_num_batched_tokens, self.max_num_seqs)
+        d = Draft(self.max_num_batched_tokens, self.max_num_seqs)
         self._preempted_now = set()
         self._swap_in(d)
         beams = [g for g in self.running if g.spec.beam]
@@ -155,7 +109,7 @@ class Scheduler:
             self._admit(d)
         return self._freeze(d)
 
-    def _freeze(self, d: _Draft) -> StepPlan:
+    def _freeze(self, d: Draft) -> StepPlan:
         """The plan: rows' slots (the decodes' as found, unless a removal moved slots since)
         and the tokens each has computed."""
         k, c = d.decode_rows, self.batch.cols
@@ -176,7 +130,7 @@ class Scheduler:
         return [s for s in group.seqs if s.status is SequenceStatus.RUNNING
                 and len(s.token_ids) - self.kv.num_computed(s) == 1]
 
-    def _decode_beams(self, d: _Draft, seqs: list[Sequence], slots: np.ndarray) -> bool:
+    def _decode_beams(self, d: Draft, seqs: list[Sequence], slots: np.ndarray) -> bool:
         """The ready beams (at `slots`) at once, in order, when they fit the step and the pool
         has a block for every row that opens or shares one (no preemption); else False,
         doing nothing."""
@@ -196,7 +150,7 @@ class Scheduler:
         d.tokens, d.num_seqs = d.tokens - n, d.num_seqs - n
         return True
 
-    def _decode_samples(self, d: _Draft, units: int, samples: bool = True) -> bool:
+    def _decode_samples(self, d: Draft, units: int, samples: bool = True) -> bool:
         """Every decoding sample at once, when all of them and the beams' decodes fit the
         step: candidates from the columns, a block reserved only for rows that open one or
         may share one (after a fork). False (nothing scheduled; what was reserved stays, and
@@ -227,7 +181,7 @@ class Scheduler:
         d.num_seqs -= len(rows)
         return True
 
-    def _schedule_decodes(self, d: _Draft, groups: list[SequenceGroup]) -> bool:
+    def _schedule_decodes(self, d: Draft, groups: list[SequenceGroup]) -> bool:
         """One token for every sequence of these groups that is decoding (a beam group's
         live beams together), in order; returns whether any group was preempted for room."""
         preempted = False
@@ -243,7 +197,7 @@ class Scheduler:
                     break
         return preempted
 
-    def _schedule_prefills(self, d: _Draft) -> bool:
+    def _schedule_prefills(self, d: Draft) -> bool:
         """Chunks of running sequences with several tokens to compute (prompts, recomputes,
         a leader before its fork), in the groups' order; returns whether any group was
         preempted for room."""
@@ -281,7 +235,7 @@ class Scheduler:
         return len(seq.token_ids) - computed - group.policy.held_tokens(group)
 
     def _schedule_unit(self, group: SequenceGroup, seqs: list[Sequence], counts: list[int],
-                       d: _Draft) -> tuple[bool, bool]:
+                       d: Draft) -> tuple[bool, bool]:
         """Reserve the sequences' next slots (all or none; copy-on-write included) and schedule
         them, preempting the newest groups while the blocks are not there. Returns (scheduled,
         preempted anything)."""
@@ -291,7 +245,8 @@ class Scheduler:
                 copies = self.kv.reserve(seqs, counts)
                 break
             except PoolExhausted:
-                victim = self.running[-1]
+                victim = (max(self.running, key=_PRIORITY) if self.by_priority
+                          else self.running[-1])
                 if victim is group and len(self.running) == 1:
                     raise RuntimeError(
                         f"request {group.index} needs {self.kv.blocks_needed(seqs, counts)} "
@@ -308,7 +263,7 @@ class Scheduler:
         return True, preempted
 
     # ---- admission ----------------------------------------------------------------------------
-    def _admit(self, d: _Draft) -> None:
+    def _admit(self, d: Draft) -> None:
         """Admit waiting groups in order while tokens, sequence slots and blocks allow: the
         leader starts, from its cached prefix blocks if prefix caching has them."""
         inflight: set[bytes] | None = None
@@ -329,7 +284,7 @@ class Scheduler:
             inflight.update(hashes[len(hit):])
             d.take(group.leader, n)
 
-    def _admission(self, group: SequenceGroup, d: _Draft, inflight: set[bytes]
+    def _admission(self, group: SequenceGroup, d: Draft, inflight: set[bytes]
                    ) -> tuple[list[bytes], list[int], int, int] | None:
         """Whether the group's leader can start now: (its block hashes, its prefix-cache hit,
         its first position, its first chunk's length), or None. A group waits one step when
@@ -348,7 +303,7 @@ class Scheduler:
         return hashes, hit, start, n
 
     # ---- preemption ---------------------------------------------------------------------------
-    def _preempt(self, group: SequenceGroup, d: _Draft) -> None:
+    def _preempt(self, group: SequenceGroup, d: Draft) -> None:
         """Preempt a running group for room: swap it out when the mode is "swap" and the host
         pool has a block for each of its blocks, else recompute it later. Either way it
         leaves this step's plan."""
@@ -361,10 +316,11 @@ class Scheduler:
         else:
             freed = self.kv.evict(group)
             d.copies = [(s, t) for s, t in d.copies if t not in freed]
-            self.waiting.appendleft(group)
+            self._requeue(group, self.waiting.appendleft)
         self.num_preemptions += 1
+        group.num_preemptions += 1
 
-    def _swap_out(self, group: SequenceGroup, held: list[Sequence], d: _Draft) -> None:
+    def _swap_out(self, group: SequenceGroup, held: list[Sequence], d: Draft) -> None:
         """Swap preemption: the sequences' tables move to the host pool, shared blocks once. A
         copy-on-write this step made into one of their blocks is dropped, and that block is
         swapped out from the copy's source instead (the copy would only run after the swap)."""
@@ -376,7 +332,7 @@ class Scheduler:
         bisect.insort(self.swapped, group, key=_admission_order)
         self.num_swap_outs += 1
 
-    def _swap_in(self, d: _Draft) -> None:
+    def _swap_in(self, d: Draft) -> None:
         """Swapped groups come back, oldest admission first and before any new one, while the
         device pool has room for all their blocks (beside running groups, also a block per
         sequence to grow and the admission watermark); none overtakes one that does not fit.
@@ -391,6 +347,9 @@ class Scheduler:
             d.swap_in += self.kv.swap_in(held)
             bisect.insort(self.running, group, key=_admission_order)
             self.num_swap_ins += 1
+
+
+_PRIORITY = attrgetter("priority", "index")  # vLLM's order: lower first, ties by arrival
 
 
 def _admission_order(group: SequenceGroup) -> int:

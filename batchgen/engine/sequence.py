@@ -22,6 +22,7 @@ from batchgen.sampling.sampler import NUM_PARAMS, TopLogprobs
 from batchgen.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
+    from batchgen.outputs import RequestMetrics
     from batchgen.params import BeamSearchParams, SamplingParams
     from batchgen.sampling.grammar import Constraint
 
@@ -42,6 +43,11 @@ def slots_of(seqs: Iterable[Sequence], n: int) -> np.ndarray:
     """The batch slots of `n` sequences as int64, read in C (no Python frame per sequence:
     a step reads every beam's)."""
     return np.fromiter(map(_SLOT, seqs), np.int64, n)
+
+
+def priority_key(group: SequenceGroup) -> tuple[int, int]:
+    """vLLM's priority order: lower priority first, ties by arrival (the input index)."""
+    return group.priority, group.index
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -167,6 +173,10 @@ class SequenceGroup:
     bad_word_ids: list[list[int]] | None = None  # params.bad_words, tokenized
     num_cached_tokens: int | None = None  # prefix-cache hit at its first admission
     order: int = 0  # its place in the scheduler's running order (set at each admission)
+    priority: int = 0  # vLLM's: under the priority policy lower starts first (ties: index)
+    num_preemptions: int = 0  # times the scheduler preempted it (recompute or swap)
+    # with disable_log_stats=False: its timestamps (outputs.RequestMetrics), else None
+    metrics: RequestMetrics | None = field(default=None, repr=False)
     # prompt logprobs, filled position by position as the leader computes the prompt
     prompt_logprobs: list | None = None
     # structured outputs: the prompt's matcher, never advanced (samples and beams fork it)

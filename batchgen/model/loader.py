@@ -58,8 +58,8 @@ class KVGeometry:
 
 def resolve_model_dir(model: object, name: str = "model", marker: str = "config.json"
                       ) -> Path:
-    """A local model folder: a path (`~` expanded), or a hub id ("org/name") already in the
-    local Hugging Face cache (looked up offline, as transformers would load it). A ValueError
+    """A local model folder: a path (`~` expanded), or a hub id ("org/name", or "name" as
+    "gpt2" is) already in the local Hugging Face cache (looked up offline, as transformers would load it). A ValueError
     naming `name` says how to get a missing one; a model object is a TypeError."""
     if isinstance(model, torch.nn.Module):
         raise TypeError(f"{name} must be a folder or a hub id, not a {type(model).__name__} "
@@ -68,12 +68,18 @@ def resolve_model_dir(model: object, name: str = "model", marker: str = "config.
         raise ValueError(f"{name} must be the path of a local HuggingFace model folder or a "
                          f"hub id, got {type(model).__name__}")
     path = Path(os.path.expanduser(os.fspath(model)))
-    if not path.exists() and isinstance(model, str) and model.count("/") == 1:
+    if not path.exists() and isinstance(model, str) and _hub_id_shaped(model):
         path = _cached_snapshot(model, name)
     if not (path.is_dir() and any((path / m).is_file() for m in marker.split("|"))):
         raise ValueError(f"{name} must be a local HuggingFace folder containing {marker}, or "
                          f"a hub id in the local cache, got {str(model)!r}")
     return path
+
+
+def _hub_id_shaped(model: str) -> bool:
+    """Whether a missing path could be a hub id: "name" or "org/name", not a path that starts
+    at a root, a home or a dot."""
+    return model.count("/") <= 1 and not model.startswith(("/", ".", "~")) and bool(model)
 
 
 def _cached_snapshot(repo_id: str, name: str) -> Path:

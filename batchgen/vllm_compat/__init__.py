@@ -7,7 +7,9 @@ registers batchgen's API under vLLM's module names.
 
 After `install()`, `importlib.util.find_spec("vllm")` finds it, `vllm.__version__` is one TRL
 accepts (`VERSION`), and `from vllm import LLM, SamplingParams, RequestOutput`,
-`vllm.sampling_params.StructuredOutputsParams`, `llm.llm_engine.model_executor.driver_worker
+`vllm.sampling_params.StructuredOutputsParams`, `from vllm.entrypoints.llm import LLM`,
+`vllm.exceptions.VLLMValidationError` (batchgen's ValidationError, a ValueError),
+`vllm.v1.metrics.reader`'s records, `llm.llm_engine.model_executor.driver_worker
 .model_runner.model.load_weights(...)` and `llm.llm_engine.model_config.max_model_len` are
 batchgen's (compat_llm.py). The server-mode names TRL imports at module load
 (`vllm.utils.network_utils`, `vllm.distributed.weight_transfer...`) import cleanly; calling the

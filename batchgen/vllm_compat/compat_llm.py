@@ -19,7 +19,8 @@ SHARED: dict[str, torch.nn.Module] = {}
 
 class CompatLLM(LLM):
     """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
-    the engine's own model code, which for batchgen is transformers'."""
+    the engine's own model code, which for batchgen is transformers'. A sample's
+    `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
         if kwargs.get("model_impl") == "vllm":
@@ -28,6 +29,7 @@ class CompatLLM(LLM):
             model = SHARED.get(str(model), model)
         super().__init__(model, **kwargs)
         self.llm_engine = _engine_paths(self)
+        self.results.cumulative_without_logprobs = False
 
 
 class _Model:
@@ -46,5 +48,14 @@ def _engine_paths(llm: LLM) -> SimpleNamespace:
     runner = SimpleNamespace(model=_Model(llm))
     return SimpleNamespace(
         model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
-        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path)),
-        get_tokenizer=llm.get_tokenizer)
+        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path),
+                                     get_vocab_size=lambda: llm.vocab_size),
+        get_tokenizer=llm.get_tokenizer,
+        get_num_unfinished_requests=lambda: _unfinished(llm))
+
+
+def _unfinished(llm: LLM) -> int:
+    """Requests queued, running or swapped out (0 between calls: a call that fails frees
+    every one)."""
+    s = llm.engine.scheduler
+    return len(s.waiting) + len(s.running) + len(s.swapped)

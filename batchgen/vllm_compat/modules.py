@@ -10,7 +10,8 @@ import socket
 import types
 from typing import Any
 
-from batchgen import outputs, params, prompts
+from batchgen import outputs, params, prompts, stats
+from batchgen.checks import ValidationError
 
 # A vLLM version inside the range TRL 1.16 accepts (0.22.0 to 0.31.0), at or above the ones its
 # code paths test for (0.26.0, 0.28.0).
@@ -66,9 +67,20 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
         "vllm.sampling_params": _module(
             "vllm.sampling_params", SamplingParams=params.SamplingParams,
             BeamSearchParams=params.BeamSearchParams,
-            StructuredOutputsParams=params.StructuredOutputsParams),
+            StructuredOutputsParams=params.StructuredOutputsParams,
+            RequestOutputKind=params.RequestOutputKind),
+        "vllm.entrypoints": _module("vllm.entrypoints"),
+        "vllm.entrypoints.llm": _module("vllm.entrypoints.llm", LLM=llm_class),
+        # batchgen's ValueError that names the argument (vLLM's is not a ValueError)
+        "vllm.exceptions": _module("vllm.exceptions", VLLMValidationError=ValidationError),
+        "vllm.v1": _module("vllm.v1"),
+        "vllm.v1.metrics": _module("vllm.v1.metrics"),
+        "vllm.v1.metrics.reader": _module(
+            "vllm.v1.metrics.reader", Metric=stats.Metric, Counter=stats.Counter,
+            Gauge=stats.Gauge, Histogram=stats.Histogram),
         "vllm.outputs": _module("vllm.outputs", RequestOutput=outputs.RequestOutput,
-                                CompletionOutput=outputs.CompletionOutput),
+                                CompletionOutput=outputs.CompletionOutput,
+                                RequestMetrics=outputs.RequestMetrics),
         "vllm.logprobs": _module("vllm.logprobs", Logprob=outputs.Logprob),
         "vllm.inputs": _module("vllm.inputs", TextPrompt=prompts.TextPrompt,
                                TokensPrompt=prompts.TokensPrompt),

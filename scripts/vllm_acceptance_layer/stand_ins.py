@@ -1,0 +1,94 @@
+"""Stand-ins for the vLLM internals that vLLM's offline test files import at module level
+(platform probes, cleanup helpers, enum names), registered for the acceptance run only: they
+are test scaffolding, not part of batchgen.vllm_compat. Each answers what a CPU-only run of
+batchgen is (no CUDA, nothing to clean up) or raises when a test reaches a server-only or
+engine-internal path."""
+
+from __future__ import annotations
+
+import enum
+import sys
+import types
+from typing import Any
+
+
+class _Platform:
+    """vllm.platforms.current_platform on a machine batchgen runs on the CPU."""
+
+    device_type = "cpu"
+
+    def is_cuda(self) -> bool:
+        return False
+
+    is_rocm = is_tpu = is_xpu = is_cuda_alike = is_cuda
+
+    def is_cpu(self) -> bool:
+        return True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("is_"):
+            return lambda *a, **k: False
+        raise AttributeError(name)
+
+
+class LogprobsMode(str, enum.Enum):
+    """vLLM's logprobs modes (batchgen's LLM takes the same strings)."""
+
+    RAW_LOGPROBS = "raw_logprobs"
+    RAW_LOGITS = "raw_logits"
+    PROCESSED_LOGPROBS = "processed_logprobs"
+    PROCESSED_LOGITS = "processed_logits"
+
+
+class _EngineInternal:
+    """A vLLM engine class a test patches or builds: batchgen has no such object."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("a vLLM engine internal: not part of batchgen")
+
+
+class FlatLogprobs(list):
+    """vLLM's flat logprobs container: batchgen returns the list of dicts only
+    (SamplingParams(flat_logprobs=True) is refused), so no output is ever one."""
+
+
+class AudioAsset:
+    """vLLM's audio fixtures: batchgen serves no audio model."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError("audio inputs: batchgen serves text models only")
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__path__ = []
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def install() -> None:
+    """Add the stand-ins under vLLM's names (after batchgen.vllm_compat.install())."""
+    mods = {
+        "vllm.platforms": _module("vllm.platforms", current_platform=_Platform()),
+        "vllm.distributed": sys.modules.get("vllm.distributed") or _module("vllm.distributed"),
+        "vllm.config": _module("vllm.config"),
+        "vllm.config.model": _module("vllm.config.model", LogprobsMode=LogprobsMode),
+        "vllm.v1.engine": _module("vllm.v1.engine"),
+        "vllm.lora": _module("vllm.lora"),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=_EngineInternal),
+        "vllm.assets": _module("vllm.assets"),
+        "vllm.assets.audio": _module("vllm.assets.audio", AudioAsset=AudioAsset),
+        "vllm.v1.engine.input_processor": _module("vllm.v1.engine.input_processor",
+                                                  InputProcessor=_EngineInternal),
+    }
+    mods["vllm.distributed"].cleanup_dist_env_and_memory = lambda *a, **k: None
+    logprobs = sys.modules["vllm.logprobs"]  # batchgen's Logprob; the containers' names
+    logprobs.FlatLogprobs = FlatLogprobs
+    logprobs.SampleLogprobs = logprobs.PromptLogprobs = list
+    inputs = sys.modules["vllm.inputs"]
+    inputs.TokensInput = inputs.TokensPrompt
+    for name, mod in mods.items():
+        sys.modules[name] = mod
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, mod)
