@@ -156,7 +156,7 @@ def test_controls_process_rows_like_hf_processors():
 @pytest.mark.parametrize("bad", [
     dict(repetition_penalty=0), dict(no_repeat_ngram_size=-1), dict(bad_words_ids=[[]]),
     dict(bad_words_ids=[[1, -2]]), dict(bad_words=[""]), dict(min_tokens=T + 1),
-    dict(temperature=0.0), dict(num_beam_groups=3), dict(num_beam_groups=2),
+    dict(temperature=-1.0), dict(num_beam_groups=3), dict(num_beam_groups=2),
     dict(diversity_penalty=0.5), dict(diversity_penalty=-1.0, num_beam_groups=2),
     dict(num_beam_groups=2, diversity_penalty=1.0, stop=["x"])])
 def test_bad_control_values_name_the_argument(bad):
@@ -164,6 +164,12 @@ def test_bad_control_values_name_the_argument(bad):
     with pytest.raises(ValueError, match=name if "diversity" not in str(bad) or "num_beam"
                        not in str(bad) else "diversity_penalty|num_beam_groups"):
         BeamSearchParams(beam_width=W, max_tokens=T, **bad)
+
+
+def test_temperature_zero_is_vllms_default_no_scaling():
+    """vLLM's BeamSearchParams default temperature 0.0 leaves the log-probs as they are: here
+    that is temperature 1.0 (HF's), not a greedy or a division by zero."""
+    assert BeamSearchParams(beam_width=W, max_tokens=T, temperature=0.0).temperature == 1.0
 
 
 def test_bad_words_ids_outside_the_vocabulary_are_refused(tiny_model_factory):
