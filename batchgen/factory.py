@@ -418,7 +418,7 @@ def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
     result builder (finished groups to outputs)."""
     stops = StopFactory(tokenizer, shape.eos_token_ids)
     limits = Limits(shape.max_model_len, shape.vocab_size, shape.block_size, shape.num_blocks,
-                    shape.max_num_seqs, shape.max_num_batched_tokens, shape.max_logprobs)
+                    shape.max_num_batched_tokens, shape.max_logprobs)
     return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id),
             ResultBuilder(tokenizer, stops))
 

@@ -58,7 +58,7 @@ class Samples:
     params_arg = "sampling_params"  # the argument's name in messages
     width_arg = "n"
 
-    def check(self, params: SamplingParams, step_limit: int) -> None:
+    def check(self, params: SamplingParams, step_tokens: int) -> None:
         """Limits beyond the params' own checks: best_of (vLLM V0's) asking for more samples
         than n is refused, as vLLM V1 refuses it (samples decode independently: no limit)."""
         b = params.best_of
@@ -95,12 +95,13 @@ class Beams:
     params_arg = "params"
     width_arg = "beam_width"
 
-    def check(self, params: BeamSearchParams, step_limit: int) -> None:
-        """All beams of a group decode in the same step."""
-        if params.beam_width > step_limit:
-            raise ValueError(f"beam_width must be <= max_num_seqs and max_num_batched_tokens "
-                             f"({step_limit}): all beams decode together, got "
-                             f"{params.beam_width!r}")
+    def check(self, params: BeamSearchParams, step_tokens: int) -> None:
+        """All beams of a group decode in one forward: their tokens must fit a step's
+        (max_num_batched_tokens sizes the forward's buffers). Wider than max_num_seqs is
+        fine: such a group decodes in a step of its own (engine/scheduler.py)."""
+        if params.beam_width > step_tokens:
+            raise ValueError(f"beam_width must be <= max_num_batched_tokens ({step_tokens}): "
+                             f"all beams decode in one forward, got {params.beam_width!r}")
 
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: BeamSearchParams, max_tokens: int) -> SequenceGroup:

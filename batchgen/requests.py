@@ -31,7 +31,6 @@ class Limits:
     vocab_size: int
     block_size: int
     num_blocks: int
-    max_num_seqs: int
     max_num_batched_tokens: int
     max_logprobs: int = 20  # vLLM's: the most (prompt) logprobs a request may ask; -1: any
 
@@ -196,7 +195,7 @@ class RequestBuilder:
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
         arg = kind.width_arg
-        kind.check(p, min(lim.max_num_seqs, lim.max_num_batched_tokens))
+        kind.check(p, lim.max_num_batched_tokens)
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
         if need > lim.num_blocks:
             raise ValueError(
