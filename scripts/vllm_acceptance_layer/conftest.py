@@ -7,6 +7,8 @@ acceptance run by scripts/vllm_acceptance.py; vLLM's own conftest is not used).
   offline.
 - `import vllm` is batchgen (batchgen.vllm_compat.install()), plus stand-ins for the engine
   internals the files import (vllm_stand_ins.py).
+- `torch.accelerator.empty_cache()`, which the files call to clean up after an LLM, does nothing
+  on a machine without an accelerator (torch raises there; there is no cache to empty).
 - `vllm_runner` / `VllmRunner` run batchgen's LLM, `hf_runner` / `HfRunner` transformers'
   generate, with the result shapes vLLM's test helpers return; `example_prompts` reads vLLM's
   tests/prompts/example.txt.
@@ -57,6 +59,8 @@ def _hub_entry(repo_id: str, family: str, seed: int) -> None:
 
 for _i, (_repo, _family) in enumerate(MODELS.items()):
     _hub_entry(_repo, _family, _i)
+if not torch.accelerator.is_available():  # the files' cleanup empties the GPU's cache: this
+    torch.accelerator.empty_cache = lambda: None  # CPU run has none (torch raises there)
 batchgen.vllm_compat.install()
 vllm_stand_ins.install()
 

@@ -6,10 +6,9 @@ engine-internal path."""
 
 from __future__ import annotations
 
-import enum
 import sys
 import types
-from typing import Any
+from typing import Any, Literal
 
 
 class _Platform:
@@ -31,13 +30,9 @@ class _Platform:
         raise AttributeError(name)
 
 
-class LogprobsMode(str, enum.Enum):
-    """vLLM's logprobs modes (batchgen's LLM takes the same strings)."""
-
-    RAW_LOGPROBS = "raw_logprobs"
-    RAW_LOGITS = "raw_logits"
-    PROCESSED_LOGPROBS = "processed_logprobs"
-    PROCESSED_LOGITS = "processed_logits"
+# vLLM's logprobs modes, as vLLM spells the type: a Literal, whose get_args() its tests
+# parametrize over (batchgen's LLM takes the same strings)
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
 
 
 class _EngineInternal:
