@@ -156,6 +156,13 @@ class EngineConfig:
         check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template",
               "None or a Jinja template string", self.chat_template)
 
+    @property
+    def disable_any_whitespace(self) -> bool:
+        """structured_outputs_config's engine-wide switch: JSON constraints of every request
+        compile without free whitespace (a request may also ask it alone)."""
+        return bool(_structured_fields(self.structured_outputs_config).get(
+            "disable_any_whitespace", False))
+
     def _check_async(self) -> None:
         """async_scheduling (the next step planned while this one's forward runs): True or
         False; None takes $BATCHGEN_ASYNC_SCHEDULING ("1" or "0"; how CI runs the parity
@@ -197,18 +204,26 @@ def _kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | N
     return kv_cache_memory if kv_cache_memory is not None else kv_cache_memory_bytes
 
 
-def _check_structured_config(value: object) -> None:
-    """vLLM's StructuredOutputsConfig (a dict, or an object with its fields): its backend must
-    be xgrammar's ("auto" picks it) and its other fields their defaults (per-request
-    StructuredOutputsParams set whitespace and properties here)."""
+def _structured_fields(value: object) -> dict[str, Any]:
+    """vLLM's StructuredOutputsConfig as a dict of its fields (a dict, or an object's)."""
     if value is None:
-        return
+        return {}
     fields = value if isinstance(value, dict) else getattr(value, "__dict__", None)
     check(isinstance(fields, dict), "structured_outputs_config",
           "None, a dict or a StructuredOutputsConfig", type(value).__name__)
-    for key, v in fields.items():
+    return fields
+
+
+def _check_structured_config(value: object) -> None:
+    """vLLM's StructuredOutputsConfig: its backend must be xgrammar's ("auto" picks it),
+    `disable_any_whitespace` a bool (vLLM's engine-wide switch: every request's JSON without
+    free whitespace), its other fields their defaults (per-request StructuredOutputsParams
+    set properties here)."""
+    for key, v in _structured_fields(value).items():
         if key == "backend":
             check_choice(v, "structured_outputs_config.backend", STRUCTURED_BACKENDS)
+        elif key == "disable_any_whitespace":
+            check_flag(v, "structured_outputs_config.disable_any_whitespace")
         else:
             check(not v, f"structured_outputs_config.{key}", "its default (set it per request "
                   "in StructuredOutputsParams)", v)

@@ -40,7 +40,7 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: Any, limits: Limits, stops: StopFactory,
                  eos_token_ids: list[int], seed: int | None = 0,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.stops = stops
@@ -49,7 +49,7 @@ class RequestBuilder:
         self.pad_token_id = pad_token_id if pad_token_id is not None else (
             eos_token_ids[0] if eos_token_ids else 0)
         # structured outputs: one xgrammar compiler, made on the first constrained request
-        self.grammars = Grammars(tokenizer, limits.vocab_size, eos_token_ids)
+        self.grammars = grammars or Grammars(tokenizer, limits.vocab_size, eos_token_ids)
         # unseeded samples draw their seeds here: reproducible under the LLM's seed, in the
         # order requests are built (seed None: from the OS)
         self._rng = random.Random(seed)
