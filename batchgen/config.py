@@ -89,6 +89,7 @@ class EngineConfig:
     generation_config: str = "auto"
     structured_outputs_config: object = None  # vLLM's: a dict (or its config) of defaults
     chat_template: str | None = None  # LLM.chat's template when a call gives none
+    skip_tokenizer_init: bool = False  # vLLM's: no tokenizer (token-id prompts, no text)
 
     @classmethod
     def from_llm_args(cls, given: dict[str, Any], extra: dict[str, Any]) -> EngineConfig:
@@ -148,6 +149,7 @@ class EngineConfig:
         check(is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs",
               "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
         check_flag(self.disable_log_stats, "disable_log_stats")
+        check_flag(self.skip_tokenizer_init, "skip_tokenizer_init")
         check(self.enable_chunked_prefill in (None, True, False), "enable_chunked_prefill",
               "None, True or False", self.enable_chunked_prefill)
         check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)

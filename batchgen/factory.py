@@ -322,7 +322,7 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
     if plan.device.type == "cpu":
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
     tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
-                 if plan.tokenizer_path is not None else None)
+                 if plan.tokenizer_path is not None and not cfg.skip_tokenizer_init else None)
     if plan.module is not None:  # the caller's model: no load, its attention switched per forward
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
     else:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
 
-from batchgen.checks import ValidationError, check, check_type
+from batchgen.checks import NO_TOKENIZER, ValidationError, check, check_type
 from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.kinds import RequestKind
@@ -106,7 +106,7 @@ class RequestBuilder:
         messages) or a list of them."""
         tok = self.tokenizer
         if tok is None:
-            raise ValueError("chat needs a tokenizer; the model folder has none")
+            raise ValueError(f"chat renders a chat template: {NO_TOKENIZER}")
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: pass chat_template= "
                              "(a Jinja template string) to chat()")
@@ -163,8 +163,8 @@ class RequestBuilder:
         todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
             if self.tokenizer is None:
-                raise ValueError("prompts must be token ids ({'prompt_token_ids': [...]}): the "
-                                 "model folder has no tokenizer")
+                raise ValueError("prompts must be token ids ({'prompt_token_ids': [...]}): "
+                                 f"{NO_TOKENIZER}")
             enc = self.tokenizer([texts[i] for i in todo])["input_ids"]
             for i, e in zip(todo, enc):
                 ids[i] = list(e)
@@ -189,8 +189,8 @@ class RequestBuilder:
                                   f"maximum context length is {lim.max_model_len} tokens)",
                                   parameter="prompts")
         if p.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; the model folder has none "
-                             "(use stop_token_ids)")
+            raise ValueError(f"stop strings are matched on text: {NO_TOKENIZER} (use "
+                             "stop_token_ids)")
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
@@ -217,7 +217,7 @@ class RequestBuilder:
                 raise ValueError(f"{name} has token id {max(ids)} outside the model's "
                                  f"vocabulary [0, {vocab})")
         if p.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer; the model folder has none")
+            raise ValueError(f"bad_words are tokenized: {NO_TOKENIZER}")
         if p.structured_outputs is not None:  # compiled now: a bad one fails before any work
             self.grammars.compile(p.structured_outputs)
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from batchgen.checks import NO_TOKENIZER
 from batchgen.transfer import to_device
 
 if TYPE_CHECKING:
@@ -101,7 +102,8 @@ class Grammars:
         """The compiler (made on first use: the tokenizer info takes a few hundred ms)."""
         if self._compiler is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer; the model folder has none")
+                raise ValueError(f"structured_outputs compile on the vocabulary's text: "
+                                 f"{NO_TOKENIZER}")
             if not self.eos_ids:
                 raise ValueError("structured_outputs needs an EOS token id to end a grammar; "
                                  "the model declares none")
