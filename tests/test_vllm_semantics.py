@@ -104,6 +104,9 @@ def test_vllm_import_paths_and_cumulative_logprob(folder) -> None:
         assert scored.outputs[0].cumulative_logprob < 0
         with pytest.raises(VLLMValidationError, match="max allowed: 1"):
             llm.generate(PROMPTS[0], VSamplingParams(logprobs=2), use_tqdm=False)
+        for seed in (-1, 2**32):  # vLLM's engine seed is in [0, 2**32); checked first
+            with pytest.raises(VLLMValidationError, match=r"seed must be an integer in \[0, "):
+                VLLM(str(folder), seed=seed, load_format="dummy")
     finally:
         compat.uninstall()
     # batchgen's own LLM keeps reporting it (dataset jobs write it)

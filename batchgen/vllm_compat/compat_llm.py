@@ -11,18 +11,24 @@ from typing import Any
 
 import torch
 
+from batchgen.checks import check, is_int
 from batchgen.llm import LLM
 
 # name_or_path -> the module vllm.LLM(model=name_or_path) generates from (vllm_compat.share)
 SHARED: dict[str, torch.nn.Module] = {}
+VLLM_SEEDS = 2**32  # vLLM's ModelConfig.seed: 0 <= seed <= 2**32 - 1 (numpy's seed range)
 
 
 class CompatLLM(LLM):
     """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
-    the engine's own model code, which for batchgen is transformers'. A sample's
+    the engine's own model code, which for batchgen is transformers'. The engine's `seed`
+    is in vLLM's range, [0, 2**32) (batchgen's own LLM takes any torch seed); a sample's
     `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
+        seed = kwargs.get("seed", 0)
+        check(seed is None or (is_int(seed) and 0 <= seed < VLLM_SEEDS), "seed",
+              f"an integer in [0, {VLLM_SEEDS - 1}] (vLLM's range for the engine's seed)", seed)
         if kwargs.get("model_impl") == "vllm":
             kwargs["model_impl"] = "auto"
         if not isinstance(model, torch.nn.Module):
