@@ -104,6 +104,11 @@ def test_vllm_import_paths_and_cumulative_logprob(folder) -> None:
         assert scored.outputs[0].cumulative_logprob < 0
         with pytest.raises(VLLMValidationError, match="max allowed: 1"):
             llm.generate(PROMPTS[0], VSamplingParams(logprobs=2), use_tqdm=False)
+        cfg = llm.llm_engine.vllm_config  # what vLLM's tests read of the engine's config
+        assert (cfg.cache_config.enable_prefix_caching, cfg.cache_config.num_gpu_blocks,
+                cfg.scheduler_config.max_num_seqs) == (True, 32, 256)
+        off = VLLM(str(folder), num_kv_blocks=32, max_model_len=64, enable_prefix_caching=False)
+        assert not off.llm_engine.vllm_config.cache_config.enable_prefix_caching
         for seed in (-1, 2**32):  # vLLM's engine seed is in [0, 2**32); checked first
             with pytest.raises(VLLMValidationError, match=r"seed must be an integer in \[0, "):
                 VLLM(str(folder), seed=seed, load_format="dummy")

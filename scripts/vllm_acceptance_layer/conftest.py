@@ -176,11 +176,16 @@ class HfRunner:
         return out
 
     def generate_greedy_logprobs(self, prompts: list, max_tokens: int, **kw: Any) -> list:
+        """Per prompt, per generation step, float32 log-probs shaped as vLLM's helper returns
+        them: the first step's at every prompt position [prompt_len, V], later ones [1, V]."""
         out = []
         for p in prompts:
             res = self._run(p, do_sample=False, max_new_tokens=max_tokens,
                             return_dict_in_generate=True, output_logits=True)
-            out.append([torch.log_softmax(x[0].float(), dim=-1) for x in res.logits])
+            with torch.no_grad():
+                first = self.model(self._ids(p)).logits[0]
+            out.append([torch.log_softmax(x.float(), dim=-1)
+                        for x in (first, *res.logits[1:])])
         return out
 
     def generate_greedy_logprobs_limit(self, prompts: list, max_tokens: int,
