@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
+from batchgen.param_bounds import check_model_bounds
 
 # vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
 # (prompt_token_ids, output_token_ids, logits) -> logits; logits is the row's float32 [V].
@@ -26,6 +27,8 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
 # Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
 MAX_BEAM_LOGPROBS = 20
+# Most token ids SamplingParams.logprob_token_ids may name (vLLM's MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -43,8 +46,6 @@ _OFF_ONLY: dict[str, tuple[object, ...]] = {
     "watermarking": (None, False),
     "prompt_logprob_token_ids": (None,),
     "prompt_logprob_start": (None,),  # batchgen's prompt_logprobs_start does this
-    "logprob_token_ids": (None,),
-    "flat_logprobs": (False,),
     "spaces_between_special_tokens": (True,),
     "output_text_buffer_length": (0,),
     "skip_reading_prefix_cache": (None, False),
@@ -72,6 +73,26 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
     check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value),
           name, "a non-empty string or a list of non-empty strings", value)
     return list(value)
+
+
+def _logprob_ids(ids: object, logprobs: int | None) -> list[int] | None:
+    """vLLM's logprob_token_ids: None or up to MAX_LOGPROB_TOKEN_IDS token ids (each token's
+    logprobs name exactly these, beside its own); with `logprobs` set too, as many as it
+    says. An empty list names none (None). Ids past the vocabulary are refused at
+    generate, where it is known."""
+    if ids is None:
+        return None
+    check(isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids), "logprob_token_ids",
+          "None or a list of token ids", ids)
+    bad = [t for t in ids if t < 0]
+    check(not bad, "logprob_token_ids", "token ids >= 0 (token_id(s) "
+          f"{bad} in logprob_token_ids contain out-of-vocab token ids)", ids)
+    check(len(ids) <= MAX_LOGPROB_TOKEN_IDS, "logprob_token_ids",
+          f"at most {MAX_LOGPROB_TOKEN_IDS} token ids (vLLM's bound)", len(ids))
+    check(logprobs is None or logprobs == len(ids), "logprob_token_ids",
+          f"as long as logprobs={logprobs} when both are set (logprobs must equal "
+          "len(logprob_token_ids))", len(ids))
+    return [int(t) for t in ids] or None
 
 
 def _as_id_list(value: list[int] | None, name: str) -> list[int]:
@@ -262,6 +283,8 @@ class SamplingParams(_Stops):
         check(si is None or (is_int(si) and si >= 1), "stream_interval",
               "None or an integer >= 1", si)
         check_flag(self.skip_clone, "skip_clone")
+        check_flag(self.flat_logprobs, "flat_logprobs")
+        self.logprob_token_ids = _logprob_ids(self.logprob_token_ids, self.logprobs)
         check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
               "None or a dict", self.extra_args)
         _check_off(self, _OFF_ONLY, "SamplingParams")
@@ -353,6 +376,22 @@ class SamplingParams(_Stops):
     def greedy(self) -> bool:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
+
+    def verify(self, model_config: Any, speculative_config: Any = None,
+               structured_outputs_config: Any = None, tokenizer: Any = None) -> None:
+        """vLLM's check of these params against a model config (an object with
+        `max_logprobs` and `get_vocab_size()`, as vLLM's ModelConfig): the checks batchgen
+        runs at generate, a ValidationError naming the field. Speculative decoding,
+        structured-output engines and the tokenizer have nothing more to check here."""
+        check_model_bounds(self, model_config.get_vocab_size(), model_config.max_logprobs)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprobs each generated token carries beside its own (vLLM's): `logprobs`, else
+        as many as `logprob_token_ids` names, else None (none asked)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def width(self) -> int:

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
 
-from batchgen.checks import NO_TOKENIZER, ValidationError, check, check_type
+from batchgen.checks import NO_TOKENIZER, ValidationError, check_type
 from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.kinds import RequestKind
+from batchgen.param_bounds import check_model_bounds
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.prompts import Conversation, PromptType, TokensPrompt
 from batchgen.sampling.grammar import Constraint, Grammars
@@ -205,17 +206,9 @@ class RequestBuilder:
         return t
 
     def _check_vocab(self, p: Params) -> None:
-        """Token ids and counts a request names must fit the vocabulary."""
-        vocab = self.limits.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            check(k is None or k <= vocab, name, f"<= the vocabulary size {vocab}", k)
-            _check_max_logprobs(name, k, self.limits.max_logprobs, vocab)
-        for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
-            ids = list(getattr(p, name) or ())
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} has token id {max(ids)} outside the model's "
-                                 f"vocabulary [0, {vocab})")
+        """Token ids and counts a request names must fit the vocabulary (and max_logprobs);
+        what needs a tokenizer must have one; a grammar must compile."""
+        check_model_bounds(p, self.limits.vocab_size, self.limits.max_logprobs)
         if p.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words are tokenized: {NO_TOKENIZER}")
         if p.structured_outputs is not None:  # compiled now: a bad one fails before any work
@@ -245,19 +238,6 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
-
-
-def _check_max_logprobs(name: str, k: int | None, most: int, vocab: int) -> None:
-    """vLLM's bound: a request asks at most the LLM's max_logprobs (-1 there: the vocabulary)
-    sample or prompt logprobs, -1 counting as the vocabulary; in vLLM's words."""
-    if not k or not isinstance(k, int):
-        return
-    asked, most = (vocab if k == -1 else k), (vocab if most == -1 else most)
-    if asked > most:
-        what = "sample" if name == "logprobs" else "prompt"
-        raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max "
-                              f"allowed: {most} ({name}; raise LLM(max_logprobs=...))",
-                              parameter=name, value=asked)
 
 
 def _label(at: int | str) -> str:

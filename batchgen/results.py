@@ -12,6 +12,7 @@ from batchgen.outputs import (
     BeamSearchOutput,
     BeamSequence,
     CompletionOutput,
+    FlatLogprobs,
     Logprob,
     RequestOutput,
     TokenLogprobs,
@@ -35,17 +36,17 @@ class ResultBuilder:
         """The finished group's samples: text decoded once (or a stop-string checker's), the
         Logprob objects built now from the steps' top-logprob records."""
         decode = self._decoder(group.params.detokenize)
+        flat = group.params.flat_logprobs
         outs = [CompletionOutput(
             index=s.index, text=self._text(s), token_ids=s.output_token_ids,
             cumulative_logprob=(s.cumulative_logprob if s.logprobs is not None
                                 or self.cumulative_without_logprobs else None),
-            logprobs=None if s.logprobs is None else [_logprobs(top.entry(j), decode)
-                                                      for top, j in s.logprobs],
+            logprobs=None if s.logprobs is None else _positions(
+                [top.entry(j) for top, j in s.logprobs], decode, flat),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.seqs]
         prompt_lps = None
         if group.prompt_logprobs is not None:
-            prompt_lps = [None if e is None else _logprobs(e, decode)
-                          for e in group.prompt_logprobs]
+            prompt_lps = _positions(group.prompt_logprobs, decode, flat)
         return RequestOutput(request_id=str(group.index), prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              num_cached_tokens=group.num_cached_tokens or 0,
@@ -110,3 +111,15 @@ def _grammar_accepts(group: SequenceGroup, h: BeamHypothesis) -> bool:
 
 def _logprobs(entry: RankedLogprobs, decode) -> TokenLogprobs:
     return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
+
+
+def _positions(entries: list[RankedLogprobs | None], decode, flat: bool
+               ) -> list[TokenLogprobs | None] | FlatLogprobs:
+    """Positions' logprobs as vLLM returns them: a list of {token: Logprob} (None where a
+    position has none), or with `flat` one FlatLogprobs of them all."""
+    if not flat:
+        return [None if e is None else _logprobs(e, decode) for e in entries]
+    out = FlatLogprobs()
+    for e in entries:
+        out.add((t, lp, rank, decode(t)) for t, (lp, rank) in (e or {}).items())
+    return out

@@ -72,7 +72,8 @@ class RowSpec:
     max_tokens: int = 1
     min_tokens: int = 0
     ignore_eos: bool = False
-    logprobs: int = -2  # sampler.NO_LOGPROBS
+    logprobs: int = -2  # sampler.NO_LOGPROBS (NAMED_LOGPROBS: those of `logprob_ids`)
+    logprob_ids: tuple[int, ...] = ()  # vLLM's logprob_token_ids: the ids each token reports
     stop_ids: tuple[int, ...] = ()
     beam: bool = False  # its sequences are beams (decoded together, never sampled)
     constrained: bool = False  # structured outputs: each sequence has a Constraint

@@ -42,11 +42,6 @@ class _EngineInternal:
         raise NotImplementedError("a vLLM engine internal: not part of batchgen")
 
 
-class FlatLogprobs(list):
-    """vLLM's flat logprobs container: batchgen returns the list of dicts only
-    (SamplingParams(flat_logprobs=True) is refused), so no output is ever one."""
-
-
 class AudioAsset:
     """vLLM's audio fixtures: batchgen serves no audio model."""
 
@@ -77,9 +72,6 @@ def install() -> None:
                                                   InputProcessor=_EngineInternal),
     }
     mods["vllm.distributed"].cleanup_dist_env_and_memory = lambda *a, **k: None
-    logprobs = sys.modules["vllm.logprobs"]  # batchgen's Logprob; the containers' names
-    logprobs.FlatLogprobs = FlatLogprobs
-    logprobs.SampleLogprobs = logprobs.PromptLogprobs = list
     inputs = sys.modules["vllm.inputs"]
     inputs.TokensInput = inputs.TokensPrompt
     for name, mod in mods.items():
