@@ -5,7 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, MutableSequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -154,6 +157,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | FlatLogprobs | None = None
     metrics: RequestMetrics | None = None  # with LLM(disable_log_stats=False) only
+    # vLLM's: with prompt_logprob_token_ids, float32 [rows, ids]: row i scores the ids named
+    # for prompt position prompt_logprob_start + i + 1 (-inf at a -1 pad)
+    prompt_token_id_logprobs: np.ndarray | None = None
 
 
 @dataclass

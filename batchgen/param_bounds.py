@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.checks import ValidationError, check
+from batchgen.id_table import check_id_table
 
 
-def check_model_bounds(p: Any, vocab: int, max_logprobs: int) -> None:
+def check_model_bounds(p: Any, vocab: int, max_logprobs: int, max_model_len: int | None = None
+                       ) -> None:
     """Counts and token ids a request names must fit the model: logprobs within the vocabulary
-    and max_logprobs (vLLM's bound and message), every named id inside the vocabulary."""
+    and max_logprobs (vLLM's bound and message), every named id inside the vocabulary, a
+    prompt_logprob_token_ids table within them and max_model_len."""
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(p, name)
         check(k is None or k <= vocab, name, f"<= the vocabulary size {vocab}", k)
@@ -21,6 +24,7 @@ def check_model_bounds(p: Any, vocab: int, max_logprobs: int) -> None:
         if any(t >= vocab for t in ids):
             raise ValidationError(f"{name} has token id {max(ids)} outside the model's "
                                   f"vocabulary [0, {vocab})", parameter=name, value=max(ids))
+    check_id_table(p.prompt_logprob_token_ids, vocab, max_logprobs, max_model_len)
     named = [t for t in getattr(p, "logprob_token_ids", None) or () if t >= vocab]
     if named:  # vLLM's message
         raise ValidationError(f"token_id(s) {named} in logprob_token_ids contain out-of-vocab "

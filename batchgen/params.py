@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
+from batchgen.id_table import as_id_table
 from batchgen.param_bounds import check_model_bounds
 
 # vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
@@ -44,11 +45,8 @@ class RequestOutputKind(enum.IntEnum):
 # default first), anything else a ValueError naming the field.
 _OFF_ONLY: dict[str, tuple[object, ...]] = {
     "watermarking": (None, False),
-    "prompt_logprob_token_ids": (None,),
-    "prompt_logprob_start": (None,),  # batchgen's prompt_logprobs_start does this
     "spaces_between_special_tokens": (True,),
     "output_text_buffer_length": (0,),
-    "skip_reading_prefix_cache": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,),
@@ -285,9 +283,31 @@ class SamplingParams(_Stops):
         check_flag(self.skip_clone, "skip_clone")
         check_flag(self.flat_logprobs, "flat_logprobs")
         self.logprob_token_ids = _logprob_ids(self.logprob_token_ids, self.logprobs)
+        check(self.skip_reading_prefix_cache in (None, True, False), "skip_reading_prefix_cache",
+              "None, True or False", self.skip_reading_prefix_cache)
+        self.prompt_logprob_token_ids = as_id_table(self.prompt_logprob_token_ids)
+        self._check_prompt_start()
         check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
               "None or a dict", self.extra_args)
         _check_off(self, _OFF_ONLY, "SamplingParams")
+
+    def _check_prompt_start(self) -> None:
+        """vLLM's prompt_logprob_start (a row: positions up to and including it are not
+        scored) becomes batchgen's prompt_logprobs_start (the first position scored, one
+        more), for prompt_logprobs and prompt_logprob_token_ids alike."""
+        s = self.prompt_logprob_start
+        if s is None:
+            return
+        scored = self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
+        check(scored, "prompt_logprob_start", "None unless prompt_logprobs or "
+              "prompt_logprob_token_ids is set (prompt_logprob_start requires prompt_logprobs "
+              "or prompt_logprob_token_ids)", s)
+        check(is_int(s) and s >= 0, "prompt_logprob_start", "an integer >= 0 (non-negative)",
+              s)
+        check(self.prompt_logprobs_start in (0, s + 1), "prompt_logprob_start",
+              f"prompt_logprobs_start - 1 ({self.prompt_logprobs_start - 1}) when both are "
+              "set (the same start, numbered by the row)", s)
+        self.prompt_logprobs_start = s + 1
 
     def _check_sampling(self) -> None:
         """n, temperature and the warpers and penalties."""
@@ -336,8 +356,9 @@ class SamplingParams(_Stops):
               "None, -1 (max_model_len) or an integer >= 1", t)
         start = self.prompt_logprobs_start
         check(is_int(start) and start >= 0, "prompt_logprobs_start", "an integer >= 0", start)
-        check(start == 0 or self.prompt_logprobs is not None, "prompt_logprobs_start",
-              "0 unless prompt_logprobs is set", start)
+        check(start == 0 or self.prompt_logprobs is not None
+              or self.prompt_logprob_token_ids is not None, "prompt_logprobs_start",
+              "0 unless prompt_logprobs or prompt_logprob_token_ids is set", start)
 
     def _check_controls(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, logits_processors (vLLM's forms)."""
@@ -383,7 +404,8 @@ class SamplingParams(_Stops):
         `max_logprobs` and `get_vocab_size()`, as vLLM's ModelConfig): the checks batchgen
         runs at generate, a ValidationError naming the field. Speculative decoding,
         structured-output engines and the tokenizer have nothing more to check here."""
-        check_model_bounds(self, model_config.get_vocab_size(), model_config.max_logprobs)
+        check_model_bounds(self, model_config.get_vocab_size(), model_config.max_logprobs,
+                           getattr(model_config, "max_model_len", None))
 
     @property
     def num_logprobs(self) -> int | None:
@@ -554,5 +576,7 @@ class BeamSearchParams(_Stops):
     stop_min_tokens = property(lambda self: 0, doc="Stop strings count from the first token "
                                "(HF's StopStringCriteria ignores min_new_tokens).")
     prompt_logprobs = property(lambda self: None, doc="Beams score no prompt tokens.")
+    prompt_logprob_token_ids = property(lambda self: None, doc="Nor named ids of them.")
+    skip_reading_prefix_cache = property(lambda self: None, doc="Beams read the prefix cache.")
     truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")

@@ -14,6 +14,7 @@ from typing import Any
 from batchgen.checks import NO_TOKENIZER, ValidationError, check_type
 from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
+from batchgen.id_table import check_table_rows
 from batchgen.kinds import RequestKind
 from batchgen.param_bounds import check_model_bounds
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -189,6 +190,8 @@ class RequestBuilder:
                                   f"{lim.max_model_len}, leaving no room to generate (the "
                                   f"maximum context length is {lim.max_model_len} tokens)",
                                   parameter="prompts")
+        check_table_rows(p.prompt_logprob_token_ids, len(ids), p.prompt_logprobs_start
+                         if p.prompt_logprob_token_ids is not None else 0)
         if p.stop_strings and self.tokenizer is None:
             raise ValueError(f"stop strings are matched on text: {NO_TOKENIZER} (use "
                              "stop_token_ids)")
@@ -208,7 +211,8 @@ class RequestBuilder:
     def _check_vocab(self, p: Params) -> None:
         """Token ids and counts a request names must fit the vocabulary (and max_logprobs);
         what needs a tokenizer must have one; a grammar must compile."""
-        check_model_bounds(p, self.limits.vocab_size, self.limits.max_logprobs)
+        check_model_bounds(p, self.limits.vocab_size, self.limits.max_logprobs,
+                           self.limits.max_model_len)
         if p.bad_words and self.tokenizer is None:
             raise ValueError(f"bad_words are tokenized: {NO_TOKENIZER}")
         if p.structured_outputs is not None:  # compiled now: a bad one fails before any work

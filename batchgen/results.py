@@ -50,7 +50,8 @@ class ResultBuilder:
         return RequestOutput(request_id=str(group.index), prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              num_cached_tokens=group.num_cached_tokens or 0,
-                             prompt_logprobs=prompt_lps, metrics=group.metrics)
+                             prompt_logprobs=prompt_lps, metrics=group.metrics,
+                             prompt_token_id_logprobs=group.prompt_token_id_logprobs)
 
     def _text(self, seq: Sequence) -> str:
         """A sample's output text: its checker's (stop strings cut it), else one decode."""

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
-     "batchgen.outputs", "batchgen.defaults", "batchgen.threads", "batchgen.param_bounds",
+     "batchgen.outputs", "batchgen.defaults", "batchgen.threads", "batchgen.param_bounds", "batchgen.id_table",
      "batchgen.vllm_args"),  # values and utilities; vLLM's argument names
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state

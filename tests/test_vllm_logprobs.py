@@ -1,11 +1,13 @@
 """vLLM 0.34's logprob options on batchgen: `logprob_token_ids` (each token's logprobs of the
-ids a request names), `flat_logprobs` (the FlatLogprobs container) and `SamplingParams.verify`;
-checked against the whole-vocabulary logprobs of the same runs."""
+ids a request names), `prompt_logprob_token_ids` with `prompt_logprob_start` (the named ids'
+scores at each prompt position), `flat_logprobs` (the FlatLogprobs container) and
+`SamplingParams.verify`; checked against the whole-vocabulary logprobs of the same runs."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from batchgen import LLM, SamplingParams
@@ -19,7 +21,7 @@ NAMED = [7, 0, 299]
 @pytest.fixture(scope="module")
 def llm(tiny_model_factory):
     return LLM(tiny_model_factory("llama", vocab_size=300, seed=44), num_kv_blocks=32,
-               max_model_len=64, max_logprobs=-1)
+               max_model_len=64, max_logprobs=-1, block_size=4, max_num_batched_tokens=8)
 
 
 def _as_pairs(position):
@@ -81,3 +83,55 @@ def test_flat_logprobs_hold_the_same_positions(llm):
             p.outputs[0].logprobs[::-2])
         with pytest.raises(TypeError):
             lps[0] = {}
+
+
+def test_prompt_logprob_token_ids_score_each_row_from_prompt_logprob_start(llm):
+    """Row i scores its ids at prompt position prompt_logprob_start + i + 1 (ragged rows
+    padded with -inf), as the whole distribution there has them, however the prompt is
+    chunked; top-k prompt logprobs start there too; a prefix-cache hit (read unless
+    skip_reading_prefix_cache=True) before the start changes no score."""
+    ids = list(range(5, 29))
+    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=-1),
+                        use_tqdm=False)[0].prompt_logprobs
+    start = 9
+    table = [[t, 0, 299][:1 + i % 3] for i, t in enumerate(ids[start + 1:])]
+    want = np.full((len(table), 3), -np.inf, np.float32)
+    for i, row in enumerate(table):
+        want[i, :len(row)] = [full[start + 1 + i][t].logprob for t in row]
+    sp = dict(max_tokens=1, prompt_logprob_token_ids=table, prompt_logprob_start=start,
+              prompt_logprobs=1)
+    llm.reset_prefix_cache()
+    cold = llm.generate({"prompt_token_ids": ids}, SamplingParams(**sp), use_tqdm=False)[0]
+    np.testing.assert_array_equal(cold.prompt_token_id_logprobs, want)
+    assert cold.prompt_logprobs[:start + 1] == [None] * (start + 1)
+    assert all(cold.prompt_logprobs[start + 1:]) and cold.num_cached_tokens == 0
+    for skip, cached in ((True, 0), (False, 8)):  # blocks of 4 before position 9 - 1
+        hit = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            skip_reading_prefix_cache=skip, **sp), use_tqdm=False)[0]
+        assert hit.num_cached_tokens == cached
+        np.testing.assert_array_equal(hit.prompt_token_id_logprobs, want)
+        assert hit.prompt_logprobs == cold.prompt_logprobs
+
+
+def test_prompt_logprob_token_ids_are_checked_before_any_work(llm):
+    model = SimpleNamespace(max_logprobs=2, get_vocab_size=lambda: 10, max_model_len=4)
+    verify = lambda **kw: SamplingParams(**kw).verify(model)  # noqa: E731
+    assert SamplingParams(prompt_logprob_token_ids=[[], [3]]).prompt_logprob_token_ids.tolist(
+        ) == [[-1], [3]]
+    for bad, match in (([1, 2], r"shape \[num_rows, num_ids\]"), ([[], []], "non-empty"),
+                       ([[1.5]], "integer token ids"), ([[True]], "integer token ids"),
+                       ([[-2]], "out-of-vocab")):
+        with pytest.raises(ValidationError, match=match):
+            SamplingParams(prompt_logprob_token_ids=bad)
+    for bad, match in (([[10]], "out-of-vocab"), ([[1, 2, 3]], "at least 3"),
+                       ([[1]] * 4, "at most 3 scored rows")):
+        with pytest.raises(ValidationError, match=match):
+            verify(prompt_logprob_token_ids=bad)
+    with pytest.raises(ValidationError, match="requires prompt_logprobs or"):
+        SamplingParams(prompt_logprob_start=3)
+    with pytest.raises(ValidationError, match="non-negative"):
+        SamplingParams(prompt_logprobs=1, prompt_logprob_start=-1)
+    with pytest.raises(ValidationError, match="has 2 rows, but the prompt has 3 scored rows"):
+        llm.generate(PROMPTS[0], SamplingParams(prompt_logprob_token_ids=[[1], [2]]),
+                     use_tqdm=False)
+    assert not llm.engine.scheduler.has_unfinished()

@@ -21,6 +21,15 @@ def named_matrix(ids: list[tuple[int, ...]], rows: np.ndarray, num_rows: int) ->
     return out
 
 
+def gather_ids(scores: torch.Tensor, rows: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """`scores` [N, V] at rows `rows` [M] and ids `ids` [M, W] (-1 pads), on the host as
+    float32 [M, W], -inf at a pad."""
+    dev = scores.device
+    index = to_device(np.maximum(ids, 0).astype(np.int64), dev)
+    picked = scores[to_device(rows, dev)].gather(1, index)
+    return picked.masked_fill(to_device(ids < 0, dev), float("-inf")).float().cpu().numpy()
+
+
 def named_scores(lp: torch.Tensor, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows' logprobs `lp` [A, V] at `ids` [A, W] (-1 pads): their values [A, W] (-inf at a
     pad) and ranks [A, W] (1 = the most likely; tokens of equal logprob share the better

@@ -43,6 +43,9 @@ MODELS = {
     "Qwen/Qwen3-0.6B": "qwen3", "facebook/opt-125m": "opt",
 }
 REV = "0" * 40
+# stand-ins whose tests name token ids past 512: Qwen3's prompt_logprob_token_ids tests score
+# ids up to 10031 (its real vocabulary has 151936; the rest of the stand-in is as tiny)
+VOCAB = {"Qwen/Qwen3-0.6B": 16384}
 
 
 def _hub_entry(repo_id: str, family: str, seed: int) -> None:
@@ -50,8 +53,8 @@ def _hub_entry(repo_id: str, family: str, seed: int) -> None:
     repo = HUB / ("models--" + repo_id.replace("/", "--"))
     # rotary families get a real checkpoint's context (scripts ask for max_model_len=4096)
     longer = {"max_position_embeddings": 8192} if family in ("llama", "qwen3") else {}
-    made = make_tiny_model(HUB / "_made" / repo.name, family=family, vocab_size=512, seed=seed,
-                           **longer)
+    made = make_tiny_model(HUB / "_made" / repo.name, family=family,
+                           vocab_size=VOCAB.get(repo_id, 512), seed=seed, **longer)
     shutil.copytree(made, repo / "snapshots" / REV)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(REV)
