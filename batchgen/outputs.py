@@ -14,7 +14,9 @@ if TYPE_CHECKING:
 @dataclass
 class Logprob:
     """One token's log-probability (raw: before sampling processors), its rank in the
-    distribution (1 = most likely) and its text (None when detokenize=False)."""
+    distribution (1 = most likely) and its text as vLLM gives it (token_texts.py: a split
+    character completed by the tokens chosen before it, a word's leading space kept; None
+    when detokenize=False)."""
 
     logprob: float
     rank: int | None = None

@@ -21,7 +21,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model",),  # loading, the runner, step inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
-    ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.config",
+    ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
+     "batchgen.config",
      "batchgen.kv_plan", "batchgen.calls"),  # requests in and results out; settings and sizing
     ("batchgen.factory", "batchgen.progress",
      "batchgen.stats"),  # building an engine; a call's figures; request metrics

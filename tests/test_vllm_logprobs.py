@@ -9,10 +9,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from batchgen import LLM, SamplingParams
 from batchgen.checks import ValidationError
 from batchgen.outputs import FlatLogprobs
+from batchgen.token_texts import TokenTexts
+from batchgen.tools.make_tiny_model import build_tokenizer
 
 PROMPTS = [{"prompt_token_ids": [5, 17, 40, 9]}, {"prompt_token_ids": [6, 3, 43, 9, 11]}]
 NAMED = [7, 0, 299]
@@ -135,3 +139,21 @@ def test_prompt_logprob_token_ids_are_checked_before_any_work(llm):
         llm.generate(PROMPTS[0], SamplingParams(prompt_logprob_token_ids=[[1], [2]]),
                      use_tqdm=False)
     assert not llm.engine.scheduler.has_unfinished()
+
+
+def test_decoded_tokens_complete_split_characters_and_keep_word_spaces():
+    """vLLM's decoded_token: a token ending in an unfinished UTF-8 character is decoded after
+    the tokens chosen before it (the character once complete, "" before), and a
+    SentencePiece piece that starts a word keeps its space (decode drops it alone)."""
+    byte_level = build_tokenizer(512)
+    ids = byte_level("Emoji: 你好 ok", add_special_tokens=False).input_ids
+    texts = TokenTexts(byte_level)
+    pieces = [texts.text(t, ids[max(0, i - 4):i]) for i, t in enumerate(ids)]
+    assert "".join(pieces) == "Emoji: 你好 ok" and "\ufffd" not in "".join(pieces)
+    split = next(t for t in ids if byte_level.decode([t]) == "\ufffd")  # a split character
+    assert texts.text(split, []) == ""  # without context its bytes complete nothing
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "\u2581hello": 1, "\u2581world": 2, "x": 3},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    spaced = TokenTexts(PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]"))
+    assert [spaced.piece(t) for t in (1, 2, 3)] == [" hello", " world", "x"]
