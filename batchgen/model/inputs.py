@@ -56,11 +56,11 @@ class _Buffers:
         self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
                     if pin else self.host)
 
-    def holds(self, tokens: int, rows: int, pages: int, logits: int) -> bool:
-        """Whether a step of these sizes (padding included) fits."""
+    @property
+    def limits(self) -> tuple[int, int, int, int]:
+        """The largest step it holds: (tokens, rows, pages, logits rows), padding included."""
         z = self.sizes
-        return (tokens <= z["input_ids"] and rows < z["qo_indptr"] and pages <= z["kv_indices"]
-                and logits <= z["logits_indices"])
+        return z["input_ids"], z["qo_indptr"] - 1, z["kv_indices"], z["logits_indices"]
 
 
 def _sizes(max_tokens: int, max_seqs: int, max_pages: int, min_rows: int) -> dict[str, int]:
@@ -84,17 +84,17 @@ class StepInputs:
         self.min_rows = min_rows
         self.device = device
         self.main = _Buffers(_sizes(max_tokens, max_seqs, max_pages, min_rows), device)
+        self._main_limits = self.main.limits  # compared every step, without a call
         self.wide: _Buffers | None = None  # steps past `main` (made when first needed)
 
-    def _buffers(self, tokens: int, rows: int, pages: int, logits: int) -> _Buffers:
-        """`main` when the step fits it, else the wide set, (re)made at twice what it needs
-        when it does not fit that either."""
-        if self.main.holds(tokens, rows, pages, logits):
-            return self.main
-        if self.wide is None or not self.wide.holds(tokens, rows, pages, logits):
-            self.wide = _Buffers(_sizes(2 * tokens, 2 * rows, 2 * pages, self.min_rows),
-                                 self.device)
-        return self.wide
+    def _wide(self, tokens: int, rows: int, pages: int, logits: int) -> _Buffers:
+        """The set for a step past `main`, (re)made at twice what it needs when the last one
+        made does not hold it either."""
+        w = self.wide
+        if w is None or any(n > m for n, m in zip((tokens, rows, pages, logits), w.limits)):
+            self.wide = w = _Buffers(_sizes(2 * tokens, 2 * rows, 2 * pages, self.min_rows),
+                                     self.device)
+        return w
 
     def prepare(self, rows: StepRows, pad_to: int | None = None, pad: bool = True
                 ) -> StepBatch:
@@ -169,7 +169,9 @@ class StepInputs:
         """Write the packed arrays into the buffers; positions, slots and last-page lengths are
         computed vectorised."""
         t, s, p, r = len(ids), len(starts), len(pages), len(logits)
-        buf = self._buffers(t, s, p, r)
+        lim = self._main_limits
+        buf = (self.main if t <= lim[0] and s <= lim[1] and p <= lim[2] and r <= lim[3]
+               else self._wide(t, s, p, r))
         bs, a = self.block_size, buf.np
         a["input_ids"][:t] = ids
         a["qo_indptr"][:s + 1] = qo
