@@ -6,8 +6,10 @@ import enum
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
 from batchgen.id_table import as_id_table
@@ -71,6 +73,13 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
     check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value),
           name, "a non-empty string or a list of non-empty strings", value)
     return list(value)
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equal field values; arrays (prompt_logprob_token_ids' tables) by shape and ids."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return bool(a == b)
 
 
 def _logprob_ids(ids: object, logprobs: int | None) -> list[int] | None:
@@ -397,6 +406,16 @@ class SamplingParams(_Stops):
     def greedy(self) -> bool:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, as a dataclass compares; prompt_logprob_token_ids' tables by
+        value (numpy compares elementwise)."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(_same_value(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq is
 
     def verify(self, model_config: Any, speculative_config: Any = None,
                structured_outputs_config: Any = None, tokenizer: Any = None) -> None:

@@ -122,6 +122,8 @@ def test_prompt_logprob_token_ids_are_checked_before_any_work(llm):
     verify = lambda **kw: SamplingParams(**kw).verify(model)  # noqa: E731
     assert SamplingParams(prompt_logprob_token_ids=[[], [3]]).prompt_logprob_token_ids.tolist(
         ) == [[-1], [3]]
+    two = [SamplingParams(prompt_logprob_token_ids=[[1, 2], [3]]) for _ in range(2)]
+    assert two[0] == two[1] != SamplingParams(prompt_logprob_token_ids=[[1, 2], [4]])
     for bad, match in (([1, 2], r"shape \[num_rows, num_ids\]"), ([[], []], "non-empty"),
                        ([[1.5]], "integer token ids"), ([[True]], "integer token ids"),
                        ([[-2]], "out-of-vocab")):
