@@ -8,6 +8,8 @@ from collections.abc import Collection
 
 # torch.Generator.manual_seed takes [-2**63, 2**64); -1 means "no seed", as in vLLM.
 SEED_RANGE = (-(2**63), 2**64)
+# why an LLM has no tokenizer, in the messages of what needs one
+NO_TOKENIZER = "this LLM has no tokenizer (skip_tokenizer_init=True, or a model folder without one)"
 
 
 class ValidationError(ValueError):

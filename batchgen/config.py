@@ -89,6 +89,7 @@ class EngineConfig:
     generation_config: str = "auto"
     structured_outputs_config: object = None  # vLLM's: a dict (or its config) of defaults
     chat_template: str | None = None  # LLM.chat's template when a call gives none
+    skip_tokenizer_init: bool = False  # vLLM's: no tokenizer (token-id prompts, no text)
 
     @classmethod
     def from_llm_args(cls, given: dict[str, Any], extra: dict[str, Any]) -> EngineConfig:
@@ -148,6 +149,7 @@ class EngineConfig:
         check(is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs",
               "an integer >= -1 (-1: the whole vocabulary)", self.max_logprobs)
         check_flag(self.disable_log_stats, "disable_log_stats")
+        check_flag(self.skip_tokenizer_init, "skip_tokenizer_init")
         check(self.enable_chunked_prefill in (None, True, False), "enable_chunked_prefill",
               "None, True or False", self.enable_chunked_prefill)
         check_choice(self.scheduling_policy, "scheduling_policy", SCHEDULING_POLICIES)
@@ -155,6 +157,13 @@ class EngineConfig:
         _check_structured_config(self.structured_outputs_config)
         check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template",
               "None or a Jinja template string", self.chat_template)
+
+    @property
+    def disable_any_whitespace(self) -> bool:
+        """structured_outputs_config's engine-wide switch: JSON constraints of every request
+        compile without free whitespace (a request may also ask it alone)."""
+        return bool(_structured_fields(self.structured_outputs_config).get(
+            "disable_any_whitespace", False))
 
     def _check_async(self) -> None:
         """async_scheduling (the next step planned while this one's forward runs): True or
@@ -197,18 +206,26 @@ def _kv_cache_memory(kv_cache_memory: int | None, kv_cache_memory_bytes: int | N
     return kv_cache_memory if kv_cache_memory is not None else kv_cache_memory_bytes
 
 
-def _check_structured_config(value: object) -> None:
-    """vLLM's StructuredOutputsConfig (a dict, or an object with its fields): its backend must
-    be xgrammar's ("auto" picks it) and its other fields their defaults (per-request
-    StructuredOutputsParams set whitespace and properties here)."""
+def _structured_fields(value: object) -> dict[str, Any]:
+    """vLLM's StructuredOutputsConfig as a dict of its fields (a dict, or an object's)."""
     if value is None:
-        return
+        return {}
     fields = value if isinstance(value, dict) else getattr(value, "__dict__", None)
     check(isinstance(fields, dict), "structured_outputs_config",
           "None, a dict or a StructuredOutputsConfig", type(value).__name__)
-    for key, v in fields.items():
+    return fields
+
+
+def _check_structured_config(value: object) -> None:
+    """vLLM's StructuredOutputsConfig: its backend must be xgrammar's ("auto" picks it),
+    `disable_any_whitespace` a bool (vLLM's engine-wide switch: every request's JSON without
+    free whitespace), its other fields their defaults (per-request StructuredOutputsParams
+    set properties here)."""
+    for key, v in _structured_fields(value).items():
         if key == "backend":
             check_choice(v, "structured_outputs_config.backend", STRUCTURED_BACKENDS)
+        elif key == "disable_any_whitespace":
+            check_flag(v, "structured_outputs_config.disable_any_whitespace")
         else:
             check(not v, f"structured_outputs_config.{key}", "its default (set it per request "
                   "in StructuredOutputsParams)", v)

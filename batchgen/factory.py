@@ -55,6 +55,7 @@ from batchgen.model.shared import (
 from batchgen.model.state_probe import config_state, fill_specs, probe_layers
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
+from batchgen.sampling.grammar import Grammars
 from batchgen.sampling.sampler import Sampler
 from batchgen.sampling.stop import StopFactory
 from batchgen.state.cache import StateCache
@@ -321,7 +322,7 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
     if plan.device.type == "cpu":
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
     tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
-                 if plan.tokenizer_path is not None else None)
+                 if plan.tokenizer_path is not None and not cfg.skip_tokenizer_init else None)
     if plan.module is not None:  # the caller's model: no load, its attention switched per forward
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
     else:
@@ -393,6 +394,7 @@ class EngineShape:
     state_grid: int = 0  # their prefills are cut on multiples of this (state/snapshots.py)
     max_logprobs: int = 20  # vLLM's: most logprobs / prompt_logprobs a request asks (-1: any)
     scheduling_policy: str = "fcfs"  # or "priority": lower priority starts first
+    disable_any_whitespace: bool = False  # every JSON constraint without free whitespace
 
 
 def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> Engine:
@@ -418,9 +420,11 @@ def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
     result builder (finished groups to outputs)."""
     stops = StopFactory(tokenizer, shape.eos_token_ids)
     limits = Limits(shape.max_model_len, shape.vocab_size, shape.block_size, shape.num_blocks,
-                    shape.max_num_seqs, shape.max_num_batched_tokens, shape.max_logprobs)
-    return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id),
-            ResultBuilder(tokenizer, stops))
+                    shape.max_num_batched_tokens, shape.max_logprobs)
+    grammars = Grammars(tokenizer, shape.vocab_size, shape.eos_token_ids,
+                        shape.disable_any_whitespace)
+    return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id,
+                           grammars), ResultBuilder(tokenizer, stops))
 
 
 @dataclass(frozen=True)
@@ -506,7 +510,8 @@ def _engine_shape(cfg: EngineConfig, pool: PoolSize, parts: ModelParts, device: 
                        cfg.max_num_batched_tokens, parts.vocab_size, parts.eos_token_ids,
                        _prefix_caching(cfg, state), pool.num_host_blocks, cfg.preemption_mode,
                        device, cfg.logprobs_mode, state.bytes_per_seq if state else 0,
-                       _state_grid(cfg, state), cfg.max_logprobs, cfg.scheduling_policy)
+                       _state_grid(cfg, state), cfg.max_logprobs, cfg.scheduling_policy,
+                       cfg.disable_any_whitespace)
 
 
 def _prefix_caching(cfg: EngineConfig, state: StateLayout | None) -> bool:

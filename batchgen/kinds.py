@@ -21,6 +21,7 @@ from batchgen.engine.sequence import RowSpec, Sequence, SequenceGroup
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, ControlSpec, SamplingParams, StructuredOutputsParams
 from batchgen.sampling.grammar import Constraint
+from batchgen.sampling.named_logprobs import NAMED_LOGPROBS
 from batchgen.sampling.sampler import NO_LOGPROBS, NUM_PARAMS, PARAM_NAMES
 from batchgen.sampling.stop import StopFactory
 
@@ -58,7 +59,7 @@ class Samples:
     params_arg = "sampling_params"  # the argument's name in messages
     width_arg = "n"
 
-    def check(self, params: SamplingParams, step_limit: int) -> None:
+    def check(self, params: SamplingParams, step_tokens: int) -> None:
         """Limits beyond the params' own checks: best_of (vLLM V0's) asking for more samples
         than n is refused, as vLLM V1 refuses it (samples decode independently: no limit)."""
         b = params.best_of
@@ -78,7 +79,7 @@ class Samples:
         group.spec = sample_spec(p, max_tokens, bool(group.bad_word_ids))
         group.seqs = [
             Sequence(group, k, list(ids), b.stops(p, ids, max_tokens) if p.stop_strings else None,
-                     b.seed_of(p.seed, k), logprobs=[] if p.logprobs is not None else None)
+                     b.seed_of(p.seed, k), logprobs=[] if p.num_logprobs is not None else None)
             for k in range(p.n)]
         _constrain(b, group)
         return group
@@ -95,12 +96,13 @@ class Beams:
     params_arg = "params"
     width_arg = "beam_width"
 
-    def check(self, params: BeamSearchParams, step_limit: int) -> None:
-        """All beams of a group decode in the same step."""
-        if params.beam_width > step_limit:
-            raise ValueError(f"beam_width must be <= max_num_seqs and max_num_batched_tokens "
-                             f"({step_limit}): all beams decode together, got "
-                             f"{params.beam_width!r}")
+    def check(self, params: BeamSearchParams, step_tokens: int) -> None:
+        """All beams of a group decode in one forward: their tokens must fit a step's
+        (max_num_batched_tokens sizes the forward's buffers). Wider than max_num_seqs is
+        fine: such a group decodes in a step of its own (engine/scheduler.py)."""
+        if params.beam_width > step_tokens:
+            raise ValueError(f"beam_width must be <= max_num_batched_tokens ({step_tokens}): "
+                             f"all beams decode in one forward, got {params.beam_width!r}")
 
     def group(self, b: Builder, index: int, text: str | None, ids: list[int],
               p: BeamSearchParams, max_tokens: int) -> SequenceGroup:
@@ -147,8 +149,17 @@ def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
         or p.frequency_penalty != 0.0,
         controls=bool(p.allowed_token_ids or p.logit_bias or p.logits_processors or bad_words),
         stop_strings=bool(p.stop_strings), max_tokens=max_tokens, min_tokens=p.min_tokens,
-        ignore_eos=p.ignore_eos, logprobs=NO_LOGPROBS if p.logprobs is None else p.logprobs,
-        stop_ids=tuple(p.stop_ids), constrained=p.structured_outputs is not None)
+        ignore_eos=p.ignore_eos, logprobs=_logprobs_column(p),
+        logprob_ids=tuple(p.logprob_token_ids or ()), stop_ids=tuple(p.stop_ids),
+        constrained=p.structured_outputs is not None)
+
+
+def _logprobs_column(p: SamplingParams) -> int:
+    """The batch's logprobs column of a request: NO_LOGPROBS, its top-k (-1: all), or
+    NAMED_LOGPROBS when it names the token ids (vLLM's logprob_token_ids)."""
+    if p.logprob_token_ids:
+        return NAMED_LOGPROBS
+    return NO_LOGPROBS if p.logprobs is None else p.logprobs
 
 
 def beam_state(b: Builder, p: BeamSearchParams, ids: list[int], max_tokens: int

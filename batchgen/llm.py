@@ -42,8 +42,7 @@ STREAM_WINDOW = 2
 
 
 class LLM:
-    """A local HF model folder (or a loaded transformers model, used as it is) served from one
-    paged KV pool.
+    """A local HF model folder (or a loaded transformers model, as it is) on one paged KV pool.
 
     >>> llm = LLM("path/to/model")
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
@@ -67,7 +66,8 @@ class LLM:
                  max_logprobs: int = 20, disable_log_stats: bool = True,
                  enable_chunked_prefill: bool | None = None, scheduling_policy: str = "fcfs",
                  generation_config: str = "auto", structured_outputs_config: Any = None,
-                 chat_template: str | None = None, **engine_args: Any) -> None:
+                 chat_template: str | None = None, skip_tokenizer_init: bool = False,
+                 **engine_args: Any) -> None:
         configure_logging()
         cfg = EngineConfig.from_llm_args(locals(), engine_args)  # vLLM's others: default or refused
         self.chat_template = chat_template
@@ -87,9 +87,8 @@ class LLM:
         parts = built.parts
         self.model, self.tokenizer = parts.model, parts.tokenizer
         self.generation_config, self.eos_token_ids = parts.generation_config, parts.eos_token_ids
-        self.vocab_size = parts.vocab_size
+        self.vocab_size, self.max_model_len = parts.vocab_size, built.max_model_len
         self.cache, self.cache_config = built.cache, built.cache_config
-        self.max_model_len = built.max_model_len
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.attention_backend = built.attention_backend
         self.engine, self.requests, self.results = built.engine, built.requests, built.results
@@ -234,7 +233,8 @@ class LLM:
         return self._stats.metrics()
 
     def get_tokenizer(self):
-        """The HF tokenizer prompts are encoded with (None for a folder without one)."""
+        """The HF tokenizer prompts are encoded with (None for a folder without one, or with
+        `skip_tokenizer_init=True`)."""
         return self.tokenizer
 
     def __repr__(self) -> str:

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, MutableSequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
 class Logprob:
     """One token's log-probability (raw: before sampling processors), its rank in the
-    distribution (1 = most likely) and its text (None when detokenize=False)."""
+    distribution (1 = most likely) and its text as vLLM gives it (token_texts.py: a split
+    character completed by the tokens chosen before it, a word's leading space kept; None
+    when detokenize=False)."""
 
     logprob: float
     rank: int | None = None
@@ -21,6 +27,65 @@ TokenLogprobs = dict[int, Logprob]  # a position's chosen token and its top-k al
 
 
 @dataclass
+class FlatLogprobs(MutableSequence):
+    """vLLM's flat logprobs (`SamplingParams(flat_logprobs=True)`): every position's
+    entries in six flat lists, so a request's logprobs are a handful of objects however
+    long it runs, not a dict and Logprob objects per position. Read it as the list it
+    stands for: `flat[i]` is position i's {token: Logprob} (`{}` for a position without),
+    slices are FlatLogprobs, iteration yields the dicts; it is built once, not edited."""
+
+    start_indices: list[int] = field(default_factory=list)  # position i's entries are
+    end_indices: list[int] = field(default_factory=list)  # [start_indices[i], end_indices[i])
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+    def append(self, position: TokenLogprobs | None) -> None:
+        """Add the next position's entries (None: a position without logprobs)."""
+        self.add((t, lp.logprob, lp.rank, lp.decoded_token)
+                 for t, lp in (position or {}).items())
+
+    def add(self, entries: Iterable[tuple[int, float, int | None, str | None]]) -> None:
+        """Add the next position from (token, logprob, rank, decoded token) entries, making
+        no Logprob objects."""
+        self.start_indices.append(len(self.token_ids))
+        for token, logprob, rank, text in entries:
+            self.token_ids.append(token)
+            self.logprobs.append(logprob)
+            self.ranks.append(rank)
+            self.decoded_tokens.append(text)
+        self.end_indices.append(len(self.token_ids))
+
+    def __len__(self) -> int:
+        return len(self.start_indices)
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            part = FlatLogprobs()
+            for i in range(*index.indices(len(self))):
+                part.append(self[i])
+            return part
+        at = range(self.start_indices[index], self.end_indices[index])
+        return {self.token_ids[i]: Logprob(self.logprobs[i], self.ranks[i],
+                                           self.decoded_tokens[i]) for i in at}
+
+    def __setitem__(self, index: Any, value: Any) -> None:
+        raise TypeError("FlatLogprobs is built once: its positions cannot be set")
+
+    def __delitem__(self, index: Any) -> None:
+        raise TypeError("FlatLogprobs is built once: its positions cannot be deleted")
+
+    def insert(self, index: int, value: Any) -> None:
+        raise TypeError("FlatLogprobs grows by append only")
+
+
+# vLLM's names of the two containers' types (a sample's per token, a prompt's per position)
+SampleLogprobs = FlatLogprobs | list[TokenLogprobs]
+PromptLogprobs = FlatLogprobs | list[TokenLogprobs | None]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sample of a request."""
 
@@ -28,7 +93,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[TokenLogprobs] | None
+    logprobs: list[TokenLogprobs] | FlatLogprobs | None  # flat with flat_logprobs=True
     finish_reason: str | None  # "stop" | "length"
     stop_reason: int | str | None = None  # the stop id or stop string that ended it
 
@@ -92,8 +157,11 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | FlatLogprobs | None = None
     metrics: RequestMetrics | None = None  # with LLM(disable_log_stats=False) only
+    # vLLM's: with prompt_logprob_token_ids, float32 [rows, ids]: row i scores the ids named
+    # for prompt position prompt_logprob_start + i + 1 (-inf at a -1 pad)
+    prompt_token_id_logprobs: np.ndarray | None = None
 
 
 @dataclass

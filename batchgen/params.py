@@ -6,10 +6,14 @@ import enum
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 from batchgen.checks import check, check_flag, check_seed, is_int, is_number
+from batchgen.id_table import as_id_table
+from batchgen.param_bounds import check_model_bounds
 
 # vLLM's per-request logits processors: (output_token_ids, logits) -> logits, or
 # (prompt_token_ids, output_token_ids, logits) -> logits; logits is the row's float32 [V].
@@ -26,6 +30,8 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_TEMPERATURE = 0.01
 # Most top-k alternatives a beam records per token (vLLM's default max_logprobs).
 MAX_BEAM_LOGPROBS = 20
+# Most token ids SamplingParams.logprob_token_ids may name (vLLM's MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -41,13 +47,8 @@ class RequestOutputKind(enum.IntEnum):
 # default first), anything else a ValueError naming the field.
 _OFF_ONLY: dict[str, tuple[object, ...]] = {
     "watermarking": (None, False),
-    "prompt_logprob_token_ids": (None,),
-    "prompt_logprob_start": (None,),  # batchgen's prompt_logprobs_start does this
-    "logprob_token_ids": (None,),
-    "flat_logprobs": (False,),
     "spaces_between_special_tokens": (True,),
     "output_text_buffer_length": (0,),
-    "skip_reading_prefix_cache": (None, False),
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,),
@@ -72,6 +73,33 @@ def _as_str_list(value: str | list[str] | None, name: str) -> list[str]:
     check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value),
           name, "a non-empty string or a list of non-empty strings", value)
     return list(value)
+
+
+def _same_value(a: object, b: object) -> bool:
+    """Equal field values; arrays (prompt_logprob_token_ids' tables) by shape and ids."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    return bool(a == b)
+
+
+def _logprob_ids(ids: object, logprobs: int | None) -> list[int] | None:
+    """vLLM's logprob_token_ids: None or up to MAX_LOGPROB_TOKEN_IDS token ids (each token's
+    logprobs name exactly these, beside its own); with `logprobs` set too, as many as it
+    says. An empty list names none (None). Ids past the vocabulary are refused at
+    generate, where it is known."""
+    if ids is None:
+        return None
+    check(isinstance(ids, (list, tuple)) and all(is_int(t) for t in ids), "logprob_token_ids",
+          "None or a list of token ids", ids)
+    bad = [t for t in ids if t < 0]
+    check(not bad, "logprob_token_ids", "token ids >= 0 (token_id(s) "
+          f"{bad} in logprob_token_ids contain out-of-vocab token ids)", ids)
+    check(len(ids) <= MAX_LOGPROB_TOKEN_IDS, "logprob_token_ids",
+          f"at most {MAX_LOGPROB_TOKEN_IDS} token ids (vLLM's bound)", len(ids))
+    check(logprobs is None or logprobs == len(ids), "logprob_token_ids",
+          f"as long as logprobs={logprobs} when both are set (logprobs must equal "
+          "len(logprob_token_ids))", len(ids))
+    return [int(t) for t in ids] or None
 
 
 def _as_id_list(value: list[int] | None, name: str) -> list[int]:
@@ -262,9 +290,33 @@ class SamplingParams(_Stops):
         check(si is None or (is_int(si) and si >= 1), "stream_interval",
               "None or an integer >= 1", si)
         check_flag(self.skip_clone, "skip_clone")
+        check_flag(self.flat_logprobs, "flat_logprobs")
+        self.logprob_token_ids = _logprob_ids(self.logprob_token_ids, self.logprobs)
+        check(self.skip_reading_prefix_cache in (None, True, False), "skip_reading_prefix_cache",
+              "None, True or False", self.skip_reading_prefix_cache)
+        self.prompt_logprob_token_ids = as_id_table(self.prompt_logprob_token_ids)
+        self._check_prompt_start()
         check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
               "None or a dict", self.extra_args)
         _check_off(self, _OFF_ONLY, "SamplingParams")
+
+    def _check_prompt_start(self) -> None:
+        """vLLM's prompt_logprob_start (a row: positions up to and including it are not
+        scored) becomes batchgen's prompt_logprobs_start (the first position scored, one
+        more), for prompt_logprobs and prompt_logprob_token_ids alike."""
+        s = self.prompt_logprob_start
+        if s is None:
+            return
+        scored = self.prompt_logprobs is not None or self.prompt_logprob_token_ids is not None
+        check(scored, "prompt_logprob_start", "None unless prompt_logprobs or "
+              "prompt_logprob_token_ids is set (prompt_logprob_start requires prompt_logprobs "
+              "or prompt_logprob_token_ids)", s)
+        check(is_int(s) and s >= 0, "prompt_logprob_start", "an integer >= 0 (non-negative)",
+              s)
+        check(self.prompt_logprobs_start in (0, s + 1), "prompt_logprob_start",
+              f"prompt_logprobs_start - 1 ({self.prompt_logprobs_start - 1}) when both are "
+              "set (the same start, numbered by the row)", s)
+        self.prompt_logprobs_start = s + 1
 
     def _check_sampling(self) -> None:
         """n, temperature and the warpers and penalties."""
@@ -313,8 +365,9 @@ class SamplingParams(_Stops):
               "None, -1 (max_model_len) or an integer >= 1", t)
         start = self.prompt_logprobs_start
         check(is_int(start) and start >= 0, "prompt_logprobs_start", "an integer >= 0", start)
-        check(start == 0 or self.prompt_logprobs is not None, "prompt_logprobs_start",
-              "0 unless prompt_logprobs is set", start)
+        check(start == 0 or self.prompt_logprobs is not None
+              or self.prompt_logprob_token_ids is not None, "prompt_logprobs_start",
+              "0 unless prompt_logprobs or prompt_logprob_token_ids is set", start)
 
     def _check_controls(self) -> None:
         """logit_bias, allowed_token_ids, bad_words, logits_processors (vLLM's forms)."""
@@ -353,6 +406,33 @@ class SamplingParams(_Stops):
     def greedy(self) -> bool:
         """Temperature 0 means argmax, as in vLLM."""
         return self.temperature == 0
+
+    def __eq__(self, other: object) -> bool:
+        """Field by field, as a dataclass compares; prompt_logprob_token_ids' tables by
+        value (numpy compares elementwise)."""
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        return all(_same_value(getattr(self, f.name), getattr(other, f.name))
+                   for f in fields(self))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as a dataclass with eq is
+
+    def verify(self, model_config: Any, speculative_config: Any = None,
+               structured_outputs_config: Any = None, tokenizer: Any = None) -> None:
+        """vLLM's check of these params against a model config (an object with
+        `max_logprobs` and `get_vocab_size()`, as vLLM's ModelConfig): the checks batchgen
+        runs at generate, a ValidationError naming the field. Speculative decoding,
+        structured-output engines and the tokenizer have nothing more to check here."""
+        check_model_bounds(self, model_config.get_vocab_size(), model_config.max_logprobs,
+                           getattr(model_config, "max_model_len", None))
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprobs each generated token carries beside its own (vLLM's): `logprobs`, else
+        as many as `logprob_token_ids` names, else None (none asked)."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def width(self) -> int:
@@ -515,5 +595,7 @@ class BeamSearchParams(_Stops):
     stop_min_tokens = property(lambda self: 0, doc="Stop strings count from the first token "
                                "(HF's StopStringCriteria ignores min_new_tokens).")
     prompt_logprobs = property(lambda self: None, doc="Beams score no prompt tokens.")
+    prompt_logprob_token_ids = property(lambda self: None, doc="Nor named ids of them.")
+    skip_reading_prefix_cache = property(lambda self: None, doc="Beams read the prefix cache.")
     truncate_prompt_tokens = property(lambda self: None, doc="Prompts are never truncated.")
     logit_bias = property(lambda self: None, doc="Beams take no logit controls.")

@@ -11,10 +11,12 @@ from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
 
-from batchgen.checks import ValidationError, check, check_type
+from batchgen.checks import NO_TOKENIZER, ValidationError, check_type
 from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
+from batchgen.id_table import check_table_rows
 from batchgen.kinds import RequestKind
+from batchgen.param_bounds import check_model_bounds
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from batchgen.prompts import Conversation, PromptType, TokensPrompt
 from batchgen.sampling.grammar import Constraint, Grammars
@@ -31,7 +33,6 @@ class Limits:
     vocab_size: int
     block_size: int
     num_blocks: int
-    max_num_seqs: int
     max_num_batched_tokens: int
     max_logprobs: int = 20  # vLLM's: the most (prompt) logprobs a request may ask; -1: any
 
@@ -41,7 +42,7 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: Any, limits: Limits, stops: StopFactory,
                  eos_token_ids: list[int], seed: int | None = 0,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, grammars: Grammars | None = None) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
         self.stops = stops
@@ -50,7 +51,7 @@ class RequestBuilder:
         self.pad_token_id = pad_token_id if pad_token_id is not None else (
             eos_token_ids[0] if eos_token_ids else 0)
         # structured outputs: one xgrammar compiler, made on the first constrained request
-        self.grammars = Grammars(tokenizer, limits.vocab_size, eos_token_ids)
+        self.grammars = grammars or Grammars(tokenizer, limits.vocab_size, eos_token_ids)
         # unseeded samples draw their seeds here: reproducible under the LLM's seed, in the
         # order requests are built (seed None: from the OS)
         self._rng = random.Random(seed)
@@ -107,7 +108,7 @@ class RequestBuilder:
         messages) or a list of them."""
         tok = self.tokenizer
         if tok is None:
-            raise ValueError("chat needs a tokenizer; the model folder has none")
+            raise ValueError(f"chat renders a chat template: {NO_TOKENIZER}")
         if chat_template is None and not getattr(tok, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template: pass chat_template= "
                              "(a Jinja template string) to chat()")
@@ -164,8 +165,8 @@ class RequestBuilder:
         todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
             if self.tokenizer is None:
-                raise ValueError("prompts must be token ids ({'prompt_token_ids': [...]}): the "
-                                 "model folder has no tokenizer")
+                raise ValueError("prompts must be token ids ({'prompt_token_ids': [...]}): "
+                                 f"{NO_TOKENIZER}")
             enc = self.tokenizer([texts[i] for i in todo])["input_ids"]
             for i, e in zip(todo, enc):
                 ids[i] = list(e)
@@ -189,14 +190,16 @@ class RequestBuilder:
                                   f"{lim.max_model_len}, leaving no room to generate (the "
                                   f"maximum context length is {lim.max_model_len} tokens)",
                                   parameter="prompts")
+        check_table_rows(p.prompt_logprob_token_ids, len(ids), p.prompt_logprobs_start
+                         if p.prompt_logprob_token_ids is not None else 0)
         if p.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; the model folder has none "
-                             "(use stop_token_ids)")
+            raise ValueError(f"stop strings are matched on text: {NO_TOKENIZER} (use "
+                             "stop_token_ids)")
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
         arg = kind.width_arg
-        kind.check(p, min(lim.max_num_seqs, lim.max_num_batched_tokens))
+        kind.check(p, lim.max_num_batched_tokens)
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
         if need > lim.num_blocks:
             raise ValueError(
@@ -206,19 +209,12 @@ class RequestBuilder:
         return t
 
     def _check_vocab(self, p: Params) -> None:
-        """Token ids and counts a request names must fit the vocabulary."""
-        vocab = self.limits.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            check(k is None or k <= vocab, name, f"<= the vocabulary size {vocab}", k)
-            _check_max_logprobs(name, k, self.limits.max_logprobs, vocab)
-        for name in ("allowed_token_ids", "logit_bias", "stop_token_ids"):
-            ids = list(getattr(p, name) or ())
-            if any(t >= vocab for t in ids):
-                raise ValueError(f"{name} has token id {max(ids)} outside the model's "
-                                 f"vocabulary [0, {vocab})")
+        """Token ids and counts a request names must fit the vocabulary (and max_logprobs);
+        what needs a tokenizer must have one; a grammar must compile."""
+        check_model_bounds(p, self.limits.vocab_size, self.limits.max_logprobs,
+                           self.limits.max_model_len)
         if p.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer; the model folder has none")
+            raise ValueError(f"bad_words are tokenized: {NO_TOKENIZER}")
         if p.structured_outputs is not None:  # compiled now: a bad one fails before any work
             self.grammars.compile(p.structured_outputs)
 
@@ -246,19 +242,6 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
-
-
-def _check_max_logprobs(name: str, k: int | None, most: int, vocab: int) -> None:
-    """vLLM's bound: a request asks at most the LLM's max_logprobs (-1 there: the vocabulary)
-    sample or prompt logprobs, -1 counting as the vocabulary; in vLLM's words."""
-    if not k or not isinstance(k, int):
-        return
-    asked, most = (vocab if k == -1 else k), (vocab if most == -1 else most)
-    if asked > most:
-        what = "sample" if name == "logprobs" else "prompt"
-        raise ValidationError(f"Requested {what} logprobs of {asked}, which is greater than max "
-                              f"allowed: {most} ({name}; raise LLM(max_logprobs=...))",
-                              parameter=name, value=asked)
 
 
 def _label(at: int | str) -> str:

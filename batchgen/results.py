@@ -12,12 +12,14 @@ from batchgen.outputs import (
     BeamSearchOutput,
     BeamSequence,
     CompletionOutput,
+    FlatLogprobs,
     Logprob,
     RequestOutput,
     TokenLogprobs,
 )
 from batchgen.sampling.sampler import RankedLogprobs
 from batchgen.sampling.stop import StopFactory
+from batchgen.token_texts import MAX_CONTEXT, TokenTexts
 
 
 class ResultBuilder:
@@ -27,6 +29,7 @@ class ResultBuilder:
     def __init__(self, tokenizer: Any | None, stops: StopFactory) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.texts = TokenTexts(tokenizer) if tokenizer is not None else None
         # batchgen reports a sample's cumulative logprob always; vLLM (vllm_compat) only
         # when the request asked for logprobs (None otherwise)
         self.cumulative_without_logprobs = True
@@ -34,22 +37,23 @@ class ResultBuilder:
     def request_output(self, group: SequenceGroup) -> RequestOutput:
         """The finished group's samples: text decoded once (or a stop-string checker's), the
         Logprob objects built now from the steps' top-logprob records."""
-        decode = self._decoder(group.params.detokenize)
+        texts = self.texts if group.params.detokenize else None
+        flat = group.params.flat_logprobs
         outs = [CompletionOutput(
             index=s.index, text=self._text(s), token_ids=s.output_token_ids,
             cumulative_logprob=(s.cumulative_logprob if s.logprobs is not None
                                 or self.cumulative_without_logprobs else None),
-            logprobs=None if s.logprobs is None else [_logprobs(top.entry(j), decode)
-                                                      for top, j in s.logprobs],
+            logprobs=None if s.logprobs is None else _positions(
+                [top.entry(j) for top, j in s.logprobs], s.output_token_ids, texts, flat),
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in group.seqs]
         prompt_lps = None
         if group.prompt_logprobs is not None:
-            prompt_lps = [None if e is None else _logprobs(e, decode)
-                          for e in group.prompt_logprobs]
+            prompt_lps = _positions(group.prompt_logprobs, group.prompt_token_ids, texts, flat)
         return RequestOutput(request_id=str(group.index), prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              num_cached_tokens=group.num_cached_tokens or 0,
-                             prompt_logprobs=prompt_lps, metrics=group.metrics)
+                             prompt_logprobs=prompt_lps, metrics=group.metrics,
+                             prompt_token_id_logprobs=group.prompt_token_id_logprobs)
 
     def _text(self, seq: Sequence) -> str:
         """A sample's output text: its checker's (stop strings cut it), else one decode."""
@@ -62,13 +66,12 @@ class ResultBuilder:
     def beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
         policy = group.policy
         assert isinstance(policy, BeamPolicy)
-        decode = self._decoder(True)
         seqs = [BeamSequence(
             token_ids=h.token_ids,
             text=self._beam_text(group, h.token_ids, h.finish_reason),
             cumulative_logprob=h.sum_logprobs, score=h.score, finish_reason=h.finish_reason,
-            logprobs=[_logprobs(lp.entry(t), decode) for t, lp in zip(h.token_ids,
-                                                                      h.token_logprobs)],
+            logprobs=_positions([lp.entry(t) for t, lp in zip(h.token_ids, h.token_logprobs)],
+                                h.token_ids, self.texts, False),
             prompt_token_ids=group.prompt_token_ids)
             for h in policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
@@ -84,18 +87,6 @@ class ResultBuilder:
             return self.stops.text(p, prompt, token_ids)
         return self.stops.output_text(p, prompt, token_ids, reason == "stop")
 
-    def _decoder(self, detokenize: bool):
-        """token id -> its text (memoised for one output), or None without text."""
-        if self.tokenizer is None or not detokenize:
-            return lambda token: None
-        memo: dict[int, str] = {}
-
-        def decode(token: int) -> str:
-            if token not in memo:
-                memo[token] = self.tokenizer.decode([token])
-            return memo[token]
-        return decode
-
 
 def _grammar_accepts(group: SequenceGroup, h: BeamHypothesis) -> bool:
     """Whether a hypothesis keeps to the group's constraint (always, without one). When
@@ -108,5 +99,20 @@ def _grammar_accepts(group: SequenceGroup, h: BeamHypothesis) -> bool:
     return h.sum_logprobs > IMPOSSIBLE / 2 and all(c.accept(t) for t in h.token_ids)
 
 
-def _logprobs(entry: RankedLogprobs, decode) -> TokenLogprobs:
-    return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entry.items()}
+def _positions(entries: list[RankedLogprobs | None], chosen: list[int],
+               texts: TokenTexts | None, flat: bool) -> list[TokenLogprobs | None] | FlatLogprobs:
+    """Positions' logprobs as vLLM returns them: a list of {token: Logprob} (None where a
+    position has none), or with `flat` one FlatLogprobs of them all. `chosen[i]`: the token
+    at position i, whose predecessors (from the first scored position) give a token its text
+    (texts None: no text)."""
+    first = next((i for i, e in enumerate(entries) if e is not None), 0)
+    out: list[TokenLogprobs | None] | FlatLogprobs = FlatLogprobs() if flat else []
+    for i, e in enumerate(entries):
+        context = chosen[max(first, i - MAX_CONTEXT):i]
+        rows = [(t, lp, rank, None if texts is None else texts.text(t, context))
+                for t, (lp, rank) in (e or {}).items()]
+        if flat:
+            out.add(rows)
+        else:
+            out.append(None if e is None else {t: Logprob(lp, r, s) for t, lp, r, s in rows})
+    return out

@@ -151,6 +151,26 @@ def test_step_inputs_match_block_tables():
     assert batch.logits_indices.tolist() == [3, 11] and batch.num_logits == 2  # a's, then b's
 
 
+def test_a_step_wider_than_the_buffers_packs_as_into_buffers_sized_for_it():
+    """A beam group wider than max_num_seqs decodes in one step: its rows go into a second,
+    wider set of buffers, packed as buffers sized for them would hold them; narrower steps
+    keep the first set (CUDA graphs captured its addresses)."""
+    bm = BlockManager(32, 4)
+    for name in "abcde":
+        bm.allocate(name, 6)
+    chunks = [SeqChunk([i + 3], bm.table(name), 5, 1) for i, name in enumerate("abcde")]
+    inputs = StepInputs(8, 2, 4, 4, 10**6, 0, torch.device("cpu"))
+    wide, sized = inputs.prepare(StepRows.from_chunks(chunks)), prepare(chunks, 4)
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices"):
+        assert getattr(wide, name).tolist() == getattr(sized, name).tolist()
+    assert wide.meta.as_lists() == sized.meta.as_lists()
+    assert inputs.wide is not None and wide.input_ids.data_ptr() == inputs.wide.host[
+        "input_ids"].data_ptr()
+    narrow = inputs.prepare(StepRows.from_chunks(chunks[:2]))
+    assert narrow.input_ids.data_ptr() == inputs.main.host["input_ids"].data_ptr()
+    assert narrow.meta.kv_indices.tolist() == bm.table("a") + bm.table("b")
+
+
 def test_tiny_steps_are_padded_in_the_scratch_block():
     bm = BlockManager(8, 4)
     bm.allocate("a", 6)

@@ -99,3 +99,29 @@ def test_async_scheduling_on_cuda_equals_the_serial_engine(model_dir, prompts):
                         for sp in sps for o in llm.generate(reqs, sp, use_tqdm=False)])
     assert results[0] == results[1]
     assert llm.engine.overlap.steps_blind > 0 and llm.engine.overlap.steps_dropped == 0
+
+
+def test_wide_beams_and_named_logprobs_on_cuda(model_dir, prompts):
+    """A beam group wider than max_num_seqs decodes in a step of its own, in the second set
+    of step buffers (pinned host + device): the beams of a roomy engine. Named ids' logprobs
+    (samples and prompt rows) are those of the whole distribution on the same device."""
+    reqs = [{"prompt_token_ids": p} for p in prompts[:2]]
+    bp = BeamSearchParams(beam_width=4, max_tokens=10)
+    narrow = LLM(model_dir, device="cuda", num_kv_blocks=512, max_num_seqs=2, max_logprobs=-1)
+    roomy = LLM(model_dir, device="cuda", num_kv_blocks=512)
+    assert [[s.token_ids for s in o.sequences] for o in narrow.beam_search(reqs, bp)] == [
+        [s.token_ids for s in o.sequences] for o in roomy.beam_search(reqs, bp)]
+    assert narrow.engine.runner.inputs.wide is not None
+    ids = [7, 0, 500]
+    p = reqs[0]["prompt_token_ids"]
+    full = narrow.generate(reqs[0], SamplingParams(temperature=0, max_tokens=4, logprobs=-1,
+                                                   prompt_logprobs=-1), use_tqdm=False)[0]
+    named = narrow.generate(reqs[0], SamplingParams(
+        temperature=0, max_tokens=4, logprob_token_ids=ids,
+        prompt_logprob_token_ids=[ids] * (len(p) - 1)), use_tqdm=False)[0]
+    for pos, whole in zip(named.outputs[0].logprobs, full.outputs[0].logprobs):
+        for t, lp in pos.items():
+            assert lp.rank == whole[t].rank
+            assert lp.logprob == pytest.approx(whole[t].logprob, abs=1e-5)
+    want = [full.prompt_logprobs[i + 1][t].logprob for i in range(len(p) - 1) for t in ids]
+    assert named.prompt_token_id_logprobs.ravel().tolist() == pytest.approx(want, abs=1e-5)

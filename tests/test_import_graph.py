@@ -14,14 +14,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
-     "batchgen.outputs", "batchgen.defaults", "batchgen.threads",
+     "batchgen.outputs", "batchgen.defaults", "batchgen.threads", "batchgen.param_bounds", "batchgen.id_table",
      "batchgen.vllm_args"),  # values and utilities; vLLM's argument names
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model",),  # loading, the runner, step inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
-    ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.config",
+    ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
+     "batchgen.config",
      "batchgen.kv_plan", "batchgen.calls"),  # requests in and results out; settings and sizing
     ("batchgen.factory", "batchgen.progress",
      "batchgen.stats"),  # building an engine; a call's figures; request metrics

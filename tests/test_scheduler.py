@@ -201,6 +201,39 @@ def test_a_group_wider_than_max_num_seqs_is_preempted_and_readmitted():
     _assert_whole(llm)
 
 
+def test_a_beam_group_wider_than_max_num_seqs_decodes_in_a_step_of_its_own():
+    """vLLM runs beam_width above max_num_seqs (its beams are requests, run in waves); here a
+    group's beams decode in one step, so a group wider than max_num_seqs decodes alone.
+    Beside older samples and a narrower beam group, in the pool the wide group alone needs
+    (they preempt each other), every output equals its reference and every other step keeps
+    to max_num_seqs rows."""
+    from batchgen.kinds import BEAMS, SAMPLES
+
+    prompts = _prompts(random.Random(4), 4, 0, 9, 9)
+    sp = [SamplingParams(seed=i, max_tokens=30, ignore_eos=True) for i in range(2)]
+    bp = [BeamSearchParams(beam_width=5, max_tokens=8, ignore_eos=True),
+          BeamSearchParams(beam_width=2, max_tokens=5)]
+    llm = FakeLLM(num_blocks=request_peak_blocks(9, 5, 8, 4), max_num_seqs=3,
+                  max_num_batched_tokens=8, overlap=False)
+    samples = llm.requests.build([{"prompt_token_ids": q} for q in prompts[:2]], sp, SAMPLES)
+    beams = llm.requests.build([{"prompt_token_ids": q} for q in prompts[2:]], bp, BEAMS)
+    steps, step = [], llm.engine.step
+    llm.engine.step = lambda plan: steps.append(plan.seqs) or step(plan)
+    llm.engine.run(samples + beams)
+    for g, q, p in zip(samples, prompts, sp):
+        want = reference_samples(q, p, p.max_tokens)
+        assert [c.token_ids for c in SAMPLES.output(llm.results, g).outputs] == want
+    for g, q, p in zip(beams, prompts[2:], bp):
+        want = reference_beams(q, p, p.max_tokens)
+        assert [s.token_ids for s in BEAMS.output(llm.results, g).sequences] == want
+    alone = [rows for rows in steps if {s.group for s in rows} == {beams[0]}]
+    assert len(alone) >= 7 and max(map(len, alone)) == 5  # its beam steps, alone
+    assert all(len(rows) <= 3 or rows in alone for rows in steps)
+    assert llm.runner.inputs.wide is not None  # packed past the buffers' 3 rows
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_whole(llm)
+
+
 def test_preemption_recomputes_and_shares_again():
     rng = random.Random(7)
     prompts = _prompts(rng, 6, 6, 2, 10)

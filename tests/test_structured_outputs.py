@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
+from batchgen.config import EngineConfig
 from batchgen.sampling.grammar import Grammars
 from batchgen.tools.make_tiny_model import build_tokenizer, save_tokenizer
 
@@ -141,6 +142,22 @@ def test_whitespace_is_bounded(llm):
         assert not re.search(r"\s\s", c.text), c.text
     for c in _finished(_sample(llm, S(json=SCHEMA, disable_any_whitespace=True), max_tokens=64)):
         assert json.loads(c.text) and '"name": ' in c.text and "  " not in c.text
+
+
+def test_the_engines_whitespace_switch_applies_to_every_request(llm, model_dir):
+    """structured_outputs_config={"disable_any_whitespace": True} is vLLM's engine-wide
+    switch: every JSON constraint runs as if its request had asked for it."""
+    strict = LLM(model_dir, num_kv_blocks=512, max_num_seqs=64,
+                 structured_outputs_config={"backend": "xgrammar",
+                                            "disable_any_whitespace": True})
+    g = strict.requests.grammars
+    assert g.compile(S(json=SCHEMA)) is g.compile(S(json=SCHEMA, disable_any_whitespace=True))
+    got = _sample(strict, S(json=SCHEMA), max_tokens=64)
+    assert got == _sample(llm, S(json=SCHEMA, disable_any_whitespace=True), max_tokens=64)
+    assert got != _sample(llm, S(json=SCHEMA), max_tokens=64)
+    for bad in ({"disable_any_whitespace": "yes"}, {"disable_additional_properties": True}):
+        with pytest.raises(ValueError, match=f"structured_outputs_config.{[*bad][0]}"):
+            EngineConfig(structured_outputs_config=bad)
 
 
 def test_the_grammars_eos_beats_min_tokens_and_ignore_eos(llm):

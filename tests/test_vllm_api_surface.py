@@ -146,3 +146,7 @@ def test_new_fields_at_their_defaults_leave_a_jobs_identity_as_before() -> None:
     fields = {"best_of": 3}
     runner.drop_defaults(SamplingParams(n=1, best_of=3), fields, ("best_of",))
     assert fields == {"best_of": 3}  # a value asked for stays in the identity
+    table = SamplingParams(prompt_logprob_token_ids=[[1, 2], [3]])
+    fields = {"prompt_logprob_token_ids": table.prompt_logprob_token_ids}
+    runner.drop_defaults(table, fields, ("prompt_logprob_token_ids",))  # an array: in full
+    assert runner.json_safe(fields) == {"prompt_logprob_token_ids": [[1, 2], [3, -1]]}

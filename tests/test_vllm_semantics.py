@@ -104,6 +104,14 @@ def test_vllm_import_paths_and_cumulative_logprob(folder) -> None:
         assert scored.outputs[0].cumulative_logprob < 0
         with pytest.raises(VLLMValidationError, match="max allowed: 1"):
             llm.generate(PROMPTS[0], VSamplingParams(logprobs=2), use_tqdm=False)
+        cfg = llm.llm_engine.vllm_config  # what vLLM's tests read of the engine's config
+        assert (cfg.cache_config.enable_prefix_caching, cfg.cache_config.num_gpu_blocks,
+                cfg.scheduler_config.max_num_seqs) == (True, 32, 256)
+        off = VLLM(str(folder), num_kv_blocks=32, max_model_len=64, enable_prefix_caching=False)
+        assert not off.llm_engine.vllm_config.cache_config.enable_prefix_caching
+        for seed in (-1, 2**32):  # vLLM's engine seed is in [0, 2**32); checked first
+            with pytest.raises(VLLMValidationError, match=r"seed must be an integer in \[0, "):
+                VLLM(str(folder), seed=seed, load_format="dummy")
     finally:
         compat.uninstall()
     # batchgen's own LLM keeps reporting it (dataset jobs write it)
@@ -128,3 +136,29 @@ def test_priority_preempts_the_lowest_and_outputs_stay(folder) -> None:
     assert llm.kv_stats().preemptions > 0
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert outs[0].metrics.num_preemptions > 0 and outs[1].metrics.num_preemptions == 0
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(folder) -> None:
+    """vLLM's skip_tokenizer_init=True: no tokenizer is loaded; token-id prompts run as with
+    one (the same tokens and logprobs), outputs carry no text, and what needs text is
+    refused before any work."""
+    scored = SamplingParams(temperature=0, max_tokens=5, logprobs=2)
+    want = make(folder).generate(PROMPTS, scored, use_tqdm=False)
+    llm = make(folder, skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    outs = llm.generate(PROMPTS, scored, use_tqdm=False)
+    for o, w in zip(outs, want):
+        got, ref = o.outputs[0], w.outputs[0]
+        assert got.token_ids == ref.token_ids and got.text == "" and ref.text
+        assert [{t: lp.logprob for t, lp in d.items()} for d in got.logprobs] == [
+            {t: lp.logprob for t, lp in d.items()} for d in ref.logprobs]
+        assert all(lp.decoded_token is None for d in got.logprobs for lp in d.values())
+    for call in (lambda: llm.generate("hello", GREEDY, use_tqdm=False),
+                 lambda: llm.chat([{"role": "user", "content": "hi"}], GREEDY, use_tqdm=False),
+                 lambda: llm.generate(PROMPTS[0], SamplingParams(stop=["x"]), use_tqdm=False)):
+        with pytest.raises(ValueError, match=r"skip_tokenizer_init=True"):
+            call()
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate({"prompt_token_ids": [999999]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="skip_tokenizer_init must be True or False"):
+        make(folder, skip_tokenizer_init="yes")

@@ -12,6 +12,7 @@ from itertools import tee
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 from tqdm.auto import tqdm
 
@@ -421,8 +422,14 @@ def drop_defaults(params: Any, fields: dict[str, Any], names: tuple[str, ...]) -
     """Remove `names` from `fields` where they hold their dataclass defaults."""
     defaults = {f.name: f.default for f in dataclasses.fields(params)}
     for name in names:
-        if name in fields and name in defaults and fields[name] == defaults[name]:
+        if name in fields and name in defaults and _same(fields[name], defaults[name]):
             fields.pop(name)
+
+
+def _same(value: Any, default: Any) -> bool:
+    """`value == default` for a field, False for an array (prompt_logprob_token_ids' table
+    is never a default; numpy compares elementwise)."""
+    return not isinstance(value, np.ndarray) and bool(value == default)
 
 
 def json_safe(value: Any) -> Any:
@@ -431,4 +438,6 @@ def json_safe(value: Any) -> Any:
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [json_safe(v) for v in value]
+    if isinstance(value, np.ndarray):  # prompt_logprob_token_ids' table: its ids, in full
+        return value.tolist()
     return value

@@ -24,6 +24,7 @@ import torch
 
 from batchgen.sampling import cpu_ops
 from batchgen.sampling.grammar import GrammarRows
+from batchgen.sampling.named_logprobs import NAMED_LOGPROBS, named_matrix
 from batchgen.sampling.sampler import (
     FREQUENCY,
     NO_LOGPROBS,
@@ -279,13 +280,23 @@ class PersistentBatch:
         if self.penalties is not None and c["penalized"][rows].any():
             idx = rows if isinstance(rows, slice) else to_device(rows, self.device)
             seen, offsets = self.penalties.seen[idx], self.penalties.offsets[idx]
+        any_logprobs = bool((logprobs != NO_LOGPROBS).any())
         return SamplingColumns(
             params=c["params"][rows], greedy=c["greedy"][rows], seeds=c["seed"][rows],
             num_generated=c["num_tokens"][rows] - c["num_prompt"][rows],
             min_tokens=c["min_tokens"][rows], stop_ids=self.stop_ids[rows],
             ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=logprobs,
-            seen=seen, offsets=offsets, controls=controls,
-            any_logprobs=bool((logprobs != NO_LOGPROBS).any()), grammar=grammar)
+            seen=seen, offsets=offsets, controls=controls, any_logprobs=any_logprobs,
+            grammar=grammar, named=self._named(slots, logprobs) if any_logprobs else None)
+
+    def _named(self, slots: np.ndarray, logprobs: np.ndarray) -> np.ndarray | None:
+        """The ids rows naming theirs report logprobs of (vLLM's logprob_token_ids), as a
+        -1-padded matrix; None when no row of the step names any."""
+        js = np.flatnonzero(logprobs == NAMED_LOGPROBS)
+        if not len(js):
+            return None
+        ids = [self.seqs[int(slots[j])].group.spec.logprob_ids for j in js.tolist()]
+        return named_matrix(ids, js, len(logprobs))
 
     def append(self, slots: np.ndarray, tokens: np.ndarray, logprobs: np.ndarray | None,
                rows: np.ndarray | slice | None = None) -> None:

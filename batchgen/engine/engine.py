@@ -15,16 +15,21 @@ import torch
 
 from batchgen.attention.metadata import StepRows
 from batchgen.engine.beam_step import BeamSpans
-from batchgen.engine.layout import LogitsLayout, PromptRows, step_layout
-from batchgen.engine.output_processor import OutputProcessor, SampleSlots, StepStats
+from batchgen.engine.layout import LogitsLayout, PromptRows, first_scored, step_layout
+from batchgen.engine.output_processor import (
+    OutputProcessor,
+    PromptScores,
+    SampleSlots,
+    StepStats,
+)
 from batchgen.engine.overlap import Feed, Overlap, TokenFeed
 from batchgen.engine.scheduler import Scheduler, StepPlan
 from batchgen.engine.sequence import RowSpec, SequenceGroup
 from batchgen.model.forward_queue import ForwardQueue
 from batchgen.sampling.grammar import mask_beams
 from batchgen.sampling.logprobs_mode import RAW_LOGPROBS, is_processed, reported
+from batchgen.sampling.named_logprobs import gather_ids
 from batchgen.sampling.sampler import (
-    RankedLogprobs,
     Sampler,
     SamplerOutput,
     SamplingColumns,
@@ -189,7 +194,7 @@ class Engine:
         tokens are settled already) and retire the groups it finished."""
         beams = beam_logprobs(logits, layout.beam_rows) if layout.beam_rows else None
         prompt = (prompt_logprobs(logits, layout.prompt_rows, self.sampler.logprobs_mode)
-                  if layout.prompt_rows else [])
+                  if layout.prompt_rows else ([], []))
         stats = self.outputs.apply(layout, at, sampled, beams, prompt, codes)
         self.scheduler.retire(stats.finished)
         return stats
@@ -217,9 +222,11 @@ def beam_logprobs(logits: torch.Tensor, beam_rows: BeamSpans) -> tuple[torch.Ten
 
 
 def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...],
-                    mode: str = RAW_LOGPROBS) -> list[RankedLogprobs | None]:
+                    mode: str = RAW_LOGPROBS) -> PromptScores:
     """Logprobs of prompt tokens (each row scores the next prompt token) as `mode` says, with
-    the top `prompt_logprobs` and ranks; all rows of the step in one call."""
+    the top `prompt_logprobs` and ranks; all rows of the step in one call. Then, per
+    PromptRows, the same scores of the ids its request names (vLLM's
+    prompt_logprob_token_ids), or None."""
     rows, targets, ks, specs = [], [], [], []
     for p in prompt_rows:
         rows += range(p.row, p.row + p.count)
@@ -234,7 +241,23 @@ def prompt_logprobs(logits: torch.Tensor, prompt_rows: tuple[PromptRows, ...],
         processed = processed_prompt_logits(raw, specs) if is_processed(mode) else None
         values, norm = reported(mode, raw, processed)
         scores = values - norm[:, None]
-    return ranked_logprobs(scores, to_device(np.array(targets, np.int64), picked.device), ks)
+    return (ranked_logprobs(scores, to_device(np.array(targets, np.int64), picked.device), ks),
+            _named_prompt_scores(scores, prompt_rows))
+
+
+def _named_prompt_scores(scores: torch.Tensor, prompt_rows: tuple[PromptRows, ...]
+                         ) -> list[np.ndarray | None]:
+    """Per PromptRows (its rows consecutive in `scores`), the scores [count, ids] of the ids
+    its request names for those positions (-inf at a pad), or None."""
+    out: list[np.ndarray | None] = []
+    at = 0
+    for p in prompt_rows:
+        table = p.group.params.prompt_logprob_token_ids
+        first = p.first - first_scored(p.group)
+        out.append(None if table is None else gather_ids(
+            scores, np.arange(at, at + p.count), table[first:first + p.count]))
+        at += p.count
+    return out
 
 
 def processed_prompt_logits(raw: torch.Tensor, specs: list[RowSpec]) -> torch.Tensor:

@@ -106,16 +106,16 @@ class KVManager:
         """Hashes of the leader's full blocks within its first `limit` tokens, and the cached
         blocks of their longest prefix. At least two tokens are left to compute (one would run
         as a decode row, whose bits differ from a prefill tile's), or the one a one-token
-        prompt has; with prompt logprobs, every position from `prompt_logprobs_start - 1` on
-        is computed (and only the blocks before it are hashed: admission waits for no block
-        the hit cannot use)."""
-        bm, bs = self.block_manager, self.block_size
-        if not bm.enable_prefix_caching:
+        prompt has; with prompt logprobs (or named prompt ids), every position from
+        `prompt_logprobs_start - 1` on is computed (and only the blocks before it are hashed:
+        admission waits for no block the hit cannot use); none with vLLM's
+        skip_reading_prefix_cache=True."""
+        bm, bs, group = self.block_manager, self.block_size, leader.group
+        if not bm.enable_prefix_caching or group.params.skip_reading_prefix_cache:
             return [], []
         hashes = self._hashes_of(leader, limit)[:limit // bs]
         usable = max(limit - 2, 0)
-        group = leader.group
-        if group.prompt_logprobs is not None:  # the logprob of token s needs token s-1
+        if group.scores_prompt:  # the logprob of token s needs token s-1
             usable = min(usable, max(group.params.prompt_logprobs_start - 1, 0))
             hashes = hashes[:usable // bs]
         hit = bm.lookup(hashes[:usable // bs])

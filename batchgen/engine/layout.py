@@ -21,8 +21,9 @@ from batchgen.engine.sequence import Sequence, SequenceGroup
 
 @dataclass(frozen=True)
 class PromptRows:
-    """A prompt-logprobs request's rows in one step: positions `first`.. of its prompt are
-    scored by logits rows `row`.. (`count` of them)."""
+    """A prompt-scoring request's rows in one step (prompt logprobs, or the ids of vLLM's
+    prompt_logprob_token_ids): positions `first`.. of its prompt are scored by logits rows
+    `row`.. (`count` of them)."""
 
     group: SequenceGroup
     first: int
@@ -59,7 +60,7 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
         group, end = seq.group, start + n
         want = end == len(seq.token_ids)
         rows = int(want)
-        if group.prompt_logprobs is not None:
+        if group.scores_prompt:
             rows = _prompt_rows(prompt_rows, group, start, end, row) or rows
         num_logits.append([rows])
         tokens.append(seq.token_ids[start:end])
@@ -106,7 +107,7 @@ def _beam_decodes(plan: StepPlan, batch: PersistentBatch
 
 def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: int, row: int
                  ) -> int:
-    """The logits rows a chunk [start, end) of a prompt-logprobs leader keeps: its tail from
+    """The logits rows a chunk [start, end) of a prompt-scoring leader keeps: its tail from
     the first position that scores a wanted prompt token (position i scores token i + 1;
     tokens before `prompt_logprobs_start` are not wanted) to its end; 0 if none is."""
     first = max(start, group.params.prompt_logprobs_start - 1)
@@ -115,6 +116,12 @@ def _prompt_rows(out: list[PromptRows], group: SequenceGroup, start: int, end: i
         return 0
     out.append(PromptRows(group, first + 1, row, last - first))
     return end - first
+
+
+def first_scored(group: SequenceGroup) -> int:
+    """The first prompt position a prompt-scoring request scores (position 0 has no context):
+    row 0 of its prompt_logprob_token_ids scores this position."""
+    return max(group.params.prompt_logprobs_start, 1)
 
 
 def _state_slots(plan: StepPlan, batch: PersistentBatch) -> np.ndarray | None:

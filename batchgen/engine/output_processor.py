@@ -20,7 +20,7 @@ import torch
 
 from batchgen.engine.beam_step import BeamMoves, BeamOutcome, BeamSpans, BeamStepper
 from batchgen.engine.kv_manager import KVManager
-from batchgen.engine.layout import LogitsLayout
+from batchgen.engine.layout import LogitsLayout, first_scored
 from batchgen.engine.policy import Append, Fork, Free, Op, SetSeqs
 from batchgen.engine.scheduler import StepPlan
 from batchgen.engine.sequence import Sequence, SequenceGroup, slots_of
@@ -82,12 +82,12 @@ class OutputProcessor:
 
     def apply(self, layout: LogitsLayout, at: SampleSlots, sampled: SamplerOutput | None,
               beam_logprobs: tuple[torch.Tensor, BeamSpans] | None,
-              prompt_logprobs: list[RankedLogprobs | None],
-              codes: np.ndarray | None = None) -> StepStats:
+              prompt_logprobs: PromptScores, codes: np.ndarray | None = None) -> StepStats:
         """Apply one step's results: prompt logprobs (the entries of the layout's prompt
-        rows, in order), the samplers' tokens (`codes`: `settle` already ran), then the beam
-        groups' steps (their log-probs and each group's rows in them) as operations."""
-        _store_prompt_logprobs(layout, prompt_logprobs)
+        rows, in order, and the scores of the ids they name), the samplers' tokens (`codes`:
+        `settle` already ran), then the beam groups' steps (their log-probs and each group's
+        rows in them) as operations."""
+        _store_prompt_logprobs(layout, *prompt_logprobs)
         done: dict[SequenceGroup, None] = {}
         new_tokens = 0
         if sampled is not None and layout.samplers:
@@ -205,15 +205,27 @@ class OutputProcessor:
         self.kv.finish(seq)
 
 
-def _store_prompt_logprobs(layout: LogitsLayout, entries: list[RankedLogprobs | None]) -> None:
-    """Each scored prompt position's entry, kept the first time (a recompute scores again)."""
+# a step's prompt scores: the entries of its prompt rows in order (None where a request asks
+# no top-k), and per PromptRows the scores of the ids its request names (or None)
+PromptScores = tuple[list[RankedLogprobs | None], list[np.ndarray | None]]
+
+
+def _store_prompt_logprobs(layout: LogitsLayout, entries: list[RankedLogprobs | None],
+                           named: list[np.ndarray | None]) -> None:
+    """Each scored prompt position's entry, and the row of its named ids' scores, kept the
+    first time (a recompute scores again)."""
     it = iter(entries)
-    for p in layout.prompt_rows:
+    for p, scores in zip(layout.prompt_rows, named):
         stored = p.group.prompt_logprobs
         for pos in range(p.first, p.first + p.count):
             entry = next(it)
-            if stored[pos] is None:
+            if stored is not None and stored[pos] is None:
                 stored[pos] = entry
+        if scores is not None:
+            table = p.group.prompt_token_id_logprobs
+            at = p.first - first_scored(p.group)
+            fresh = np.isnan(table[at:at + p.count, 0])
+            table[at:at + p.count][fresh] = scores[fresh]
 
 
 def _advance_grammars(seqs: list[Sequence], tokens: list[int], rows: np.ndarray,

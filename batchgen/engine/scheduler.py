@@ -2,7 +2,8 @@
 
 Each step it picks which sequences run and how many query tokens each: decodes first (a beam
 group's live beams all together or not at all, since one beam step needs all their rows),
-then chunked prefills, within `max_num_seqs` and `max_num_batched_tokens`; then it admits
+then chunked prefills, within `max_num_seqs` and `max_num_batched_tokens` (a beam group wider
+than `max_num_seqs` decodes in a step of its own, where vLLM would run its beams in waves); then it admits
 waiting groups in input order while free blocks allow (prefix-cache hits shorten their
 prompts). When a running sequence cannot get a block, the newest running group is preempted:
 swapped out to the host pool when `preemption_mode="swap"` and the pool has room for all its
@@ -189,7 +190,7 @@ class Scheduler:
             if group in self._preempted_now or group.fork_pending:
                 continue
             for unit in group.policy.decode_units(group, self._ready(group)):
-                if not d.fits(len(unit), len(unit)):
+                if not d.fits_decode(len(unit)):
                     continue
                 ok, hit = self._schedule_unit(group, unit, [1] * len(unit), d)
                 preempted |= hit
@@ -204,7 +205,7 @@ class Scheduler:
         preempted = False
         for seq in self._prefilling():
             group = seq.group
-            if (group in self._preempted_now or d.tokens == 0 or d.num_seqs == 0
+            if (group in self._preempted_now or d.full
                     or seq.status is not SequenceStatus.RUNNING):
                 continue
             done = self.kv.num_computed(seq)

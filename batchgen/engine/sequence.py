@@ -72,7 +72,8 @@ class RowSpec:
     max_tokens: int = 1
     min_tokens: int = 0
     ignore_eos: bool = False
-    logprobs: int = -2  # sampler.NO_LOGPROBS
+    logprobs: int = -2  # sampler.NO_LOGPROBS (NAMED_LOGPROBS: those of `logprob_ids`)
+    logprob_ids: tuple[int, ...] = ()  # vLLM's logprob_token_ids: the ids each token reports
     stop_ids: tuple[int, ...] = ()
     beam: bool = False  # its sequences are beams (decoded together, never sampled)
     constrained: bool = False  # structured outputs: each sequence has a Constraint
@@ -179,6 +180,10 @@ class SequenceGroup:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     # prompt logprobs, filled position by position as the leader computes the prompt
     prompt_logprobs: list | None = None
+    # vLLM's prompt_logprob_token_ids: the named ids' scores, [rows, ids] float32, a row
+    # filled (NaN until then) when its position is first computed
+    prompt_token_id_logprobs: np.ndarray | None = None
+    scores_prompt: bool = field(init=False)  # either of the two: its prompt rows keep logits
     # structured outputs: the prompt's matcher, never advanced (samples and beams fork it)
     constraint: Constraint | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
@@ -187,6 +192,10 @@ class SequenceGroup:
         self.num_prompt_tokens = len(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None] * self.num_prompt_tokens
+        table = self.params.prompt_logprob_token_ids
+        if table is not None:
+            self.prompt_token_id_logprobs = np.full(table.shape, np.nan, np.float32)
+        self.scores_prompt = self.prompt_logprobs is not None or table is not None
 
     def unfinished(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.finished]

@@ -52,6 +52,17 @@ class Draft:
     def fits(self, tokens: int, seqs: int) -> bool:
         return tokens <= self.tokens and seqs <= self.num_seqs
 
+    def fits_decode(self, rows: int) -> bool:
+        """Whether a decode unit of `rows` one-token rows fits what is left of the step. A
+        unit wider than a whole step (a beam group wider than max_num_seqs: its beams decode
+        together) fits an empty step, which it then fills alone (the budgets go below 0)."""
+        return self.fits(rows, rows) or not self.seqs
+
+    @property
+    def full(self) -> bool:
+        """No token or sequence budget left (below 0 after a unit wider than the step)."""
+        return self.tokens <= 0 or self.num_seqs <= 0
+
     def take(self, seq: Sequence, n: int) -> None:
         """Schedule `n` query tokens of `seq` in this step."""
         self.seqs.append(seq)

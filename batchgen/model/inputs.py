@@ -10,6 +10,10 @@ step's tokens are padded up to a multiple of `min_rows` (its logits rows up to `
 with one-token dummies in the scratch block: small-M CPU GEMMs round differently, and so do the scalar tails of elementwise
 kernels (a T x 688 activation ends mid-vector for odd T), so padding keeps every row's result
 independent of its batch.
+
+A step with more rows or pages than the buffers were sized for (a beam group wider than
+max_num_seqs decodes its beams in one step) is packed into a second, wider set made when first
+needed and kept; the first set stays where CUDA graphs captured its addresses.
 """
 
 from __future__ import annotations
@@ -39,6 +43,37 @@ class StepBatch:
     meta: StepMetadata  # host int32, FlashInfer's format
 
 
+class _Buffers:
+    """One set of step buffers: pinned host tensors (numpy views of them) and, on CUDA, their
+    device copies."""
+
+    def __init__(self, sizes: dict[str, int], device: torch.device) -> None:
+        self.sizes = sizes
+        pin = device.type == "cuda"
+        self.host = {k: torch.zeros(n, dtype=torch.long if k in _LONG else torch.int32,
+                                    pin_memory=pin) for k, n in sizes.items()}
+        self.np = {k: t.numpy() for k, t in self.host.items()}
+        self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
+                    if pin else self.host)
+
+    @property
+    def limits(self) -> tuple[int, int, int, int]:
+        """The largest step it holds: (tokens, rows, pages, logits rows), padding included."""
+        z = self.sizes
+        return z["input_ids"], z["qo_indptr"] - 1, z["kv_indices"], z["logits_indices"]
+
+
+def _sizes(max_tokens: int, max_seqs: int, max_pages: int, min_rows: int) -> dict[str, int]:
+    """Each buffer's length for steps of up to these sizes (plus `min_rows` of padding)."""
+    sizes = {"input_ids": max(max_tokens, min_rows) + min_rows,
+             # one logits row per sequence, or per prompt position with prompt logprobs
+             "logits_indices": max(max_tokens, max_seqs, min_rows) + min_rows,
+             "qo_indptr": max_seqs + min_rows + 1, "kv_indptr": max_seqs + min_rows + 1,
+             "kv_indices": max_pages + min_rows, "kv_last_page_len": max_seqs + min_rows}
+    sizes["positions"] = sizes["slot_mapping"] = sizes["input_ids"]
+    return sizes
+
+
 class StepInputs:
     """Owns the step buffers; nothing else writes them."""
 
@@ -48,18 +83,18 @@ class StepInputs:
         self.scratch_block = scratch_block
         self.min_rows = min_rows
         self.device = device
-        sizes = {"input_ids": max(max_tokens, min_rows) + min_rows,
-                 # one logits row per sequence, or per prompt position with prompt logprobs
-                 "logits_indices": max(max_tokens, max_seqs, min_rows) + min_rows,
-                 "qo_indptr": max_seqs + min_rows + 1, "kv_indptr": max_seqs + min_rows + 1,
-                 "kv_indices": max_pages + min_rows, "kv_last_page_len": max_seqs + min_rows}
-        sizes["positions"] = sizes["slot_mapping"] = sizes["input_ids"]
-        pin = device.type == "cuda"
-        self.host = {k: torch.zeros(n, dtype=torch.long if k in _LONG else torch.int32,
-                                    pin_memory=pin) for k, n in sizes.items()}
-        self.np = {k: t.numpy() for k, t in self.host.items()}
-        self.dev = ({k: torch.zeros_like(self.host[k], device=device) for k in _DEVICE}
-                    if pin else self.host)
+        self.main = _Buffers(_sizes(max_tokens, max_seqs, max_pages, min_rows), device)
+        self._main_limits = self.main.limits  # compared every step, without a call
+        self.wide: _Buffers | None = None  # steps past `main` (made when first needed)
+
+    def _wide(self, tokens: int, rows: int, pages: int, logits: int) -> _Buffers:
+        """The set for a step past `main`, (re)made at twice what it needs when the last one
+        made does not hold it either."""
+        w = self.wide
+        if w is None or any(n > m for n, m in zip((tokens, rows, pages, logits), w.limits)):
+            self.wide = w = _Buffers(_sizes(2 * tokens, 2 * rows, 2 * pages, self.min_rows),
+                                     self.device)
+        return w
 
     def prepare(self, rows: StepRows, pad_to: int | None = None, pad: bool = True
                 ) -> StepBatch:
@@ -133,8 +168,11 @@ class StepInputs:
               ) -> StepBatch:
         """Write the packed arrays into the buffers; positions, slots and last-page lengths are
         computed vectorised."""
-        bs, a = self.block_size, self.np
         t, s, p, r = len(ids), len(starts), len(pages), len(logits)
+        lim = self._main_limits
+        buf = (self.main if t <= lim[0] and s <= lim[1] and p <= lim[2] and r <= lim[3]
+               else self._wide(t, s, p, r))
+        bs, a = self.block_size, buf.np
         a["input_ids"][:t] = ids
         a["qo_indptr"][:s + 1] = qo
         a["kv_indptr"][:s + 1] = kv
@@ -147,7 +185,7 @@ class StepInputs:
         a["slot_mapping"][:t] = slot_of(a["kv_indices"], np.repeat(kv_a[:-1], lens) * bs + pos,
                                         bs)
         a["kv_last_page_len"][:s] = starts + lens - (np.diff(kv_a) - 1) * bs
-        h, d = self.host, self.dev
+        h, d = buf.host, buf.dev
         if d is not h:
             for k, n in (("input_ids", t), ("positions", t), ("slot_mapping", t),
                          ("logits_indices", r), ("kv_indices", p)):

@@ -20,12 +20,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from batchgen.checks import NO_TOKENIZER
 from batchgen.transfer import to_device
 
 if TYPE_CHECKING:
@@ -83,10 +84,13 @@ class Grammars:
     """One xgrammar compiler per LLM and its compiled grammars, cached per constraint; also
     the step's time spent filling masks (for benchmarks)."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: list[int],
+                 disable_any_whitespace: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
+        # the engine's structured_outputs_config switch (vLLM's): on for every JSON constraint
+        self.disable_any_whitespace = disable_any_whitespace
         self._compiler: Any = None
         self._batch: Any = None  # BatchGrammarMatcher
         self._cache: dict[tuple, Any] = {}
@@ -98,7 +102,8 @@ class Grammars:
         """The compiler (made on first use: the tokenizer info takes a few hundred ms)."""
         if self._compiler is None:
             if self.tokenizer is None:
-                raise ValueError("structured_outputs needs a tokenizer; the model folder has none")
+                raise ValueError(f"structured_outputs compile on the vocabulary's text: "
+                                 f"{NO_TOKENIZER}")
             if not self.eos_ids:
                 raise ValueError("structured_outputs needs an EOS token id to end a grammar; "
                                  "the model declares none")
@@ -112,6 +117,8 @@ class Grammars:
 
     def compile(self, so: StructuredOutputsParams) -> Any:
         """The compiled grammar of a constraint (ValueError naming the field if invalid)."""
+        if self.disable_any_whitespace and not so.disable_any_whitespace:
+            so = replace(so, disable_any_whitespace=True)
         key = so.key
         if key not in self._cache:
             self._cache[key] = self._compile(so)

@@ -53,6 +53,7 @@ from batchgen.sampling.logprobs_mode import (
     is_processed,
     reported,
 )
+from batchgen.sampling.named_logprobs import named_scores
 from batchgen.transfer import designated_sync, to_device
 
 if TYPE_CHECKING:
@@ -102,12 +103,14 @@ class SamplingColumns:
     stop_ids: np.ndarray  # [R, K] int64, -1 pads: banned below min_tokens
     ignore_eos: np.ndarray  # [R] bool: EOS is no stop token (not banned)
     eos_ids: np.ndarray  # [E] int64
-    logprobs: np.ndarray  # [R] int64 top logprobs asked (NO_LOGPROBS, -1 = all)
+    logprobs: np.ndarray  # [R] int64 top logprobs asked (NO_LOGPROBS, -1 = all, or
+    # NAMED_LOGPROBS: the ids in `named`)
     seen: torch.Tensor | None = None  # [R, V] bool: prompt or generated ids (penalised rows)
     offsets: torch.Tensor | None = None  # [R, V] f32: freq * count + presence * (count > 0)
     controls: list[ControlRow] | None = None
     any_logprobs: bool = True  # False: no row asked for top logprobs (the step skips them)
     grammar: GrammarRows | None = None  # rows under a structured-output constraint
+    named: np.ndarray | None = None  # [R, W] int64 ids whose logprobs rows report, -1 pads
 
 
 @dataclass
@@ -122,11 +125,22 @@ class TopLogprobs:
     rank: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    # rows naming their ids (vLLM's logprob_token_ids): [A, W] ids (-1 pads), logprobs, ranks
+    named_ids: np.ndarray | None = None
+    named_logprobs: np.ndarray | None = None
+    named_ranks: np.ndarray | None = None
 
     def entry(self, j: int) -> RankedLogprobs:
-        """Row j's chosen token and its top k as {token: (logprob, rank)} (vLLM's shape: the
-        chosen token first, with its true rank even outside the top k)."""
+        """Row j's chosen token, then its top k or the ids it names, as {token: (logprob,
+        rank)} (vLLM's shape: the chosen token first, with its true rank even outside the
+        top k)."""
         d = {int(self.token[j]): (float(self.logprob[j]), int(self.rank[j]))}
+        if self.named_ids is not None and self.named_ids[j, 0] >= 0:
+            ids, lps = self.named_ids[j].tolist(), self.named_logprobs[j].tolist()
+            for t, lp, r in zip(ids, lps, self.named_ranks[j].tolist()):
+                if t >= 0:
+                    d.setdefault(t, (lp, int(r)))
+            return d
         ids, lps = self.top_ids[j].tolist(), self.top_logprobs[j].tolist()
         for r in range(int(self.k[j])):
             d.setdefault(ids[r], (lps[r], r + 1))
@@ -365,10 +379,10 @@ class Sampler:
             cols.grammar.restore(raw, saved)
         values, norm = reported(self.logprobs_mode, raw, processed)
         chosen_lp = values.gather(1, chosen[:, None])[:, 0] - norm
-        top = _top_logprobs(values, norm, chosen, cols.logprobs) if cols.any_logprobs else None
-        host = _to_host([chosen, chosen_lp, *top[2:]] if top else [chosen, chosen_lp])
-        top_out = TopLogprobs(top[0], top[1], *host[2:]) if top else None
-        return SamplerOutput(host[0], host[1], top_out)
+        top = (_top_logprobs(values, norm, chosen, cols.logprobs, cols.named)
+               if cols.any_logprobs else None)
+        host = _to_host([chosen, chosen_lp, *top[3]] if top else [chosen, chosen_lp])
+        return SamplerOutput(host[0], host[1], _top_of(top, host[2:]) if top else None)
 
     @staticmethod
     def _choose(scores: torch.Tensor, cols: SamplingColumns, params: torch.Tensor,
@@ -410,16 +424,17 @@ def _argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.argmax(dim=-1)
 
 
-def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray
-                  ) -> tuple | None:
-    """For the rows that asked (ks != NO_LOGPROBS; -1 = the whole vocabulary): (rows, k) on
-    the host, then the chosen token, its raw logprob and rank, and the top k ids and
-    logprobs as device tensors."""
+def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks: np.ndarray,
+                  named: np.ndarray | None = None) -> tuple | None:
+    """For the rows that asked (ks != NO_LOGPROBS; -1 = the whole vocabulary; NAMED_LOGPROBS:
+    the ids `named` gives the row): (rows, k, their named ids or None) on the host, then as
+    device tensors the chosen token, its raw logprob and rank, the top k ids and logprobs,
+    and the named ids' logprobs and ranks."""
     asked = np.flatnonzero(ks != NO_LOGPROBS)
     if not asked.size:
         return None
     vocab = raw.shape[1]
-    k = np.minimum(np.where(ks[asked] == -1, vocab, ks[asked]), vocab)
+    k = np.minimum(np.where(ks[asked] == -1, vocab, np.maximum(ks[asked], 0)), vocab)
     rows = to_device(asked, raw.device)
     lp = raw[rows] - lse[rows, None]
     tok = chosen[rows]
@@ -427,7 +442,18 @@ def _top_logprobs(raw: torch.Tensor, lse: torch.Tensor, chosen: torch.Tensor, ks
     ranks = (lp > tok_lp[:, None]).sum(dim=-1) + 1
     kmax = int(k.max())
     top_lp, top_ids = torch.topk(lp, kmax, dim=-1) if kmax else (lp[:, :0], tok[:, None][:, :0])
-    return asked, k, tok, tok_lp, ranks, top_ids, top_lp
+    tensors = [tok, tok_lp, ranks, top_ids, top_lp]
+    ids = None if named is None else named[asked]
+    if ids is not None:
+        tensors += named_scores(lp, ids)
+    return asked, k, ids, tensors
+
+
+def _top_of(top: tuple, host: list[np.ndarray]) -> TopLogprobs:
+    """The TopLogprobs of `_top_logprobs`'s result, its tensors now `host` arrays."""
+    asked, k, ids, _ = top
+    named = (ids, *host[5:7]) if ids is not None else ()
+    return TopLogprobs(asked, k, *host[:5], *named)
 
 
 def _to_host(tensors: list[torch.Tensor]) -> list[np.ndarray]:
@@ -456,7 +482,7 @@ def ranked_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: list[int |
     top = _top_logprobs(logprobs.float(), zero, chosen, arr)
     out: list[RankedLogprobs | None] = [None] * len(ks)
     if top is not None:
-        res = TopLogprobs(top[0], top[1], *_to_host(list(top[2:])))
+        res = _top_of(top, _to_host(top[3]))
         for j, i in enumerate(res.rows.tolist()):
             out[i] = res.entry(j)
     return out

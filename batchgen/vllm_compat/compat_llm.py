@@ -1,6 +1,7 @@
 """The `vllm.LLM` that `batchgen.vllm_compat.install()` registers: batchgen's LLM plus the
 engine paths vLLM scripts reach into (`llm_engine.model_executor.driver_worker.model_runner
-.model.load_weights`, `llm_engine.model_config.max_model_len`)."""
+.model.load_weights`, `llm_engine.model_config.max_model_len`, `llm_engine.vllm_config`'s
+cache and scheduler fields)."""
 
 from __future__ import annotations
 
@@ -11,18 +12,24 @@ from typing import Any
 
 import torch
 
+from batchgen.checks import check, is_int
 from batchgen.llm import LLM
 
 # name_or_path -> the module vllm.LLM(model=name_or_path) generates from (vllm_compat.share)
 SHARED: dict[str, torch.nn.Module] = {}
+VLLM_SEEDS = 2**32  # vLLM's ModelConfig.seed: 0 <= seed <= 2**32 - 1 (numpy's seed range)
 
 
 class CompatLLM(LLM):
     """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
-    the engine's own model code, which for batchgen is transformers'. A sample's
+    the engine's own model code, which for batchgen is transformers'. The engine's `seed`
+    is in vLLM's range, [0, 2**32) (batchgen's own LLM takes any torch seed); a sample's
     `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
+        seed = kwargs.get("seed", 0)
+        check(seed is None or (is_int(seed) and 0 <= seed < VLLM_SEEDS), "seed",
+              f"an integer in [0, {VLLM_SEEDS - 1}] (vLLM's range for the engine's seed)", seed)
         if kwargs.get("model_impl") == "vllm":
             kwargs["model_impl"] = "auto"
         if not isinstance(model, torch.nn.Module):
@@ -46,12 +53,27 @@ class _Model:
 def _engine_paths(llm: LLM) -> SimpleNamespace:
     """The attribute chains vLLM scripts use, over this LLM."""
     runner = SimpleNamespace(model=_Model(llm))
+    model_config = SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path),
+                                   get_vocab_size=lambda: llm.vocab_size)
     return SimpleNamespace(
         model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
-        model_config=SimpleNamespace(max_model_len=llm.max_model_len, model=str(llm.model_path),
-                                     get_vocab_size=lambda: llm.vocab_size),
+        model_config=model_config, vllm_config=_vllm_config(llm, model_config),
         get_tokenizer=llm.get_tokenizer,
         get_num_unfinished_requests=lambda: _unfinished(llm))
+
+
+def _vllm_config(llm: LLM, model_config: SimpleNamespace) -> SimpleNamespace:
+    """vLLM's `llm_engine.vllm_config`: the fields of its cache and scheduler configs that
+    batchgen's engine has, as the engine runs them (prefix caching as in effect: off for
+    mixers that cannot resume from a snapshot)."""
+    s, c = llm.engine.scheduler, llm.cache_config
+    cache = SimpleNamespace(block_size=c.block_size, num_gpu_blocks=c.num_blocks,
+                            enable_prefix_caching=s.kv.block_manager.enable_prefix_caching)
+    sched = SimpleNamespace(max_num_seqs=s.max_num_seqs,
+                            max_num_batched_tokens=s.max_num_batched_tokens,
+                            max_model_len=llm.max_model_len)
+    return SimpleNamespace(model_config=model_config, cache_config=cache,
+                           scheduler_config=sched)
 
 
 def _unfinished(llm: LLM) -> int:

@@ -7,6 +7,8 @@ acceptance run by scripts/vllm_acceptance.py; vLLM's own conftest is not used).
   offline.
 - `import vllm` is batchgen (batchgen.vllm_compat.install()), plus stand-ins for the engine
   internals the files import (vllm_stand_ins.py).
+- `torch.accelerator.empty_cache()`, which the files call to clean up after an LLM, does nothing
+  on a machine without an accelerator (torch raises there; there is no cache to empty).
 - `vllm_runner` / `VllmRunner` run batchgen's LLM, `hf_runner` / `HfRunner` transformers'
   generate, with the result shapes vLLM's test helpers return; `example_prompts` reads vLLM's
   tests/prompts/example.txt.
@@ -41,6 +43,9 @@ MODELS = {
     "Qwen/Qwen3-0.6B": "qwen3", "facebook/opt-125m": "opt",
 }
 REV = "0" * 40
+# stand-ins whose tests name token ids past 512: Qwen3's prompt_logprob_token_ids tests score
+# ids up to 10031 (its real vocabulary has 151936; the rest of the stand-in is as tiny)
+VOCAB = {"Qwen/Qwen3-0.6B": 16384}
 
 
 def _hub_entry(repo_id: str, family: str, seed: int) -> None:
@@ -48,8 +53,8 @@ def _hub_entry(repo_id: str, family: str, seed: int) -> None:
     repo = HUB / ("models--" + repo_id.replace("/", "--"))
     # rotary families get a real checkpoint's context (scripts ask for max_model_len=4096)
     longer = {"max_position_embeddings": 8192} if family in ("llama", "qwen3") else {}
-    made = make_tiny_model(HUB / "_made" / repo.name, family=family, vocab_size=512, seed=seed,
-                           **longer)
+    made = make_tiny_model(HUB / "_made" / repo.name, family=family,
+                           vocab_size=VOCAB.get(repo_id, 512), seed=seed, **longer)
     shutil.copytree(made, repo / "snapshots" / REV)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(REV)
@@ -57,6 +62,8 @@ def _hub_entry(repo_id: str, family: str, seed: int) -> None:
 
 for _i, (_repo, _family) in enumerate(MODELS.items()):
     _hub_entry(_repo, _family, _i)
+if not torch.accelerator.is_available():  # the files' cleanup empties the GPU's cache: this
+    torch.accelerator.empty_cache = lambda: None  # CPU run has none (torch raises there)
 batchgen.vllm_compat.install()
 vllm_stand_ins.install()
 
@@ -172,11 +179,16 @@ class HfRunner:
         return out
 
     def generate_greedy_logprobs(self, prompts: list, max_tokens: int, **kw: Any) -> list:
+        """Per prompt, per generation step, float32 log-probs shaped as vLLM's helper returns
+        them: the first step's at every prompt position [prompt_len, V], later ones [1, V]."""
         out = []
         for p in prompts:
             res = self._run(p, do_sample=False, max_new_tokens=max_tokens,
                             return_dict_in_generate=True, output_logits=True)
-            out.append([torch.log_softmax(x[0].float(), dim=-1) for x in res.logits])
+            with torch.no_grad():
+                first = self.model(self._ids(p)).logits[0]
+            out.append([torch.log_softmax(x.float(), dim=-1)
+                        for x in (first, *res.logits[1:])])
         return out
 
     def generate_greedy_logprobs_limit(self, prompts: list, max_tokens: int,

@@ -6,10 +6,9 @@ engine-internal path."""
 
 from __future__ import annotations
 
-import enum
 import sys
 import types
-from typing import Any
+from typing import Any, Literal
 
 
 class _Platform:
@@ -31,13 +30,9 @@ class _Platform:
         raise AttributeError(name)
 
 
-class LogprobsMode(str, enum.Enum):
-    """vLLM's logprobs modes (batchgen's LLM takes the same strings)."""
-
-    RAW_LOGPROBS = "raw_logprobs"
-    RAW_LOGITS = "raw_logits"
-    PROCESSED_LOGPROBS = "processed_logprobs"
-    PROCESSED_LOGITS = "processed_logits"
+# vLLM's logprobs modes, as vLLM spells the type: a Literal, whose get_args() its tests
+# parametrize over (batchgen's LLM takes the same strings)
+LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
 
 
 class _EngineInternal:
@@ -45,11 +40,6 @@ class _EngineInternal:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError("a vLLM engine internal: not part of batchgen")
-
-
-class FlatLogprobs(list):
-    """vLLM's flat logprobs container: batchgen returns the list of dicts only
-    (SamplingParams(flat_logprobs=True) is refused), so no output is ever one."""
 
 
 class AudioAsset:
@@ -82,9 +72,6 @@ def install() -> None:
                                                   InputProcessor=_EngineInternal),
     }
     mods["vllm.distributed"].cleanup_dist_env_and_memory = lambda *a, **k: None
-    logprobs = sys.modules["vllm.logprobs"]  # batchgen's Logprob; the containers' names
-    logprobs.FlatLogprobs = FlatLogprobs
-    logprobs.SampleLogprobs = logprobs.PromptLogprobs = list
     inputs = sys.modules["vllm.inputs"]
     inputs.TokensInput = inputs.TokensPrompt
     for name, mod in mods.items():
