@@ -24,6 +24,7 @@ from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 from batchgen.model.loader import KVGeometry
+from batchgen.quantization.methods import NAMES as QUANTIZATION_NAMES
 from batchgen.sampling.logprobs_mode import check_logprobs_mode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -38,10 +39,10 @@ MIN_MODEL_LEN = 2
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's engine arguments batchgen accepts, with the values it can honour: the model code is
 # always transformers' own; workers are batchgen's ("mp"), none ("uni", one rank) or the
-# caller's world ("external_launcher"); weights are the checkpoint's (no on-the-fly quantizing).
+# caller's world ("external_launcher"); quantization: the served methods (batchgen/quantization).
 MODEL_IMPLS = ("auto", "transformers")
 EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher")
-QUANTIZATIONS = (None,)
+QUANTIZATIONS = (None, *QUANTIZATION_NAMES)
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 

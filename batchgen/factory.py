@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from batchgen import cpu_allocator, threads
+from batchgen import cpu_allocator, quantization, threads
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.mla import install_latent
 from batchgen.attention.registry import (
@@ -53,6 +53,7 @@ from batchgen.model.shared import (
     paged_forward,
 )
 from batchgen.model.state_probe import config_state, fill_specs, probe_layers
+from batchgen.quantization import QuantPlan
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -89,6 +90,7 @@ class EnginePlan:
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
     module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
     state: StateLayout | None = None  # state mixers, planned on the meta device
+    quant: QuantPlan | None = None  # how quantized weights load (None: full precision)
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -185,18 +187,27 @@ def plan_engine(model: str | os.PathLike | torch.nn.Module,
     A loaded model (`torch.nn.Module`) is planned around as it is: see `plan_shared`."""
     if isinstance(model, torch.nn.Module):
         return plan_shared(model, tokenizer, dtype, device, cfg)
-    path = loader.resolve_model_dir(model)
+    gguf = quantization.gguf_source(model)
+    path = gguf[0] if gguf else loader.resolve_model_dir(model)
     tok_path = (path if tokenizer is None else
                 loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
-    config = loader.load_config(path, cfg.trust_remote_code)
-    loader.check_weights(path)
-    k = cfg.tensor_parallel_size
+    config = (quantization.load_gguf_config(*gguf, cfg.trust_remote_code) if gguf
+              else loader.load_config(path, cfg.trust_remote_code))
+    loader.check_supported(config)
     dev = resolve_device(device)
+    quant = quantization.plan_quantization(config, cfg.quantization, dev,
+                                           gguf[1] if gguf else None)  # config alone
+    if gguf:
+        quantization.check_gguf(*gguf)
+    else:
+        loader.check_weights(path)
+    k = cfg.tensor_parallel_size
     if k > 1 and dev.type == "cuda":  # rank 0's GPU; under an external launcher, this rank's
         external = cfg.distributed_executor_backend == "external_launcher"
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if external else 0)
     check_tp(config, k, dev)
-    return _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+    plan = _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+    return replace(plan, quant=quant)
 
 
 def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
@@ -208,6 +219,7 @@ def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
     config = check_module(module)
     loader.check_supported(config)
     dev, mdtype = module_device(module), module_dtype(module)
+    quant = quantization.plan_quantization(config, cfg.quantization, dev)  # as loaded
     if device is not None and resolve_device(device) != dev:
         raise ValueError(f"device must be None or the model's own device ({dev}): a loaded "
                          f"model is used where it is, got {device!r}")
@@ -223,7 +235,8 @@ def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
     path = folder or Path(str(getattr(module, "name_or_path", "") or type(module).__name__))
     # the trainer's forward runs through the same MLA modules: they keep their expand_kv, so
     # the pool holds decompressed K/V (no latent seam installed on a module we do not own)
-    return replace(_plan(path, tok_path, config, dev, mdtype, cfg, latent=False), module=module)
+    return replace(_plan(path, tok_path, config, dev, mdtype, cfg, latent=False), module=module,
+                   quant=quant)
 
 
 def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torch.device,
@@ -322,11 +335,14 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
     tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
                  if plan.tokenizer_path is not None else None)
+    if tokenizer is None and plan.quant is not None and plan.quant.gguf_file is not None:
+        tokenizer = quantization.load_gguf_tokenizer(plan.path, plan.quant.gguf_file)
     if plan.module is not None:  # the caller's model: no load, its attention switched per forward
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
     else:
         model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
-                                  cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh)
+                                  cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh,
+                                  quantization.load_kwargs(plan.quant, plan.dtype, plan.device))
         gen = loader.load_generation_config(plan.path)
         if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
             install_mla_latent(model, len(classify(plan.config).attention_layers))
