@@ -1,0 +1,198 @@
+"""Quantized checkpoints (batchgen/quantization): tiny random models quantized by each library's
+own API and saved as real folders (tests/quant_models.py), loaded by batchgen through
+transformers' quantizer for the method; the oracle is HF `generate` on the same folder loaded
+by transformers itself. One LLM per method runs chunked prefill in a pool that preempts, n
+greedy samples (each must equal HF greedy) and beams (HF beam search)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
+from tests import quant_models
+from tests.helpers import make_prompt_token_ids, strip_after_eos
+
+NEW = 8  # tokens generated per prompt
+PROMPTS = make_prompt_token_ids(4, 3, 36, vocab_size=512, seed=41)
+
+
+def _needs(*packages: str) -> list:
+    """Marks skipping a case whose library is not installed."""
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
+    return [pytest.mark.skip(reason=f"{', '.join(missing)} not installed")] if missing else []
+
+
+# name → (how it is made from the tiny llama folder, what LLM gets instead of the folder)
+CASES = {
+    "ct-int8": ("compressed_tensors",),
+    "ct-fp8": ("compressed_tensors",),
+    "fp8-block-deepseek_v3": (),
+    "bnb-8bit": ("bitsandbytes",),
+    "bnb-4bit": ("bitsandbytes",),
+    "torchao-int8": ("torchao",),
+    "gguf-q8_0-folder": ("gguf",),
+    "gguf-q4_0-file": ("gguf",),
+}
+
+
+def _build(name: str, src: Path, out: Path, deepseek: Path) -> tuple[Path, Path]:
+    """(what LLM is given, the folder HF loads) for a case."""
+    if name.startswith("ct-"):
+        return (quant_models.compressed_tensors(src, out, name[3:]),) * 2
+    if name == "fp8-block-deepseek_v3":
+        return (quant_models.block_fp8(deepseek, out, (8, 8)),) * 2
+    if name.startswith("bnb-"):
+        return (quant_models.bitsandbytes(src, out, int(name[4])),) * 2
+    if name == "torchao-int8":
+        return (quant_models.torchao_int8(src, out),) * 2
+    qtype = name.split("-")[1].upper()
+    folder = quant_models.gguf_folder(src, out, qtype)
+    gguf = next(folder.glob("*.gguf"))
+    return (gguf if name.endswith("file") else folder), folder
+
+
+@pytest.fixture(scope="module")
+def sources(tiny_model_factory, tmp_path_factory):
+    from tests.families import save_family_model
+
+    src = tiny_model_factory("llama", eos_boost=RECOMMENDED_EOS_BOOST)
+    deepseek = save_family_model("deepseek_v3", tmp_path_factory.mktemp("ds") / "bf16",
+                                 vocab_size=512)
+    return src, deepseek, tmp_path_factory.mktemp("quantized")
+
+
+def _hf(folder: Path):
+    """The same checkpoint loaded by transformers alone (its quantizer), on the CPU."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = sorted(folder.glob("*.gguf"))
+    kw = {"gguf_file": gguf[0].name} if gguf else {}
+    return AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", **kw).eval()
+
+
+@torch.no_grad()
+def _hf_runs(model, prompt: list[int], beams: int) -> list[list[int]]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
+                         num_beams=beams, num_return_sequences=beams, do_sample=False,
+                         length_penalty=1.0, early_stopping=False, eos_token_id=2,
+                         pad_token_id=0)
+    return [strip_after_eos(row[len(prompt):].tolist()) for row in out]
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(*p)) for n, p in CASES.items()])
+def test_quantized_checkpoint_equals_hf(sources, name):
+    src, deepseek, root = sources
+    given, folder = _build(name, src, root / name, deepseek)
+    tok = {"tokenizer": src} if given.suffix == ".gguf" else {}
+    llm = LLM(given, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16,
+              max_num_seqs=4, **tok)
+    assert llm.quantization is not None and llm.quantization.method == _method(name)
+    hf = _hf(folder)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(n=2, temperature=0, max_tokens=NEW), use_tqdm=False)
+    assert llm.kv_stats().preemptions > 0  # a pool of 48 tokens cannot hold them all
+    for p, o in zip(PROMPTS, outs):
+        want = _hf_runs(hf, p, 1)[0]
+        assert [c.token_ids for c in o.outputs] == [want, want], (name, len(p))
+    beams = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                            BeamSearchParams(beam_width=2, max_tokens=NEW), use_tqdm=False)
+    for p, o in zip(PROMPTS[:2], beams):
+        assert [s.token_ids for s in o.sequences] == _hf_runs(hf, p, 2), (name, len(p))
+
+
+def _method(case: str) -> str:
+    prefix = case.split("-")[0]
+    return {"ct": "compressed-tensors", "bnb": "bitsandbytes", "torchao": "torchao",
+            "gguf": "gguf", "fp8": "fp8"}[prefix]
+
+
+# ---- refusals: before any weight is read ------------------------------------------------------
+def _poison_weights(folder: Path) -> None:
+    """Make every weight file unreadable past its header: a refusal that read weights fails."""
+    for f in folder.glob("*.safetensors"):
+        data = f.read_bytes()
+        f.write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])
+
+
+@pytest.fixture(scope="module")
+def ct_folder(sources, tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    src, _, _ = sources
+    return quant_models.compressed_tensors(src, tmp_path_factory.mktemp("ct") / "m", "int8")
+
+
+@pytest.mark.parametrize(("asked", "match"), [
+    ("awq", "quantization='awq' disagrees with the checkpoint, which is quantized with "
+            "'compressed-tensors'"),
+    ("hqq", r"quantization must be one of \(None, 'fp8', 'compressed-tensors'"),
+    ("fp8", "quantization='fp8' disagrees"),
+])
+def test_wrong_names_are_refused_before_weights(ct_folder, tmp_path, asked, match):
+    import shutil
+
+    poisoned = shutil.copytree(ct_folder, tmp_path / "m")
+    _poison_weights(poisoned)
+    with pytest.raises(ValueError, match=match):
+        LLM(poisoned, quantization=asked, num_kv_blocks=8)
+
+
+def test_matching_and_alias_names_load(ct_folder):
+    assert LLM(ct_folder, quantization="compressed-tensors",
+               num_kv_blocks=8).quantization.method == "compressed-tensors"
+
+
+@pytest.mark.parametrize(("asked", "match"), [
+    ("fp8", r"'fp8' cannot run on cpu: .*compute capability >= 8\.9"),
+    ("modelopt_fp4", r"'modelopt_fp4' cannot run on cpu: NVFP4 .*>= 10\.0"),
+    ("gptq", "needs a checkpoint quantized with it"),
+    ("gguf", "needs a checkpoint quantized with it"),
+])
+def test_online_methods_that_cannot_run_here_are_refused(sources, tmp_path, asked, match):
+    import shutil
+
+    folder = shutil.copytree(sources[0], tmp_path / "m")
+    _poison_weights(folder)
+    with pytest.raises(ValueError, match=match):
+        LLM(folder, quantization=asked, num_kv_blocks=8)
+
+
+def test_an_unserved_checkpoint_method_is_refused(sources, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(sources[0], tmp_path / "m")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "hqq"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="quantized with 'hqq', which batchgen does not serve"):
+        LLM(folder, num_kv_blocks=8)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="torchao not installed")
+def test_online_torchao_int8_equals_hf(sources):
+    """quantization='torchao' on a full-precision folder: int8 weight-only at load, as HF's
+    own TorchAoConfig(Int8WeightOnlyConfig()) gives."""
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    src = sources[0]
+    llm = LLM(src, quantization="torchao", num_kv_blocks=64, block_size=4)
+    assert llm.quantization.online
+    hf = AutoModelForCausalLM.from_pretrained(
+        src, device_map="cpu", quantization_config=TorchAoConfig(Int8WeightOnlyConfig())).eval()
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_runs(hf, p, 1)[0] for p in PROMPTS]
+
+
+def test_a_folder_with_two_gguf_files_is_refused(tmp_path):
+    (tmp_path / "a.gguf").write_bytes(b"GGUF")
+    (tmp_path / "b.gguf").write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="holds 2 .gguf files"):
+        LLM(tmp_path, num_kv_blocks=8)
