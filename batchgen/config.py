@@ -151,6 +151,7 @@ class CacheConfig:
     num_host_blocks: int = 0  # the swap pool's blocks (swap_space)
     state_bytes_per_seq: int = 0  # models with state mixers: per sequence, not per token
     state_slots: int = 0  # state slots preallocated (max_num_seqs; more when n/beams need)
+    quantization: str | None = None  # the weights' method (vLLM's name), None: full precision
 
     @property
     def num_tokens(self) -> int:
@@ -166,7 +167,8 @@ class CacheConfig:
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token (beta), "
                 f"{self.num_tokens * self.bytes_per_token / 2**20:.1f} MiB; maximum concurrency "
                 f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x"
-                + self.state_line() + self.host_line())
+                + self.state_line() + self.host_line()
+                + (f"; weights quantized: {self.quantization}" if self.quantization else ""))
 
     def state_line(self) -> str:
         """The mixers' state pool's part of the capacity line (empty without one)."""

@@ -505,7 +505,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     state = parts.state.bytes_per_seq if parts.state else 0
     return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
                                         plan.layout.bytes_per_token, pool.num_host_blocks,
-                                        state, cfg.max_num_seqs if state else 0),
+                                        state, cfg.max_num_seqs if state else 0,
+                                        plan.quant.method if plan.quant else None),
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
                      requests, results, reserve,
@@ -565,6 +566,9 @@ def log_capacity(built: Assembled, tp_size: int) -> None:
     beyond the pool when it was sized from free memory, the backend, and on the CPU a warning
     when torch's threads outnumber the cores free to run them."""
     logger.info(built.cache_config.capacity_line(built.max_model_len))
+    method = built.cache_config.quantization
+    logger.info("weights: %.1f MiB as loaded%s", quantization.weight_bytes(built.parts.model)
+                / 2**20, f" ({method}: packed tensors and scales as stored)" if method else "")
     if built.cache.device.type == "cpu":
         threads.warn_if_oversubscribed()
     if tp_size > 1:

@@ -196,3 +196,37 @@ def test_a_folder_with_two_gguf_files_is_refused(tmp_path):
     (tmp_path / "b.gguf").write_bytes(b"GGUF")
     with pytest.raises(ValueError, match="holds 2 .gguf files"):
         LLM(tmp_path, num_kv_blocks=8)
+
+
+# ---- memory truth -------------------------------------------------------------------------------
+def test_kv_plan_reads_the_quantization_and_the_packed_weights(ct_folder, sources):
+    from batchgen.kv_plan import plan_kv
+    from batchgen.model.loader import load_config
+    from batchgen.quantization import checkpoint_bytes
+
+    plans = {}
+    for name, folder in (("full", sources[0]), ("ct", ct_folder)):
+        plans[name] = plan_kv(load_config(folder), block_size=4, device_memory=2**20,
+                              weight_bytes=checkpoint_bytes(folder))
+    full, ct = plans["full"], plans["ct"]
+    assert full.quantization is None and ct.quantization == "compressed-tensors"
+    assert ct.weight_bytes < 0.7 * full.weight_bytes  # int8 projections beside fp32 embeddings
+    assert ct.num_tokens > full.num_tokens  # what the smaller weights leave goes to KV
+    llm = LLM(ct_folder, block_size=4, kv_cache_memory=ct.memory_bytes)
+    assert llm.cache_config.capacity_line(llm.max_model_len) == ct.capacity_line()
+    assert ct.capacity_line().endswith("; weights quantized: compressed-tensors")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
+                    reason="bitsandbytes not installed")
+def test_loaded_weight_bytes_are_the_packed_ones(sources, caplog):
+    from batchgen.quantization import weight_bytes
+
+    full = LLM(sources[0], num_kv_blocks=8)
+    with caplog.at_level("INFO", logger="batchgen"):
+        nf4 = LLM(sources[0], quantization="bitsandbytes", num_kv_blocks=8)
+    assert nf4.quantization.online and nf4.quantization.method == "bitsandbytes"
+    # 4-bit projections (a byte per two weights, absmax per 64) beside fp32 embeddings and head
+    assert weight_bytes(nf4.model) < 0.6 * weight_bytes(full.model)
+    line = f"weights: {weight_bytes(nf4.model) / 2**20:.1f} MiB as loaded (bitsandbytes"
+    assert any(line in r.getMessage() for r in caplog.records)
