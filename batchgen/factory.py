@@ -34,7 +34,7 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.block_manager import BlockManager, blocks_for
-from batchgen.kv.cache import KVCache
+from batchgen.kv.cache import FP8_DTYPES, KVCache
 from batchgen.kv.swap import HostPool
 from batchgen.log import logger
 from batchgen.model import loader
@@ -53,7 +53,7 @@ from batchgen.model.shared import (
     paged_forward,
 )
 from batchgen.model.state_probe import config_state, fill_specs, probe_layers
-from batchgen.quantization import QuantPlan
+from batchgen.quantization import KVScales, QuantPlan
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.sampler import Sampler
@@ -121,6 +121,7 @@ class RunnerSetup:
     head_dim_v: int | None = None  # values' width when it differs from the keys' (MLA)
     latent: bool = False  # MLA latent: the values are the keys' first head_dim_v
     kv_layers: tuple[int, ...] | None = None  # the layers holding K/V (None: every layer)
+    kv_scales: KVScales | None = None  # an fp8 pool's per-layer scales (None: 1.0)
 
 
 class Executor(Protocol):
@@ -380,6 +381,8 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent,
                     setup.kv_layers)
+    if setup.kv_scales is not None:  # the checkpoint's calibration (quantization/kv_scales.py)
+        cache.k_scales, cache.v_scales = list(setup.kv_scales.k), list(setup.kv_scales.v)
     backend = make_backend(cache)
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
@@ -594,7 +597,14 @@ def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: 
                        cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
                        (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
                         plan.min_rows()), pool.num_host_blocks, geo.head_dim_v, geo.latent,
-                       geo.kv_layers)
+                       geo.kv_layers, _kv_scales(plan))
+
+
+def _kv_scales(plan: EnginePlan) -> KVScales | None:
+    """An fp8 pool's scales: the checkpoint's k/v scales (a warning and 1.0 without)."""
+    if plan.layout.kv_dtype not in FP8_DTYPES:
+        return None
+    return quantization.fp8_scales(plan.path, plan.geo.num_layers, plan.geo.kv_layers)
 
 
 def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]

@@ -32,7 +32,10 @@ def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = Fals
     """compressed-tensors' own API, as llm-compressor saves: `scheme` "int8" (W8A16: int8
     weights, one scale per output channel) or "fp8" (W8A8: fp8 weights per channel, fp8
     activations per token, dynamic); `kv_scales`: a `kv_cache_scheme` (fp8, per tensor) with
-    each layer's k_scale / v_scale calibrated from the K/V of a few prompts."""
+    each layer's k_scale / v_scale calibrated from the K/V of a few prompts, in llm-compressor's
+    layout (`...self_attn.k_scale`). compressed-tensors 0.20 attaches a KV scheme only to
+    attention modules whose forward takes `past_key_values`, which transformers 5.25's no
+    longer does, so those tensors are written beside what its compressor saved."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -51,27 +54,40 @@ def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = Fals
           if kv_scales else None)
     amax = _kv_amax(model) if kv_scales else {}
     config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(
-        targets=["Linear"], weights=weights, input_activations=acts)}, ignore=["lm_head"],
-        kv_cache_scheme=kv)
+        targets=["Linear"], weights=weights, input_activations=acts)}, ignore=["lm_head"])
     apply_quantization_config(model, config, show_progress=False)
     with torch.no_grad():
-        for name, module in model.named_modules():
+        for module in model.modules():
             if hasattr(module, "weight_scale"):
                 w = module.weight
                 scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
                                                 module.quantization_scheme.weights)
                 module.weight_scale.data = scale.to(module.weight_scale.dtype)
                 module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
-            if hasattr(module, "k_scale") and name in amax:
-                k, v = amax[name]
-                module.k_scale.data.fill_(k / FP8_MAX)
-                module.v_scale.data.fill_(v / FP8_MAX)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(out)
     compressor.update_config(str(out))
+    if kv is not None:
+        _write_kv_scales(out, amax, kv.model_dump())
     _copy_tokenizer(src, out)
     return out
+
+
+def _write_kv_scales(out: Path, amax: dict[str, tuple[float, float]], scheme: dict) -> None:
+    """Each attention module's k_scale / v_scale (amax / 448, float32 [1]) into the weights,
+    the scheme into config.json's quantization_config."""
+    from safetensors.torch import load_file, save_file
+
+    f = out / "model.safetensors"
+    tensors = load_file(f)
+    for name, (k, v) in amax.items():
+        tensors[f"{name}.k_scale"] = torch.tensor([k / FP8_MAX])
+        tensors[f"{name}.v_scale"] = torch.tensor([v / FP8_MAX])
+    save_file(tensors, f, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = scheme
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 @torch.no_grad()

@@ -230,3 +230,86 @@ def test_loaded_weight_bytes_are_the_packed_ones(sources, caplog):
     assert weight_bytes(nf4.model) < 0.6 * weight_bytes(full.model)
     line = f"weights: {weight_bytes(nf4.model) / 2**20:.1f} MiB as loaded (bitsandbytes"
     assert any(line in r.getMessage() for r in caplog.records)
+
+
+# ---- an fp8 KV pool with the checkpoint's k/v scales -------------------------------------------
+def _fp8_rounded(scales: dict[int, tuple[float, float]]):
+    """HF's SDPA attention over K/V stored as fp8 with per-layer scales (K / k_scale,
+    saturated, cast; read back times k_scale), as an fp8 pool holds them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def r(x, s):
+        return ((x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype) * s)
+
+    def attend(module, query, key, value, attention_mask, **kw):
+        k, v = scales[module.layer_idx]
+        return sdpa_attention_forward(module, query, r(key, k), r(value, v), attention_mask,
+                                      **kw)
+    return attend
+
+
+@pytest.fixture(scope="module")
+def kv_folder(sources, tmp_path_factory):
+    pytest.importorskip("compressed_tensors")
+    return quant_models.compressed_tensors(sources[0], tmp_path_factory.mktemp("kv") / "m",
+                                           "int8", kv_scales=True)
+
+
+def _prefill_logits(llm, prompts):
+    """batchgen's logits for every prompt token, prompts packed in one step."""
+    from batchgen.attention.interface import StepContext
+    from batchgen.attention.metadata import SeqChunk, StepRows
+
+    runner, bm = llm.engine.runner, llm.engine.kv.block_manager
+    chunks = []
+    for i, p in enumerate(prompts):
+        bm.allocate(("p", i), len(p))
+        chunks.append(SeqChunk(p, bm.table(("p", i)), 0, 1))
+    step = runner.inputs.prepare(StepRows.from_chunks(chunks))
+    runner.backend.plan(step.meta)
+    with torch.inference_mode():
+        got = runner.model(input_ids=step.input_ids[None], position_ids=step.positions[None],
+                           use_cache=False, batchgen_step=StepContext(
+                               runner.cache, runner.backend, step.slot_mapping)).logits[0]
+    qo = step.meta.qo_indptr.tolist()
+    return [got[qo[i]:qo[i + 1]] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch"])
+def test_fp8_pool_uses_the_checkpoint_scales(kv_folder, backend):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from batchgen.quantization import checkpoint_kv_scales
+
+    llm = LLM(kv_folder, kv_cache_dtype="fp8", block_size=4, num_kv_blocks=64,
+              attention_backend=backend)
+    scales = checkpoint_kv_scales(kv_folder, 2)
+    assert llm.cache.k_scales == list(scales.k) and llm.cache.v_scales == list(scales.v)
+    assert all(s != 1.0 for s in scales.k + scales.v)
+    prompts = sorted(PROMPTS, key=len)  # the step's row order
+    got = _prefill_logits(llm, prompts)
+    for name, layers in (("scaled", dict(enumerate(zip(scales.k, scales.v)))),
+                         ("unscaled", {0: (1.0, 1.0), 1: (1.0, 1.0)})):
+        AttentionInterface.register(f"fp8_{name}", _fp8_rounded(layers))
+        ref = AutoModelForCausalLM.from_pretrained(kv_folder, device_map="cpu",
+                                                   attn_implementation=f"fp8_{name}").eval()
+        with torch.no_grad():
+            diffs = [float((g - ref(input_ids=torch.tensor([p])).logits[0]).abs().max())
+                     for g, p in zip(got, prompts)]
+        if name == "scaled":  # equal to HF with the checkpoint's scales (decode steps too) ...
+            assert max(diffs) < 2e-5, diffs
+            outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=0, max_tokens=NEW), use_tqdm=False)
+            assert [o.outputs[0].token_ids for o in outs] == [_hf_runs(ref, p, 1)[0]
+                                                              for p in PROMPTS]
+        else:  # ... and not to HF with scales left at 1.0 (the test can fail)
+            assert max(diffs) > 1e-3, diffs
+
+
+def test_fp8_pool_without_scales_warns_and_doubles_capacity(sources, caplog):
+    with caplog.at_level("WARNING", logger="batchgen"):
+        fp8 = LLM(sources[0], kv_cache_dtype="fp8", kv_cache_memory=2**16)
+    assert fp8.cache.k_scales == [1.0, 1.0]
+    assert sum("has no k/v scales" in r.getMessage() for r in caplog.records) == 1
+    bf16 = LLM(sources[0], kv_cache_dtype="bfloat16", kv_cache_memory=2**16)
+    assert fp8.kv_stats().num_blocks == 2 * bf16.kv_stats().num_blocks
