@@ -571,7 +571,7 @@ def log_capacity(built: Assembled, tp_size: int) -> None:
     logger.info(built.cache_config.capacity_line(built.max_model_len))
     method = built.cache_config.quantization
     logger.info("weights: %.1f MiB as loaded%s", quantization.weight_bytes(built.parts.model)
-                / 2**20, f" ({method}: packed tensors and scales as stored)" if method else "")
+                / 2**20, f" ({method})" if method else "")
     if built.cache.device.type == "cpu":
         threads.warn_if_oversubscribed()
     if tp_size > 1:

@@ -255,3 +255,28 @@ def gguf_folder(src: Path, out: Path, qtype: str) -> Path:
     gguf_file(src, out / f"model-{qtype}.gguf", qtype)
     _copy_tokenizer(src, out)
     return out
+
+
+def mxfp4_gpt_oss(src: Path, out: Path, seed: int = 0) -> Path:
+    """A gpt-oss whose experts are stored as gpt-oss ships them: MXFP4 (`*_blocks`: two e2m1
+    values a byte, 32 per block; `*_scales`: one e8m0 exponent per block) with a
+    `quantization_config` {quant_method: mxfp4}; the values are random (a random model)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    f = out / "model.safetensors"
+    tensors = load_file(f)
+    g = torch.Generator().manual_seed(seed)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows_in, rows_out = tensors.pop(name).shape  # stored [E, in, out]
+        tensors[f"{name}_blocks"] = torch.randint(0, 256, (e, rows_out, rows_in // 32, 16),
+                                                  generator=g, dtype=torch.uint8)
+        tensors[f"{name}_scales"] = torch.randint(122, 126, (e, rows_out, rows_in // 32),
+                                                  generator=g, dtype=torch.uint8)
+    save_file(tensors, f, metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+        "lm_head"]}
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out

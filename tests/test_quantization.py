@@ -38,11 +38,15 @@ CASES = {
     "torchao-int8": ("torchao",),
     "gguf-q8_0-folder": ("gguf",),
     "gguf-q4_0-file": ("gguf",),
+    "mxfp4-gpt_oss": (),
 }
 
 
-def _build(name: str, src: Path, out: Path, deepseek: Path) -> tuple[Path, Path]:
+def _build(name: str, sources: tuple, out: Path) -> tuple[Path, Path]:
     """(what LLM is given, the folder HF loads) for a case."""
+    src, deepseek, _, gpt_oss = sources
+    if name == "mxfp4-gpt_oss":
+        return (quant_models.mxfp4_gpt_oss(gpt_oss, out),) * 2
     if name.startswith("ct-"):
         return (quant_models.compressed_tensors(src, out, name[3:]),) * 2
     if name == "fp8-block-deepseek_v3":
@@ -64,7 +68,8 @@ def sources(tiny_model_factory, tmp_path_factory):
     src = tiny_model_factory("llama", eos_boost=RECOMMENDED_EOS_BOOST)
     deepseek = save_family_model("deepseek_v3", tmp_path_factory.mktemp("ds") / "bf16",
                                  vocab_size=512)
-    return src, deepseek, tmp_path_factory.mktemp("quantized")
+    gpt_oss = tiny_model_factory("gpt_oss", eos_boost=RECOMMENDED_EOS_BOOST)
+    return src, deepseek, tmp_path_factory.mktemp("quantized"), gpt_oss
 
 
 def _hf(folder: Path):
@@ -73,6 +78,10 @@ def _hf(folder: Path):
 
     gguf = sorted(folder.glob("*.gguf"))
     kw = {"gguf_file": gguf[0].name} if gguf else {}
+    if folder.name.startswith("mxfp4"):
+        from transformers import Mxfp4Config  # its CPU kernel comes from the hub: dequantized
+
+        kw["quantization_config"] = Mxfp4Config(dequantize=True)
     return AutoModelForCausalLM.from_pretrained(folder, device_map="cpu", **kw).eval()
 
 
@@ -88,8 +97,8 @@ def _hf_runs(model, prompt: list[int], beams: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=_needs(*p)) for n, p in CASES.items()])
 def test_quantized_checkpoint_equals_hf(sources, name):
-    src, deepseek, root = sources
-    given, folder = _build(name, src, root / name, deepseek)
+    src, root = sources[0], sources[2]
+    given, folder = _build(name, sources, root / name)
     tok = {"tokenizer": src} if given.suffix == ".gguf" else {}
     llm = LLM(given, block_size=4, num_kv_blocks=12, max_num_batched_tokens=16,
               max_num_seqs=4, **tok)
@@ -110,7 +119,7 @@ def test_quantized_checkpoint_equals_hf(sources, name):
 def _method(case: str) -> str:
     prefix = case.split("-")[0]
     return {"ct": "compressed-tensors", "bnb": "bitsandbytes", "torchao": "torchao",
-            "gguf": "gguf", "fp8": "fp8"}[prefix]
+            "gguf": "gguf", "fp8": "fp8", "mxfp4": "mxfp4"}[prefix]
 
 
 # ---- refusals: before any weight is read ------------------------------------------------------
@@ -124,8 +133,8 @@ def _poison_weights(folder: Path) -> None:
 @pytest.fixture(scope="module")
 def ct_folder(sources, tmp_path_factory):
     pytest.importorskip("compressed_tensors")
-    src, _, _ = sources
-    return quant_models.compressed_tensors(src, tmp_path_factory.mktemp("ct") / "m", "int8")
+    return quant_models.compressed_tensors(sources[0], tmp_path_factory.mktemp("ct") / "m",
+                                           "int8")
 
 
 @pytest.mark.parametrize(("asked", "match"), [
