@@ -74,9 +74,10 @@ def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = Fals
     return out
 
 
-def _write_kv_scales(out: Path, amax: dict[str, tuple[float, float]], scheme: dict) -> None:
+def _write_kv_scales(out: Path, amax: dict[str, tuple[float, float]], scheme: dict | None
+                     ) -> None:
     """Each attention module's k_scale / v_scale (amax / 448, float32 [1]) into the weights,
-    the scheme into config.json's quantization_config."""
+    the scheme (if any) into config.json's quantization_config."""
     from safetensors.torch import load_file, save_file
 
     f = out / "model.safetensors"
@@ -85,14 +86,18 @@ def _write_kv_scales(out: Path, amax: dict[str, tuple[float, float]], scheme: di
         tensors[f"{name}.k_scale"] = torch.tensor([k / FP8_MAX])
         tensors[f"{name}.v_scale"] = torch.tensor([v / FP8_MAX])
     save_file(tensors, f, metadata={"format": "pt"})
+    if scheme is None:
+        return
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"]["kv_cache_scheme"] = scheme
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 @torch.no_grad()
-def _kv_amax(model: Any, n: int = 4, length: int = 24) -> dict[str, tuple[float, float]]:
-    """Each attention module's largest |K| and |V| over a few random prompts (calibration)."""
+def _kv_amax(model: Any, n: int = 4, length: int = 24, prompts: list[list[int]] | None = None
+             ) -> dict[str, tuple[float, float]]:
+    """Each attention module's largest |K| and |V| over calibration prompts (`prompts`, else
+    `n` random ones of `length` tokens)."""
     found: dict[str, list[float]] = {}
     hooks = []
     for name, module in model.named_modules():
@@ -104,7 +109,10 @@ def _kv_amax(model: Any, n: int = 4, length: int = 24) -> dict[str, tuple[float,
                     cur[slot] = max(cur[slot], float(out.abs().max()))
                 hooks.append(sub.register_forward_hook(hook))
     g = torch.Generator().manual_seed(0)
-    model(input_ids=torch.randint(3, model.config.vocab_size, (n, length), generator=g))
+    if prompts is None:
+        model(input_ids=torch.randint(3, model.config.vocab_size, (n, length), generator=g))
+    for p in prompts or []:
+        model(input_ids=torch.tensor([p]))
     for h in hooks:
         h.remove()
     return {k: (v[0], v[1]) for k, v in found.items()}

@@ -20,8 +20,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
             names, _ = t.__tensor_flatten__()
         except (TypeError, NotImplementedError):
             names = []
-        if names:
-            return sum(tensor_bytes(getattr(t, n)) for n in names)
+        inner = [getattr(t, n, None) for n in names]
+        if inner and all(isinstance(x, torch.Tensor) for x in inner):
+            return sum(tensor_bytes(x) for x in inner)
     total = t.numel() * t.element_size()
     for extra in (getattr(t, "SCB", None), getattr(getattr(t, "quant_state", None), "absmax",
                                                    None)):
