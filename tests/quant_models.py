@@ -30,8 +30,8 @@ def _copy_tokenizer(src: Path, out: Path) -> None:
 
 def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = False) -> Path:
     """compressed-tensors' own API, as llm-compressor saves: `scheme` "int8" (W8A16: int8
-    weights, one scale per output channel) or "fp8" (W8A8: fp8 weights per channel, fp8
-    activations per token, dynamic); `kv_scales`: a `kv_cache_scheme` (fp8, per tensor) with
+    weights, one scale per output channel), "int4" (W4A16: int4 packed, one scale per group of
+    32) or "fp8" (W8A8: fp8 weights per channel, fp8 activations per token, dynamic); `kv_scales`: a `kv_cache_scheme` (fp8, per tensor) with
     each layer's k_scale / v_scale calibrated from the K/V of a few prompts, in llm-compressor's
     layout (`...self_attn.k_scale`). compressed-tensors 0.20 attaches a KV scheme only to
     attention modules whose forward takes `past_key_values`, which transformers 5.25's no
@@ -46,8 +46,10 @@ def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = Fals
     from compressed_tensors.quantization.utils import calculate_qparams
 
     model = _load(src)
-    kind = {"int8": "int", "fp8": "float"}[scheme]
-    weights = QuantizationArgs(num_bits=8, type=kind, strategy="channel", symmetric=True)
+    kind = {"int8": "int", "fp8": "float", "int4": "int"}[scheme]
+    weights = (QuantizationArgs(num_bits=4, type="int", strategy="group", group_size=32,
+                                symmetric=True) if scheme == "int4" else
+               QuantizationArgs(num_bits=8, type=kind, strategy="channel", symmetric=True))
     acts = (QuantizationArgs(num_bits=8, type="float", strategy="token", dynamic=True,
                              symmetric=True) if scheme == "fp8" else None)
     kv = (QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
@@ -60,7 +62,10 @@ def compressed_tensors(src: Path, out: Path, scheme: str, kv_scales: bool = Fals
         for module in model.modules():
             if hasattr(module, "weight_scale"):
                 w = module.weight
-                scale, zero = calculate_qparams(w.amin(1, keepdim=True), w.amax(1, keepdim=True),
+                if scheme == "int4":  # one scale per group of 32 inputs
+                    w = w.reshape(w.shape[0], -1, 32)
+                scale, zero = calculate_qparams(w.amin(-1, keepdim=scheme != "int4"),
+                                                w.amax(-1, keepdim=scheme != "int4"),
                                                 module.quantization_scheme.weights)
                 module.weight_scale.data = scale.to(module.weight_scale.dtype)
                 module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)

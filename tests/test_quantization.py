@@ -31,6 +31,7 @@ def _needs(*packages: str) -> list:
 # name → (how it is made from the tiny llama folder, what LLM gets instead of the folder)
 CASES = {
     "ct-int8": ("compressed_tensors",),
+    "ct-int4": ("compressed_tensors",),
     "ct-fp8": ("compressed_tensors",),
     "fp8-block-deepseek_v3": (),
     "bnb-8bit": ("bitsandbytes",),
