@@ -323,3 +323,11 @@ def test_fp8_pool_without_scales_warns_and_doubles_capacity(sources, caplog):
     assert sum("has no k/v scales" in r.getMessage() for r in caplog.records) == 1
     bf16 = LLM(sources[0], kv_cache_dtype="bfloat16", kv_cache_memory=2**16)
     assert fp8.kv_stats().num_blocks == 2 * bf16.kv_stats().num_blocks
+
+
+def test_a_loaded_model_is_not_quantized_online(sources):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(sources[0])
+    with pytest.raises(ValueError, match="a loaded model is used as it is"):
+        LLM(model, quantization="torchao", num_kv_blocks=8)
