@@ -220,10 +220,10 @@ def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
     config = check_module(module)
     loader.check_supported(config)
     dev, mdtype = module_device(module), module_dtype(module)
-    quant = quantization.plan_quantization(config, cfg.quantization, dev)  # as loaded
-    if quant is not None and quant.online:
+    if cfg.quantization is not None and quantization.checkpoint_method(config) is None:
         raise ValueError(f"quantization={cfg.quantization!r}: a loaded model is used as it is "
                          "(nothing is quantized); pass None, or load it quantized yourself")
+    quant = quantization.plan_quantization(config, cfg.quantization, dev)  # as loaded
     if device is not None and resolve_device(device) != dev:
         raise ValueError(f"device must be None or the model's own device ({dev}): a loaded "
                          f"model is used where it is, got {device!r}")
