@@ -25,6 +25,7 @@ from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes, num_blocks_for_memory
 from batchgen.kv.swap import GIB, host_available_bytes, host_blocks_for
 from batchgen.model.loader import KVGeometry
+from batchgen.quantization.methods import NAMES as QUANTIZATION_NAMES
 from batchgen.sampling.logprobs_mode import check_logprobs_mode
 from batchgen.vllm_args import ALIASES, split_engine_args
 
@@ -40,10 +41,10 @@ MIN_MODEL_LEN = 2
 PREEMPTION_MODES = ("recompute", "swap")
 # vLLM's engine arguments batchgen accepts, with the values it can honour: the model code is
 # always transformers' own; workers are batchgen's ("mp"), none ("uni", one rank) or the
-# caller's world ("external_launcher"); weights are the checkpoint's (no on-the-fly quantizing).
+# caller's world ("external_launcher"); quantization: the served methods (batchgen/quantization).
 MODEL_IMPLS = ("auto", "transformers")
 EXECUTOR_BACKENDS = (None, "mp", "uni", "external_launcher")
-QUANTIZATIONS = (None,)
+QUANTIZATIONS = (None, *QUANTIZATION_NAMES)
 # vLLM's: the order waiting requests start in ("priority": lower `priority` first, ties by
 # arrival); what a generation_config of "vllm" means (the model's generation_config.json
 # ignored); the structured-outputs backends that mean xgrammar, the one batchgen runs.
@@ -243,6 +244,7 @@ class CacheConfig:
     num_host_blocks: int = 0  # the swap pool's blocks (swap_space)
     state_bytes_per_seq: int = 0  # models with state mixers: per sequence, not per token
     state_slots: int = 0  # state slots preallocated (max_num_seqs; more when n/beams need)
+    quantization: str | None = None  # the weights' method (vLLM's name), None: full precision
 
     @property
     def num_tokens(self) -> int:
@@ -258,7 +260,8 @@ class CacheConfig:
                 f"{self.num_tokens} tokens, {self.bytes_per_token} bytes/token (beta), "
                 f"{self.num_tokens * self.bytes_per_token / 2**20:.1f} MiB; maximum concurrency "
                 f"for {max_model_len} tokens per request: {self.max_concurrency(max_model_len):.2f}x"
-                + self.state_line() + self.host_line())
+                + self.state_line() + self.host_line()
+                + (f"; weights quantized: {self.quantization}" if self.quantization else ""))
 
     def state_line(self) -> str:
         """The mixers' state pool's part of the capacity line (empty without one)."""

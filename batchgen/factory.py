@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from batchgen import cpu_allocator, threads
+from batchgen import cpu_allocator, quantization, threads
 from batchgen.attention.backend import AttentionBackend
 from batchgen.attention.mla import install_latent
 from batchgen.attention.registry import (
@@ -34,7 +34,7 @@ from batchgen.engine.kv_manager import KVManager
 from batchgen.engine.output_processor import OutputProcessor
 from batchgen.engine.scheduler import Scheduler
 from batchgen.kv.block_manager import BlockManager, blocks_for
-from batchgen.kv.cache import KVCache
+from batchgen.kv.cache import FP8_DTYPES, KVCache
 from batchgen.kv.swap import HostPool
 from batchgen.log import logger
 from batchgen.model import loader
@@ -53,6 +53,7 @@ from batchgen.model.shared import (
     paged_forward,
 )
 from batchgen.model.state_probe import config_state, fill_specs, probe_layers
+from batchgen.quantization import KVScales, QuantPlan
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
 from batchgen.sampling.grammar import Grammars
@@ -90,6 +91,7 @@ class EnginePlan:
     pool: PoolSize | None  # None: a GPU pool, sized once the weights are in
     module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
     state: StateLayout | None = None  # state mixers, planned on the meta device
+    quant: QuantPlan | None = None  # how quantized weights load (None: full precision)
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -120,6 +122,7 @@ class RunnerSetup:
     head_dim_v: int | None = None  # values' width when it differs from the keys' (MLA)
     latent: bool = False  # MLA latent: the values are the keys' first head_dim_v
     kv_layers: tuple[int, ...] | None = None  # the layers holding K/V (None: every layer)
+    kv_scales: KVScales | None = None  # an fp8 pool's per-layer scales (None: 1.0)
 
 
 class Executor(Protocol):
@@ -186,18 +189,27 @@ def plan_engine(model: str | os.PathLike | torch.nn.Module,
     A loaded model (`torch.nn.Module`) is planned around as it is: see `plan_shared`."""
     if isinstance(model, torch.nn.Module):
         return plan_shared(model, tokenizer, dtype, device, cfg)
-    path = loader.resolve_model_dir(model)
+    gguf = quantization.gguf_source(model)
+    path = gguf[0] if gguf else loader.resolve_model_dir(model)
     tok_path = (path if tokenizer is None else
                 loader.resolve_model_dir(tokenizer, "tokenizer", loader.TOKENIZER_FILES))
-    config = loader.load_config(path, cfg.trust_remote_code)
-    loader.check_weights(path)
-    k = cfg.tensor_parallel_size
+    config = (quantization.load_gguf_config(*gguf, cfg.trust_remote_code) if gguf
+              else loader.load_config(path, cfg.trust_remote_code))
+    loader.check_supported(config)
     dev = resolve_device(device)
+    quant = quantization.plan_quantization(config, cfg.quantization, dev,
+                                           gguf[1] if gguf else None)  # config alone
+    if gguf:
+        quantization.check_gguf(*gguf)
+    else:
+        loader.check_weights(path)
+    k = cfg.tensor_parallel_size
     if k > 1 and dev.type == "cuda":  # rank 0's GPU; under an external launcher, this rank's
         external = cfg.distributed_executor_backend == "external_launcher"
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if external else 0)
     check_tp(config, k, dev)
-    return _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+    plan = _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
+    return replace(plan, quant=quant)
 
 
 def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
@@ -209,6 +221,10 @@ def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
     config = check_module(module)
     loader.check_supported(config)
     dev, mdtype = module_device(module), module_dtype(module)
+    if cfg.quantization is not None and quantization.checkpoint_method(config) is None:
+        raise ValueError(f"quantization={cfg.quantization!r}: a loaded model is used as it is "
+                         "(nothing is quantized); pass None, or load it quantized yourself")
+    quant = quantization.plan_quantization(config, cfg.quantization, dev)  # as loaded
     if device is not None and resolve_device(device) != dev:
         raise ValueError(f"device must be None or the model's own device ({dev}): a loaded "
                          f"model is used where it is, got {device!r}")
@@ -224,7 +240,8 @@ def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
     path = folder or Path(str(getattr(module, "name_or_path", "") or type(module).__name__))
     # the trainer's forward runs through the same MLA modules: they keep their expand_kv, so
     # the pool holds decompressed K/V (no latent seam installed on a module we do not own)
-    return replace(_plan(path, tok_path, config, dev, mdtype, cfg, latent=False), module=module)
+    return replace(_plan(path, tok_path, config, dev, mdtype, cfg, latent=False), module=module,
+                   quant=quant)
 
 
 def _plan(path: Path, tok_path: Path | None, config: PretrainedConfig, dev: torch.device,
@@ -323,11 +340,15 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
         cpu_allocator.tune_host_allocator()  # reuse freed activations (see the module)
     tokenizer = (loader.load_tokenizer(plan.tokenizer_path, cfg.trust_remote_code)
                  if plan.tokenizer_path is not None and not cfg.skip_tokenizer_init else None)
+    if (tokenizer is None and not cfg.skip_tokenizer_init and plan.quant is not None
+            and plan.quant.gguf_file is not None):
+        tokenizer = quantization.load_gguf_tokenizer(plan.path, plan.quant.gguf_file)
     if plan.module is not None:  # the caller's model: no load, its attention switched per forward
         model, gen = plan.module, getattr(plan.module, "generation_config", None)
     else:
         model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
-                                  cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh)
+                                  cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh,
+                                  quantization.load_kwargs(plan.quant, plan.dtype, plan.device))
         gen = loader.load_generation_config(plan.path)
         if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
             install_mla_latent(model, len(classify(plan.config).attention_layers))
@@ -365,6 +386,8 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent,
                     setup.kv_layers)
+    if setup.kv_scales is not None:  # the checkpoint's calibration (quantization/kv_scales.py)
+        cache.k_scales, cache.v_scales = list(setup.kv_scales.k), list(setup.kv_scales.v)
     backend = make_backend(cache)
     tokens, rows, pages, min_rows = setup.inputs
     inputs = StepInputs(tokens, rows, pages, setup.block_size, cache.scratch_block, min_rows,
@@ -495,7 +518,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     state = parts.state.bytes_per_seq if parts.state else 0
     return Assembled(parts, CacheConfig(cfg.block_size, pool.num_blocks,
                                         plan.layout.bytes_per_token, pool.num_host_blocks,
-                                        state, cfg.max_num_seqs if state else 0),
+                                        state, cfg.max_num_seqs if state else 0,
+                                        plan.quant.method if plan.quant else None),
                      pool.max_model_len, local.cache, chosen[0],
                      build_engine(shape, executor.runner(local), bool(cfg.async_scheduling)),
                      requests, results, reserve,
@@ -556,6 +580,9 @@ def log_capacity(built: Assembled, tp_size: int) -> None:
     beyond the pool when it was sized from free memory, the backend, and on the CPU a warning
     when torch's threads outnumber the cores free to run them."""
     logger.info(built.cache_config.capacity_line(built.max_model_len))
+    method = built.cache_config.quantization
+    logger.info("weights: %.1f MiB as loaded%s", quantization.weight_bytes(built.parts.model)
+                / 2**20, f" ({method})" if method else "")
     if built.cache.device.type == "cpu":
         threads.warn_if_oversubscribed()
     if tp_size > 1:
@@ -581,7 +608,14 @@ def _runner_setup(plan: EnginePlan, cfg: EngineConfig, pool: PoolSize, backend: 
                        cfg.block_size, plan.layout.kv_dtype, backend, plan.max_step_tokens(cfg),
                        (cfg.max_num_batched_tokens, cfg.max_num_seqs, max_pages,
                         plan.min_rows()), pool.num_host_blocks, geo.head_dim_v, geo.latent,
-                       geo.kv_layers)
+                       geo.kv_layers, _kv_scales(plan))
+
+
+def _kv_scales(plan: EnginePlan) -> KVScales | None:
+    """An fp8 pool's scales: the checkpoint's k/v scales (a warning and 1.0 without)."""
+    if plan.layout.kv_dtype not in FP8_DTYPES:
+        return None
+    return quantization.fp8_scales(plan.path, plan.geo.num_layers, plan.geo.kv_layers)
 
 
 def _gpu_reserve(plan: EnginePlan, cfg: EngineConfig, specs: list[AttentionSpec]

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchgen import config as engine_config
+from batchgen import quantization
 from batchgen.checks import check, is_number
 from batchgen.config import CacheConfig, EngineConfig
 from batchgen.defaults import format_bytes  # noqa: F401  (the notebooks import it from here)
@@ -75,12 +76,16 @@ class KvPlan:
     head_dim_v: int | None = None  # d_v when values are not d_h wide (MLA decompressed)
     latent: bool = False  # an MLA latent: one head of d_h = lora + rope, values inside it
     state_bytes_per_seq: int = 0  # state mixers: per sequence, whatever its length
+    quantization: str | None = None  # the checkpoint's method (vLLM's name), from its config
+    weight_bytes: int | None = None  # the checkpoint's weights as stored (None: not counted)
+    device_memory: int | None = None  # the device's bytes the KV budget was derived from
 
     @property
     def cache_config(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.num_blocks, self.bytes_per_token,
                            self.num_host_blocks, self.state_bytes_per_seq,
-                           self.max_num_seqs if self.state_bytes_per_seq else 0)
+                           self.max_num_seqs if self.state_bytes_per_seq else 0,
+                           self.quantization)
 
     @property
     def host_bytes(self) -> int:
@@ -179,12 +184,16 @@ def _positive_int(x: object) -> bool:
 def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: int = 16,
             max_model_len: int | None = None, kv_cache_dtype: str = "auto",
             dtype: str | torch.dtype = "auto", max_num_seqs: int = 256,
-            swap_space: float = 0) -> KvPlan:
+            swap_space: float = 0, weight_bytes: int | None = None,
+            device_memory: int | None = None, utilization: float = 0.9) -> KvPlan:
     """The pool `LLM(..., kv_cache_memory=memory, ...)` sizes for `config` (the CPU default
     budget when `memory` is None), with LLM's checks and ValueErrors, step for step; and the
-    host swap pool of `swap_space` GiB."""
+    host swap pool of `swap_space` GiB. With `device_memory` (and no `memory`), the budget is
+    what the weights (`weight_bytes`, quantized as stored) leave of `utilization` of it."""
     check(is_number(swap_space) and swap_space >= 0, "swap_space", "a number of GiB >= 0",
           swap_space)
+    if memory is None and device_memory is not None:
+        memory = kv_budget_after_weights(device_memory, weight_bytes or 0, utilization)
     cfg = EngineConfig(block_size=block_size, max_model_len=max_model_len,
                        max_num_seqs=max_num_seqs, kv_cache_dtype=kv_cache_dtype,
                        kv_cache_memory=memory)
@@ -205,7 +214,26 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         model_max_len=layout.target_len, max_model_len=pool.max_model_len,
         sliding=sliding_windows(config), swap_space=swap_space,
         num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent,
-        state_bytes_per_seq=state.bytes_per_seq if state is not None else 0)
+        state_bytes_per_seq=state.bytes_per_seq if state is not None else 0,
+        quantization=config_quantization(config), weight_bytes=weight_bytes,
+        device_memory=device_memory)
+
+
+def kv_budget_after_weights(device_memory: int, weight_bytes: int, utilization: float) -> int:
+    """KV bytes a device of `device_memory` keeps once the weights are in: utilization x
+    memory - weights (activations, which LLM profiles on a GPU, not counted). ValueError when
+    the weights leave nothing."""
+    budget = int(device_memory * utilization) - weight_bytes
+    check(budget > 0, "device_memory", f"more than the weights' {weight_bytes} bytes / "
+          f"{utilization}", device_memory)
+    return budget
+
+
+def config_quantization(config: PretrainedConfig) -> str | None:
+    """The checkpoint's quantization method under vLLM's name (its own name if not served)."""
+    found = quantization.checkpoint_method(config)
+    method = quantization.method_for_checkpoint(found) if found else None
+    return method.name if method else found
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

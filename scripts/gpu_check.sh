@@ -124,6 +124,11 @@ if [ "${gpus:-0}" -ge 2 ]; then
 else
   echo "gpu_check: tensor parallel skipped (fewer than 2 GPUs: ${gpus:-0} listed by nvidia-smi -L)"
 fi
+# Quantized checkpoints (issue 41): compressed-tensors FP8 and INT4 equal HF on the GPU, online
+# fp8 on sm89+, FlashInfer's fp8 pool with the checkpoint's k/v scales; tiny models, ~1 minute;
+# last, so it never displaces the steps above (GPU_CHECK_STEPS=gpu_quant runs it alone).
+step gpu_quant 90 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider $per_test \
+  tests/test_cuda_quantization.py
 pack
 echo "gpu_check: $((SECONDS - start)) s in all"
 [ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: ${OUT:-$logs})"

@@ -5,7 +5,8 @@
 # Versions come from scripts/constraints.txt.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-pkgs="transformers huggingface-hub httpx2 httpcore2 truststore hf-xet kernels tomlkit click idna anyio h11"
+pkgs="transformers huggingface-hub httpx2 httpcore2 truststore hf-xet kernels tomlkit click idna anyio h11
+  compressed-tensors loguru"  # the last two: tests/test_cuda_quantization.py
 rm -rf .whl && mkdir -p .whl
 for p in $pkgs; do
   pin=$(grep -i -E "^${p//-/[-_]}==" scripts/constraints.txt || true)

@@ -19,7 +19,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
-    ("batchgen.model",),  # loading, the runner, step inputs
+    ("batchgen.model", "batchgen.quantization"),  # loading (quantized too), runner, inputs
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
      "batchgen.config",

@@ -15,7 +15,7 @@ from batchgen.config import EngineConfig
     ("enable_sleep_mode", "yes", "True or False"),
     ("model_impl", "vllm", "('auto', 'transformers')"),
     ("distributed_executor_backend", "ray", "(None, 'mp', 'uni', 'external_launcher')"),
-    ("quantization", "bitsandbytes", "(None,)"),
+    ("quantization", "hqq", "(None, 'fp8', 'compressed-tensors', 'awq', 'gptq', 'bitsandbytes'"),
 ])
 def test_bad_values_are_refused_before_loading(tmp_path, name, value, allowed) -> None:
     with pytest.raises(ValueError, match=f"^{name} must be ") as e:
@@ -26,7 +26,7 @@ def test_bad_values_are_refused_before_loading(tmp_path, name, value, allowed) -
 def test_vllm_defaults_and_trl_values_are_accepted() -> None:
     cfg = EngineConfig(logprobs_mode="processed_logprobs", enable_sleep_mode=True,
                        model_impl="transformers", distributed_executor_backend="external_launcher",
-                       quantization=None)
+                       quantization="bitsandbytes")
     assert cfg.logprobs_mode == "processed_logprobs" and cfg.enable_sleep_mode
     assert EngineConfig().logprobs_mode == "raw_logprobs"
     with pytest.raises(ValueError, match="'uni' runs one rank"):

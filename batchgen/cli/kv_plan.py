@@ -38,6 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory", default=None, metavar="BYTES",
                    help="KV budget, LLM's kv_cache_memory: bytes or 512MiB, 80GiB, 1.5GB "
                         f"(default: the CPU default, {format_bytes(DEFAULT_CPU_KV_BYTES)})")
+    p.add_argument("--device-memory", default=None, metavar="BYTES",
+                   help="the device's memory (e.g. 80GiB): without --memory, the KV budget is "
+                        "0.9 of it less the checkpoint's weights as stored (quantized ones "
+                        "at their packed size)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--block-size", type=int, default=16, metavar="B")
     p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
@@ -65,15 +69,19 @@ def parse_memory(text: str, flag: str = "--memory") -> int:
 def run(args: argparse.Namespace) -> int:
     """Plan the pool and print the report (or JSON)."""
     memory = None if args.memory is None else parse_memory(args.memory)
+    device = (None if args.device_memory is None
+              else parse_memory(args.device_memory, "--device-memory"))
     from batchgen.kv_plan import plan_kv
     from batchgen.model import loader
+    from batchgen.quantization import checkpoint_bytes
 
     path = loader.resolve_model_dir(args.model, "--model")
     config = loader.load_config(path, args.trust_remote_code)
     plan = plan_kv(config, memory=memory, block_size=args.block_size,
                    max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                    dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   swap_space=args.swap_space)
+                   swap_space=args.swap_space, weight_bytes=checkpoint_bytes(path) or None,
+                   device_memory=device)
     if args.json:
         print(json.dumps({"model": str(path), **plan.to_dict()}, indent=2))
     else:
@@ -106,6 +114,7 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
         f"({format_bytes(plan.bytes_per_block)})",
         f"one sequence of max_model_len={s} tokens: {format_bytes(plan.seq_bytes)} "
         f"({plan.seq_bytes:,} bytes), {plan.seq_blocks} blocks in its block table",
+        *_weight_lines(plan),
         f"memory: {budget}",
         f"pool: {plan.num_blocks:,} blocks = {plan.num_tokens:,} tokens, "
         f"{format_bytes(plan.pool_bytes)}",
@@ -139,4 +148,22 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
             f"({per:,} bytes) per sequence, whatever its length; {plan.max_num_seqs} "
             f"sequences: {format_bytes(per * plan.max_num_seqs)} beside the KV pool")
     lines.append(f"LLM logs: {plan.capacity_line()}")
+    return lines
+
+
+def _weight_lines(plan: KvPlan) -> list[str]:
+    """The checkpoint's weights (bytes as stored, its quantization) and, with a device size,
+    how the KV budget came from them."""
+    lines = []
+    if plan.weight_bytes is not None:
+        quant = (f", quantized: {plan.quantization}" if plan.quantization
+                 else ", not quantized")
+        lines.append(f"weights: {format_bytes(plan.weight_bytes)} ({plan.weight_bytes:,} bytes "
+                     f"as stored in the checkpoint{quant})")
+    derived = (plan.device_memory is not None and plan.memory_bytes == int(
+        plan.device_memory * 0.9) - (plan.weight_bytes or 0))
+    if derived:
+        lines.append(f"KV budget: 0.9 x {format_bytes(plan.device_memory)} of device memory - "
+                     f"the weights = {format_bytes(plan.memory_bytes)} (activations not "
+                     "counted: LLM profiles them on a GPU)")
     return lines

@@ -207,11 +207,15 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
                device: torch.device, trust_remote_code: bool = False, tp_size: int = 1,
-               tp_mesh: DeviceMesh | None = None) -> torch.nn.Module:
-    """Load safetensors weights with batchgen's attention registered and selected; with
-    tp_size > 1, this rank's shard, split by transformers' own tensor-parallel plan over the
-    whole world (a process group of that size) or over `tp_mesh`'s "tp" dimension (a
-    subgroup: model/submesh.py)."""
+               tp_mesh: DeviceMesh | None = None, quant: dict[str, Any] | None = None
+               ) -> torch.nn.Module:
+    """Load safetensors weights with batchgen's attention registered and selected, straight
+    onto `device` (device_map: quantizers place their packed tensors themselves, with no
+    full-precision copy elsewhere first); `quant`: from_pretrained's quantization keywords
+    (batchgen/quantization: a GGUF file, an online method's config). With tp_size > 1, this
+    rank's shard, split by transformers' own tensor-parallel plan over the whole world (a
+    process group of that size) or over `tp_mesh`'s "tp" dimension (a subgroup:
+    model/submesh.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -219,7 +223,9 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
 
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # one quiet load instead of a bar per call
-    extra = {} if tp_size == 1 else {"distributed_config": _distributed_config(tp_size)}
+    extra = ({"device_map": device} if tp_size == 1
+             else {"distributed_config": _distributed_config(tp_size)})
+    extra.update(quant or {})
     cls = (AutoModelForCausalLM if tp_mesh is None or tp_size == 1
            else sharded_class(config, tp_mesh, device))
     try:
@@ -229,7 +235,7 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
     finally:
         if bars_were_on:
             hf_logging.enable_progress_bar()
-    return (model if tp_size > 1 else model.to(device)).eval()
+    return model.eval()
 
 
 def _distributed_config(tp_size: int) -> Any:

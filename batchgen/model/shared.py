@@ -62,9 +62,11 @@ def weights_version(model: torch.nn.Module) -> int:
     """A number that changes whenever any parameter is written in place (an optimizer step,
     load_weights) or replaced: torch's per-tensor version counters and data pointers. The
     prefix cache is reset when it changes, so cached K/V always comes from the current
-    weights."""
+    weights. Inference tensors (compressed-tensors decompresses its weights into them on the
+    first forward, under inference mode) keep no version counter and cannot be written in
+    place outside inference mode: their data pointer stands for them."""
     local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
-    return hash(tuple((t.data_ptr(), t._version) for t in local))
+    return hash(tuple((t.data_ptr(), 0 if t.is_inference() else t._version) for t in local))
 
 
 @contextmanager
