@@ -75,8 +75,7 @@ class LLM:
         self._stats = None if disable_log_stats else StatsRecorder(model_name(model))
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
-        self.quantization = plan.quant  # how the weights loaded (None: full precision)
-        self.config = plan.config
+        self.config, self.quantization = plan.config, plan.quant  # quantization: None = full
         self._executor = start_executor(self, plan, cfg)
         try:
             built = assemble(plan, cfg, self._executor)
