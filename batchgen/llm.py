@@ -44,20 +44,21 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, *,
-                 tokenizer: str | os.PathLike | None = None, block_size: int = 16, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-                 gpu_memory_utilization: float = 0.90, kv_cache_memory: int | None = None,
-                 kv_cache_memory_bytes: int | None = None, num_kv_blocks: int | None = None,
-                 dtype: str | torch.dtype = "auto", device: str | torch.device | None = None,
-                 attention_backend: str | None = None, seed: int | None = 0,
-                 enforce_eager: bool = True, tensor_parallel_size: int = 1,
+                 tokenizer: str | os.PathLike | None = None, block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 kv_cache_dtype: str = "auto", gpu_memory_utilization: float = 0.90,
+                 kv_cache_memory: int | None = None, kv_cache_memory_bytes: int | None = None,
+                 num_kv_blocks: int | None = None, dtype: str | torch.dtype = "auto",
+                 device: str | torch.device | None = None, attention_backend: str | None = None,
+                 seed: int | None = 0, enforce_eager: bool = True, tensor_parallel_size: int = 1,
                  trust_remote_code: bool = False, swap_space: float = 0,
                  preemption_mode: str | None = None, logprobs_mode: str = "raw_logprobs",
                  enable_sleep_mode: bool = False, model_impl: str = "auto",
-                 distributed_executor_backend: str | None = None,
-                 quantization: str | None = None, async_scheduling: bool | None = None
-                 ) -> None:
+                 distributed_executor_backend: str | None = None, quantization: str | None = None,
+                 async_scheduling: bool | None = None,
+                 limit_mm_per_prompt: dict[str, int] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None) -> None:
         configure_logging()
         cfg = EngineConfig(
             block_size=block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -71,7 +72,8 @@ class LLM:
             preemption_mode=preemption_mode, logprobs_mode=logprobs_mode,
             enable_sleep_mode=enable_sleep_mode, model_impl=model_impl,
             distributed_executor_backend=distributed_executor_backend, quantization=quantization,
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, limit_mm_per_prompt=limit_mm_per_prompt,
+            mm_processor_kwargs=mm_processor_kwargs)
         plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config = plan.config
@@ -92,9 +94,8 @@ class LLM:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.attention_backend = built.attention_backend
         self.engine, self.requests, self.results = built.engine, built.requests, built.results
-        c = self.cache_config
+        c, self._busy = self.cache_config, False
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
-        self._busy = False
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
         # load_weights and sleep reach every rank only when each runs this code itself
         # (external_launcher; each frees its own shards), else they are refused under TP

@@ -14,11 +14,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "batchgen"
 FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
-     "batchgen.outputs", "batchgen.defaults", "batchgen.threads"),  # values and utilities
+     "batchgen.outputs", "batchgen.defaults", "batchgen.threads",
+     "batchgen.multimodal.items"),  # values and utilities
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
-    ("batchgen.model",),  # loading, the runner, step inputs
+    ("batchgen.model", "batchgen.multimodal"),  # loading, the runner, step inputs; images
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.config",
      "batchgen.kv_plan"),  # requests in and results out; settings and sizing

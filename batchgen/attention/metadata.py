@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.multimodal.items import MMPrompt
 from batchgen.state.slots import StateOps
 
 
@@ -33,6 +34,10 @@ class StepRows:
     # the forward (swaps, forks, beams); None without state
     state_slots: np.ndarray | None = None
     state_ops: StateOps | None = None
+    # vision-language models: the image side of each row whose chunk covers prompt tokens
+    # (row index -> its request's MMPrompt), and each row's M-RoPE decode delta
+    images: dict[int, MMPrompt] | None = None
+    rope_delta: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
