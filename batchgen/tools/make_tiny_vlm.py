@@ -153,7 +153,7 @@ def _qwen2_5_vl() -> tuple[Any, Any]:
               "temporal_patch_size": 2, "window_size": 16, "fullatt_block_indexes": [1]}
     config = AutoConfig.for_model("qwen2_5_vl", text_config=text, vision_config=vision,
                                   **_qwen_ids(tok), **_IDS)
-    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=16 * 16, patch_size=4,
+    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4,
                                       merge_size=2, temporal_patch_size=2)
     return config, image_only(Qwen2_5_VLProcessor)(image_processor=images, tokenizer=tok)
 
@@ -177,7 +177,7 @@ def _qwen3_vl() -> tuple[Any, Any]:
               "deepstack_visual_indexes": [0, 1]}
     config = AutoConfig.for_model("qwen3_vl", text_config=text, vision_config=vision,
                                   **_qwen_ids(tok), **_IDS)
-    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=16 * 16, patch_size=4,
+    images = Qwen2VLImageProcessorPil(min_pixels=8 * 8, max_pixels=32 * 32, patch_size=4,
                                       merge_size=2, temporal_patch_size=2)
     return config, image_only(Qwen3VLProcessor)(image_processor=images, tokenizer=tok)
 
