@@ -259,3 +259,38 @@ def test_block_keys_and_cuts() -> None:
     plain, a, b = (chain_hashes(ids, 4, [], extra=e) for e in
                    (None, mm.block_key, other.block_key))
     assert plain[0] == a[0] == b[0] and len({plain[1], a[1], b[1]}) == 3
+
+
+def test_every_image_text_family_is_served_or_refused_from_its_config() -> None:
+    """transformers' image-text-to-text families: served with images (the parity tests
+    above, smolvlm through idefics3's path), served as text (images refused by name), or
+    refused from the config alone with a ValueError naming the family."""
+    from transformers import AutoConfig
+
+    from batchgen.model.loader import check_supported
+    from batchgen.multimodal.families import (
+        SERVED,
+        TEXT_SERVED,
+        image_refusal,
+        image_text_families,
+    )
+
+    assert set(FAMILIES) | {"smolvlm"} == set(SERVED)
+    refused, built = 0, 0
+    for family in sorted(image_text_families()):
+        try:
+            config = AutoConfig.for_model(family)
+        except Exception:  # no default config (a composite needing its parts): by name
+            config = type("Config", (), {"model_type": family, "vision_config": {}})()
+        built += hasattr(config, "to_dict")
+        if family in SERVED:
+            assert image_refusal(config) is None
+            continue
+        if family in TEXT_SERVED:
+            check_supported(config)
+            assert image_refusal(config)
+            continue
+        with pytest.raises(ValueError, match=f"'{family}'"):
+            check_supported(config)
+        refused += 1
+    assert refused > 80 and built > 90

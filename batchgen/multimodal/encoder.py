@@ -3,7 +3,8 @@ images a step needs and the cache lacks are encoded together (batched across req
 one call per step), and kept in an LRU cache by image key within a byte budget. The
 entries a step uses are held until it is done, so one step's images are always all there
 (an image larger than the budget is used and dropped). Preemption by recompute, a prefix
-miss or another request with the same image read the cache before encoding again."""
+miss or another request with the same image read the cache before encoding again; features
+of other weights are never read (the cache empties when the weights change)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from batchgen.model.shared import weights_version
 from batchgen.multimodal.families import VisionFamily
 from batchgen.multimodal.items import ImageItem
 
@@ -80,9 +82,14 @@ class VisionEncoder:
         self.device = device
         self.dtype = dtype
         self.cache = EncoderCache(budget)
+        self.version = weights_version(model)
 
     def features(self, items: Iterable[ImageItem]) -> dict[bytes, Features]:
-        """Every item's features; those the cache lacks are encoded in one call."""
+        """Every item's features; those the cache lacks are encoded in one call. New weights
+        (load_weights, a trainer's step) empty the cache first."""
+        if (version := weights_version(self.model)) != self.version:
+            self.cache.clear()
+            self.version = version
         wanted = {item.key: item for item in items}
         out = {k: f for k in wanted if (f := self.cache.get(k)) is not None}
         missing = [item for key, item in wanted.items() if key not in out]

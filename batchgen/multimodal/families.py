@@ -6,8 +6,9 @@ token id, how the processor's tensors split into one image's share, how its plac
 group into images, and what its decoder needs beyond causal 1-D attention (M-RoPE positions
 from the model's `get_rope_index`, Qwen3-VL's DeepStack features, Gemma 3's bidirectional
 attention inside each image). Every other image-text-to-text family of transformers is
-refused, naming the family and the reason, except those transformers also builds as causal
-LMs (their text decoder is served as today); their image prompts are refused instead.
+refused, naming the family and the reason, except `TEXT_SERVED`: multimodal families whose
+text decoder the family matrix checks against HF (their `*_text` entry) load as text models,
+and their image prompts are refused instead.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ SERVED: dict[str, VisionFamily] = {
                              deepstack=True),
 }
 
+# Multimodal families served as text models: transformers builds them as causal LMs and
+# their text decoder is HF-exact in the family matrix (gemma3_text, qwen3_5_text, ...).
+TEXT_SERVED = frozenset({"gemma3", "qwen3_5", "qwen3_5_moe"})
+
 # Why a family is not served, where there is more to say than "not built yet".
 REASONS = {
     "paligemma": "its whole prefix (image and text) attends bidirectionally: no chunked "
@@ -81,13 +86,6 @@ def image_text_families() -> frozenset[str]:
     return frozenset(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
 
-def text_loadable_families() -> frozenset[str]:
-    """transformers' causal-LM families (those batchgen loads as text decoders)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
 def served_names() -> str:
     """The served families, for messages."""
     return ", ".join(sorted(SERVED))
@@ -112,10 +110,10 @@ def image_refusal(config: Any) -> str | None:
 
 def check_vision(config: Any) -> None:
     """ValueError naming the family and the reason for an image-text-to-text family that
-    batchgen neither serves with images nor loads as a text decoder (before weights)."""
+    batchgen neither serves with images nor as a text model (before weights)."""
     family = str(getattr(config, "model_type", ""))
     why = image_refusal(config)
-    if why is not None and family not in text_loadable_families():
+    if why is not None and family not in TEXT_SERVED:
         raise ValueError(
             f"model family {family!r} is a vision-language (image-text-to-text) model that "
             f"batchgen does not serve: {why}. Served with images: {served_names()}")
