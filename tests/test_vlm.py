@@ -294,3 +294,27 @@ def test_every_image_text_family_is_served_or_refused_from_its_config() -> None:
             check_supported(config)
         refused += 1
     assert refused > 80 and built > 90
+
+
+def test_new_weights_never_read_old_image_features(tiny_vlm_factory) -> None:
+    """load_weights on the vision side: the encoder cache's features of the old weights are
+    dropped, so outputs follow HF on the new weights."""
+    from transformers import AutoModelForImageTextToText
+
+    path = tiny_vlm_factory("llava")
+    prompt = workload("llava")[0]
+    llm = LLM(path, block_size=8, num_kv_blocks=64)
+    before = greedy(llm, [prompt], T)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    name = "model.multi_modal_projector.linear_1.weight"
+    weight = dict(model.named_parameters())[name]
+    with torch.no_grad():
+        weight.mul_(3.0)
+    llm.load_weights([(name, weight.detach().clone())])
+    _, processor = _hf(str(path))
+    inputs = processor(text=[prompt[0]], images=[prompt[1]], return_tensors="pt")
+    with torch.inference_mode():
+        ids = model.generate(**inputs, max_new_tokens=T, do_sample=False, eos_token_id=EOS_ID,
+                             pad_token_id=0)
+    want = strip_after_eos(ids[0, inputs["input_ids"].shape[1]:].tolist())
+    assert greedy(llm, [prompt], T) == [want] != before
