@@ -13,12 +13,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import EOS_ID, strip_after_eos
+from helpers import EOS_ID, cpu_kernel_or_skip, strip_after_eos
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.tools.make_tiny_vlm import IMAGE_PLACEHOLDER
 
-FAMILIES = ("llava", "llava_next", "idefics3", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("llava", "llava_next", "idefics3", "qwen2_5_vl", "qwen3_vl")  # and gemma3
 MROPE = ("qwen2_5_vl", "qwen3_vl")
 T = 12  # new tokens (M-RoPE families decode longer: 40)
 
@@ -231,14 +231,40 @@ def test_text_models_and_unserved_families(tiny_model_factory, tmp_path: Path) -
         LLM(tmp_path)
 
 
-def test_gemma3_serves_text_and_refuses_images(tiny_vlm_factory) -> None:
-    """Gemma 3 (bidirectional attention inside images, not built) keeps its text decoder;
-    its image prompts are refused by name instead of silently ignored."""
+@pytest.mark.parametrize("backend", ["cpu_kernel", "torch"])
+def test_gemma3_bidirectional_images_equal_hf(tiny_vlm_factory, backend: str) -> None:
+    """Gemma 3 attends bidirectionally inside each image (windowed on its sliding layers):
+    HF's tokens with one prefill per prompt, with chunks cut before images (a 20-token
+    budget, 16-token images), and with the cache's hits ending inside an image."""
+    if backend == "cpu_kernel":
+        cpu_kernel_or_skip()
     path = tiny_vlm_factory("gemma3")
-    llm = LLM(path, num_kv_blocks=64)
-    assert greedy(llm, [("plain text", [])], 4)[0]
-    with pytest.raises(ValueError, match="'gemma3'.*bidirectionally"):
-        greedy(llm, [(f"a {IMAGE_PLACEHOLDER['gemma3']}", [image(0, 16, 16)])], 4)
+    prompts = workload("gemma3")
+    want = hf_greedy(path, prompts, T)
+    for chunk in (None, 20):
+        llm = LLM(path, limit_mm_per_prompt={"image": 2}, max_num_batched_tokens=chunk,
+                  block_size=4, num_kv_blocks=256, attention_backend=backend)
+        assert greedy(llm, prompts, T) == want, chunk
+    again = greedy(llm, prompts, T)  # every image block cached: hits inside images
+    assert again == want and llm.kv_stats().prefix_hit_tokens > 0
+    with pytest.raises(ValueError, match="max_num_batched_tokens .8. must hold it"):
+        LLM(path, max_num_batched_tokens=8, num_kv_blocks=64).generate(
+            as_prompt(*prompts[0]), use_tqdm=False)
+
+
+def test_multimodal_families_served_as_text_refuse_images() -> None:
+    """qwen3_5's text decoder is served; its images are refused naming the family."""
+    from transformers import AutoConfig
+
+    from batchgen.model.loader import check_supported
+    from batchgen.multimodal.families import image_refusal
+    from batchgen.multimodal.prompt import NoImages
+
+    config = AutoConfig.for_model("qwen3_5")
+    check_supported(config)
+    why = image_refusal(config)
+    with pytest.raises(ValueError, match="'qwen3_5' is served for text only.*hybrid"):
+        NoImages("qwen3_5", why).process({"prompt": "a", "multi_modal_data": {}}, "prompts[0]")
 
 
 def test_block_keys_and_cuts() -> None:
@@ -275,7 +301,7 @@ def test_every_image_text_family_is_served_or_refused_from_its_config() -> None:
         image_text_families,
     )
 
-    assert set(FAMILIES) | {"smolvlm"} == set(SERVED)
+    assert set(FAMILIES) | {"smolvlm", "gemma3"} == set(SERVED)
     refused, built = 0, 0
     for family in sorted(image_text_families()):
         try:

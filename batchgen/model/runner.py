@@ -86,6 +86,8 @@ class ModelRunner:
                 and len(rows.token_ids) == rows.num_rows):
             return graphs.replay(rows)
         batch = self.inputs.prepare(rows)
+        if self.vision is not None:  # bidirectional images widen their queries' masks
+            batch.meta.spans = self.vision.spans(rows, batch)
         self.backend.plan(batch.meta)
         ctx = StepContext(self.cache, self.backend, batch.slot_mapping)
         if self.vision is not None:

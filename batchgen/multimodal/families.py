@@ -53,19 +53,18 @@ SERVED: dict[str, VisionFamily] = {
     "qwen2_5_vl": VisionFamily("qwen2_5_vl", "image_token_id", _QWEN, mrope=True),
     "qwen3_vl": VisionFamily("qwen3_vl", "image_token_id", _QWEN, mrope=True,
                              deepstack=True),
+    "gemma3": VisionFamily("gemma3", "image_token_id", bidirectional=True),
 }
 
 # Multimodal families served as text models: transformers builds them as causal LMs and
 # their text decoder is HF-exact in the family matrix (gemma3_text, qwen3_5_text, ...).
-TEXT_SERVED = frozenset({"gemma3", "qwen3_5", "qwen3_5_moe"})
+TEXT_SERVED = frozenset({"qwen3_5", "qwen3_5_moe"})
 
 # Why a family is not served, where there is more to say than "not built yet".
 REASONS = {
     "paligemma": "its whole prefix (image and text) attends bidirectionally: no chunked "
                  "prefill and no partial prefix hits",
     "mllama": "its image enters through cross-attention layers, not placeholder tokens",
-    "gemma3": "Gemma 3 attends bidirectionally inside each image, which batchgen's "
-              "attention backends do not compute yet",
     "gemma3n": "its audio and vision towers and per-layer inputs are not built",
     "gemma4": "per-layer K/V widths and its vision side are not built",
     "gemma4_unified": "per-layer K/V widths and its vision side are not built",

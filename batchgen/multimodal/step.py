@@ -68,6 +68,22 @@ class VisionStep:
                 for layer in zip(*(f.deepstack for f in feats))]
         return out
 
+    def spans(self, rows: StepRows, batch: StepBatch) -> dict[int, list[tuple[int, int]]] | None:
+        """Each packed sequence's bidirectional images its chunk overlaps (StepMetadata.spans),
+        or None when the family attends causally or no chunk holds one."""
+        if not self.family.bidirectional or not rows.images:
+            return None
+        out = {}
+        for j, r in enumerate(batch.order.tolist()):
+            mm = rows.images.get(r)
+            if mm is not None and rows.num_new[r] > 1:
+                start = int(rows.starts[r])
+                end = start + int(rows.num_new[r])
+                near = [(it.start, it.end) for it in mm.items if it.start < end and it.end > start]
+                if near:
+                    out[j] = near
+        return out or None
+
     def _features(self, rows: StepRows, batch: StepBatch) -> tuple[list[np.ndarray], list]:
         """The packed token indices of the image placeholders the step computes and their
         feature rows (ascending: packed rows in order, images in prompt order)."""

@@ -21,6 +21,7 @@ import torch
 from batchgen.tools.make_tiny_model import (
     BOS_ID,
     EOS_ID,
+    INIT_STD,
     PAD_ID,
     build_tokenizer,
     reinit_weights,
@@ -192,15 +193,25 @@ def _gemma3() -> tuple[Any, Any]:
                       "image_token": "<image_soft_token>"})
     boi, eoi, img = tok.convert_tokens_to_ids(
         ["<start_of_image>", "<end_of_image>", "<image_soft_token>"])
-    text = dict(_TEXT, head_dim=16, sliding_window=8, num_hidden_layers=2,
+    text = dict(_TEXT, head_dim=64, sliding_window=8, num_hidden_layers=2,
                 layer_types=["sliding_attention", "full_attention"])
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "image_size": 16, "patch_size": 4}
     config = AutoConfig.for_model("gemma3", text_config=text, vision_config=vision,
-                                  mm_tokens_per_image=4, boi_token_index=boi,
+                                  mm_tokens_per_image=16, boi_token_index=boi,
                                   eoi_token_index=eoi, image_token_index=img, **_IDS)
     images = Gemma3ImageProcessorPil(size={"height": 16, "width": 16})
-    return config, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=4)
+    return config, Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=16)
+
+
+def _gemma3_weights(model: torch.nn.Module) -> None:
+    """Gemma 3's image projection starts at zero (its image would be invisible) and its
+    embeddings are scaled by sqrt(hidden) (the last token would drown the rest): a random
+    projection and embeddings drawn that much smaller, so outputs depend on image and text."""
+    with torch.no_grad():
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, INIT_STD)
+        emb = model.get_input_embeddings()
+        emb.weight.mul_(1.0 / emb.embed_scale.item())
 
 
 BUILDERS: dict[str, Callable[[], tuple[Any, Any]]] = {
@@ -225,6 +236,8 @@ def make_tiny_vlm(out_dir: str | Path, family: str = "llava", seed: int = 0,
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
     torch.manual_seed(seed)
     reinit_weights(model)
+    if family == "gemma3":
+        _gemma3_weights(model)
     model.to(dtype)
     model.config.dtype = dtype
     model.generation_config = GenerationConfig(**_IDS)
