@@ -55,6 +55,7 @@ ALONE = {  # scripts with their own small settings
     "hybrid.py": ["--num-prompts", "2", "--output-len", "2", "--min-len", "4", "--max-len",
                   "12", "--beam-prompts", "1", "--hidden-size", "64", "--vocab-size", "512",
                   "--hf-batch", "2", "--threads", "1"],
+    "vlm.py": ["--images", "6", "--max-tokens", "3", "--hf-batch-size", "3", "--threads", "1"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -77,6 +78,8 @@ EXPECT = {  # lines a script must print with the settings above
                   "| beams W=4 | batchgen", "| n=8 top-p | HF generate"],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
+    "vlm.py": ["| system | wall s | images/s | output tok/s | processor s | processor share |",
+               "greedy agreement batchgen vs HF generate (batched): 6/6 prompts"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }
