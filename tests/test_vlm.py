@@ -7,6 +7,7 @@ and seeded samples; prefix caching keys blocks by the images they hold."""
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -344,3 +345,45 @@ def test_new_weights_never_read_old_image_features(tiny_vlm_factory) -> None:
                              pad_token_id=0)
     want = strip_after_eos(ids[0, inputs["input_ids"].shape[1]:].tolist())
     assert greedy(llm, [prompt], T) == [want] != before
+
+
+def test_an_image_column_in_a_dataset_job_and_the_cli(tiny_vlm_factory, tmp_path: Path,
+                                                      capsys) -> None:
+    """generate_dataset with datasets' Image column (kept encoded in the shards) and a JSON
+    Lines file of image paths through `batchgen generate --image-column`: each row's outputs
+    equal LLM.generate's on the same image; a resumed job has nothing left to do."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from batchgen.cli import main
+    from batchgen.data import generate_dataset
+
+    path = tiny_vlm_factory("llava")
+    ph = IMAGE_PLACEHOLDER["llava"]
+    pics = [image(20 + i, 16, 16) for i in range(3)]
+    texts = [f"caption {ph} number {i}" for i in range(3)]
+    llm = LLM(path, block_size=8, num_kv_blocks=128)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    want = greedy(llm, list(zip(texts, [[p] for p in pics])), 6)
+    rows = datasets.Dataset.from_dict({"prompt": texts, "image": pics}).cast_column(
+        "image", datasets.Image())
+    out = generate_dataset(llm, rows, params, image_column="image", output_dir=tmp_path / "a",
+                           use_tqdm=False)
+    assert [r["outputs"][0]["token_ids"] for r in out] == want
+    again = generate_dataset(llm, rows, params, image_column="image", resume=True,
+                             output_dir=tmp_path / "a", use_tqdm=False)
+    assert llm.kv_stats().prompt_tokens_computed == 0 and len(again) == 3
+    files = []
+    for i, p in enumerate(pics):
+        p.save(tmp_path / f"{i}.png")
+        files.append({"prompt": texts[i], "image": str(tmp_path / f"{i}.png")})
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(f) + "\n" for f in files))
+    argv = ["generate", "--model", str(path), "--input", str(tmp_path / "rows.jsonl"),
+            "--output", str(tmp_path / "b"), "--max-tokens", "6", "--temperature", "0",
+            "--num-kv-blocks", "128", "--block-size", "8", "--quiet"]
+    assert main([*argv, "--image-column", "picture"]) != 0
+    assert "--image-column 'picture' is not a column" in capsys.readouterr().err
+    assert main([*argv, "--image-column", "image"]) == 0
+    shards = pq.read_table(tmp_path / "b").to_pylist()
+    assert [r["outputs"][0]["token_ids"] for r in sorted(shards, key=lambda r: r["row_id"])] \
+        == want

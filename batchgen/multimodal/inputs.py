@@ -1,6 +1,7 @@
 """The user's images, as vLLM takes them, checked and read before any work: a PIL image, a
 numpy or torch array (H x W x C, C x H x W or H x W), a local path, a `file://` URL or a
-`data:image/...;base64,` URL. An http(s) URL is refused: batchgen never downloads. Also the
+`data:image/...;base64,` URL; from a dataset also an image file's bytes or datasets' `Image`
+struct ({"bytes", "path"}). An http(s) URL is refused: batchgen never downloads. Also the
 OpenAI chat content parts that carry images (`image_url`, `image_pil`, `image`)."""
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ def load_image(value: Any, name: str) -> Any:
 
     if isinstance(value, Image.Image):
         return value
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):  # datasets' Image
+        data = value.get("bytes")
+        return _open(bytes(data), name) if data else load_image(value.get("path"), name)
+    if isinstance(value, (bytes, bytearray)):  # an encoded file's bytes (an image column)
+        return _open(bytes(value), name)
     if isinstance(value, (str, os.PathLike)):
         return _open(_source(value, name), name)
     if _is_array(value):
@@ -41,7 +47,8 @@ def load_image(value: Any, name: str) -> Any:
                              f"W, got shape {shape}")
         return value
     raise ValueError(f"{name} must be a PIL image, a numpy or torch array, a local path, a "
-                     f"file:// or a data: URL, got {type(value).__name__}")
+                     f"file:// or a data: URL, or an image file's bytes, got "
+                     f"{type(value).__name__}")
 
 
 def _is_array(value: Any) -> bool:
@@ -84,7 +91,7 @@ def _open(source: Path | bytes, name: str) -> Any:
         image = Image.open(source if isinstance(source, Path) else io.BytesIO(source))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError) as e:
-        where = str(source) if isinstance(source, Path) else "the data: URL"
+        where = str(source) if isinstance(source, Path) else "the image bytes"
         raise ValueError(f"{name}: {where} is not a readable image ({e})") from e
     return image
 
