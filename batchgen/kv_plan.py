@@ -26,6 +26,8 @@ from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
 from batchgen.model import loader
 from batchgen.model.state_probe import config_state
+from batchgen.multimodal.encoder import ENCODER_CACHE_BYTES
+from batchgen.multimodal.families import vision_family
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -75,6 +77,7 @@ class KvPlan:
     head_dim_v: int | None = None  # d_v when values are not d_h wide (MLA decompressed)
     latent: bool = False  # an MLA latent: one head of d_h = lora + rope, values inside it
     state_bytes_per_seq: int = 0  # state mixers: per sequence, whatever its length
+    encoder_cache_bytes: int = 0  # a vision-language model's image features beside the pool
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -205,7 +208,8 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         model_max_len=layout.target_len, max_model_len=pool.max_model_len,
         sliding=sliding_windows(config), swap_space=swap_space,
         num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent,
-        state_bytes_per_seq=state.bytes_per_seq if state is not None else 0)
+        state_bytes_per_seq=state.bytes_per_seq if state is not None else 0,
+        encoder_cache_bytes=ENCODER_CACHE_BYTES if vision_family(config) is not None else 0)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

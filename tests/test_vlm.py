@@ -387,3 +387,15 @@ def test_an_image_column_in_a_dataset_job_and_the_cli(tiny_vlm_factory, tmp_path
     shards = pq.read_table(tmp_path / "b").to_pylist()
     assert [r["outputs"][0]["token_ids"] for r in sorted(shards, key=lambda r: r["row_id"])] \
         == want
+
+
+def test_kv_plan_counts_the_encoder_cache(tiny_vlm_factory, tiny_model_factory) -> None:
+    from transformers import AutoConfig
+
+    from batchgen.cli.kv_plan import report_lines
+    from batchgen.kv_plan import plan_kv
+
+    vlm = plan_kv(AutoConfig.from_pretrained(tiny_vlm_factory("qwen2_5_vl")))
+    text = plan_kv(AutoConfig.from_pretrained(tiny_model_factory("llama")))
+    assert vlm.encoder_cache_bytes > 0 and text.encoder_cache_bytes == 0
+    assert any("encoder cache keeps up to 256.0 MiB" in line for line in report_lines(vlm, "m"))
