@@ -218,7 +218,8 @@ def test_bad_image_prompts_are_refused_before_any_work(tiny_vlm_factory, prompt,
     assert llm.kv_stats().prompt_tokens_computed == 0  # nothing ran
 
 
-def test_text_models_and_unserved_families(tiny_model_factory, tmp_path: Path) -> None:
+def test_text_models_and_unserved_families(tiny_model_factory, tiny_vlm_factory,
+                                           tmp_path: Path) -> None:
     """An image for a text-only model names the key and the family; an unserved
     image-text-to-text family is refused from its config, before any weights."""
     from transformers import AutoConfig
@@ -227,6 +228,8 @@ def test_text_models_and_unserved_families(tiny_model_factory, tmp_path: Path) -
     with pytest.raises(ValueError, match="multi_modal_data.*'llama' is a text-only model"):
         llm.generate({"prompt": "a", "multi_modal_data": {"image": image(0, 8, 8)}},
                      use_tqdm=False)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1 for vision-language"):
+        LLM(tiny_vlm_factory("llava"), tensor_parallel_size=2)
     AutoConfig.for_model("paligemma").save_pretrained(tmp_path)  # a config, no weights
     with pytest.raises(ValueError, match="'paligemma' is a vision-language.*bidirectional"):
         LLM(tmp_path)
