@@ -35,6 +35,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 ASYNC_SCHEDULING_ENV = "BATCHGEN_ASYNC_SCHEDULING"
 ASYNC_SCHEDULING_DEFAULT = False
 DEFAULT_MAX_MODEL_LEN = 2048
+DEFAULT_IMAGES_PER_PROMPT = 1  # vLLM's: more need limit_mm_per_prompt={"image": N}
 # The shortest useful sequence: one prompt token and one generated token. A max_model_len or a
 # pool under it could run no request at all.
 MIN_MODEL_LEN = 2
@@ -111,6 +112,8 @@ class EngineConfig:
             check_int(value, next(k for k, v in ALIASES.items() if v == name), allow_none=True)
             args[name] = value
         return cls(**args)
+    limit_mm_per_prompt: dict[str, int] | None = None  # vLLM's: images per prompt (1)
+    mm_processor_kwargs: dict[str, Any] | None = None  # the processor's call, every prompt
 
     def __post_init__(self) -> None:
         check_int(self.block_size, "block_size")
@@ -158,6 +161,7 @@ class EngineConfig:
         _check_structured_config(self.structured_outputs_config)
         check(self.chat_template is None or isinstance(self.chat_template, str), "chat_template",
               "None or a Jinja template string", self.chat_template)
+        self._check_images()
 
     @property
     def disable_any_whitespace(self) -> bool:
@@ -165,6 +169,22 @@ class EngineConfig:
         compile without free whitespace (a request may also ask it alone)."""
         return bool(_structured_fields(self.structured_outputs_config).get(
             "disable_any_whitespace", False))
+
+    def _check_images(self) -> None:
+        """limit_mm_per_prompt: {"image": N >= 0} (vLLM's; images per prompt, 1 when not
+        given); mm_processor_kwargs: a dict of the processor's keyword arguments."""
+        limit = self.limit_mm_per_prompt
+        check(limit is None or (isinstance(limit, dict) and set(limit) <= {"image"}
+                                and all(is_int(v) and v >= 0 for v in limit.values())),
+              "limit_mm_per_prompt", "None or a dict {'image': N} with N >= 0", limit)
+        kw = self.mm_processor_kwargs
+        check(kw is None or (isinstance(kw, dict) and all(isinstance(k, str) for k in kw)),
+              "mm_processor_kwargs", "None or a dict of keyword arguments", kw)
+
+    @property
+    def image_limit(self) -> int:
+        """The most images one prompt may hold."""
+        return int((self.limit_mm_per_prompt or {}).get("image", DEFAULT_IMAGES_PER_PROMPT))
 
     def _check_async(self) -> None:
         """async_scheduling (the next step planned while this one's forward runs): True or

@@ -53,6 +53,11 @@ from batchgen.model.shared import (
     paged_forward,
 )
 from batchgen.model.state_probe import config_state, fill_specs, probe_layers
+from batchgen.multimodal.encoder import ENCODER_CACHE_BYTES, VisionEncoder
+from batchgen.multimodal.families import VisionFamily, image_refusal, vision_family
+from batchgen.multimodal.processor import load_processor
+from batchgen.multimodal.prompt import ImagePrompts, NoImages
+from batchgen.multimodal.step import VisionStep, rope_index_of
 from batchgen.quantization import KVScales, QuantPlan
 from batchgen.requests import Limits, RequestBuilder
 from batchgen.results import ResultBuilder
@@ -92,6 +97,7 @@ class EnginePlan:
     module: torch.nn.Module | None = None  # the caller's model, used as it is (no load)
     state: StateLayout | None = None  # state mixers, planned on the meta device
     quant: QuantPlan | None = None  # how quantized weights load (None: full precision)
+    vision: VisionFamily | None = None  # a vision-language family served with images
 
     def min_rows(self) -> int:
         """The multiple a CPU step's rows are padded to (batch invariance); none on a GPU."""
@@ -208,8 +214,12 @@ def plan_engine(model: str | os.PathLike | torch.nn.Module,
         external = cfg.distributed_executor_backend == "external_launcher"
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if external else 0)
     check_tp(config, k, dev)
+    vision = vision_family(config)
+    if vision is not None and k > 1:
+        raise ValueError(f"tensor_parallel_size must be 1 for vision-language models "
+                         f"({vision.name}), got {k}")
     plan = _plan(path, tok_path, config, dev, loader.resolve_dtype(dtype, config), cfg)
-    return replace(plan, quant=quant)
+    return replace(plan, quant=quant, vision=vision)
 
 
 def plan_shared(module: torch.nn.Module, tokenizer: str | os.PathLike | None,
@@ -331,6 +341,7 @@ class ModelParts:
     vocab_size: int  # the lm_head's rows
     specs: list[AttentionSpec]  # probed from the loaded model's attention layers
     state: StateLayout | None = None  # its mixers' per-sequence state (None: attention only)
+    processor: Any = None  # a vision-language model's HF processor
 
 
 def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> ModelParts:
@@ -348,7 +359,8 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
     else:
         model = loader.load_model(plan.path, plan.config, plan.dtype, plan.device,
                                   cfg.trust_remote_code, cfg.tensor_parallel_size, tp_mesh,
-                                  quantization.load_kwargs(plan.quant, plan.dtype, plan.device))
+                                  quantization.load_kwargs(plan.quant, plan.dtype, plan.device),
+                                  vision=plan.vision is not None)
         gen = loader.load_generation_config(plan.path)
         if plan.geo.latent:  # the attention layers only (a hybrid's mixers have no latent)
             install_mla_latent(model, len(classify(plan.config).attention_layers))
@@ -361,9 +373,11 @@ def load_parts(plan: EnginePlan, cfg: EngineConfig, tp_mesh: Any = None) -> Mode
                            f"attend, but the plan gave K/V rows to {list(geo.kv_layers)}")
     specs = fill_specs(probed, geo.num_kv_heads, geo.head_dim, geo.head_dim_v or geo.head_dim,
                        plan.dtype)
+    processor = (load_processor(plan.path, cfg.trust_remote_code)
+                 if plan.vision is not None else None)
     return ModelParts(model, tokenizer, gen, loader.eos_ids(plan.config, gen, tokenizer),
                       loader.pad_id(plan.config, gen),
-                      model.get_output_embeddings().weight.shape[0], specs, state)
+                      model.get_output_embeddings().weight.shape[0], specs, state, processor)
 
 
 def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
@@ -378,11 +392,13 @@ def install_mla_latent(model: torch.nn.Module, num_layers: int) -> None:
 
 def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.device,
                  make_backend: Callable[[KVCache], AttentionBackend], shared: bool = False,
-                 state: StateLayout | None = None) -> ModelRunner:
+                 state: StateLayout | None = None, vision: VisionFamily | None = None
+                 ) -> ModelRunner:
     """A rank's runner: its pool (its KV heads), the backend over it, its step buffers, its
     host swap pool and, for a model with state mixers, the state pool (a slot per sequence
-    of max_num_seqs, growing when n samples or beams hold more) behind the cache seam;
-    `shared`: the model is the caller's (attention switched per forward)."""
+    of max_num_seqs, growing when n samples or beams hold more) behind the cache seam, for a
+    vision-language model its image seam (the encoder and its cache); `shared`: the model
+    is the caller's (attention switched per forward)."""
     cache = KVCache(setup.num_layers, setup.num_blocks, setup.block_size, setup.num_kv_heads,
                     setup.head_dim, setup.kv_dtype, device, setup.head_dim_v, setup.latent,
                     setup.kv_layers)
@@ -394,7 +410,10 @@ def build_runner(model: torch.nn.Module, setup: RunnerSetup, device: torch.devic
                         device)
     host = HostPool(cache, setup.num_host_blocks) if setup.num_host_blocks else None
     seam = StateCache(StatePool(state, rows, device)) if state is not None else None
-    return ModelRunner(model, cache, backend, inputs, host, shared, seam)
+    images = (VisionStep(model, vision, VisionEncoder(model, vision, device,
+                                                      next(model.parameters()).dtype))
+              if vision is not None else None)
+    return ModelRunner(model, cache, backend, inputs, host, shared, seam, images)
 
 
 @dataclass(frozen=True)
@@ -438,16 +457,35 @@ def build_engine(shape: EngineShape, runner: Runner, overlap: bool = False) -> E
 
 
 def build_frontend(shape: EngineShape, tokenizer: Any, seed: int | None = 0,
-                   pad_token_id: int | None = None) -> tuple[RequestBuilder, ResultBuilder]:
-    """The request builder (prompts and params to groups, every limit checked) and the
-    result builder (finished groups to outputs)."""
+                   pad_token_id: int | None = None,
+                   images: ImagePrompts | NoImages | None = None
+                   ) -> tuple[RequestBuilder, ResultBuilder]:
+    """The request builder (prompts and params to groups, every limit checked; `images`:
+    how prompts with images are processed or refused) and the result builder (finished
+    groups to outputs)."""
     stops = StopFactory(tokenizer, shape.eos_token_ids)
     limits = Limits(shape.max_model_len, shape.vocab_size, shape.block_size, shape.num_blocks,
                     shape.max_num_batched_tokens, shape.max_logprobs)
     grammars = Grammars(tokenizer, shape.vocab_size, shape.eos_token_ids,
                         shape.disable_any_whitespace)
     return (RequestBuilder(tokenizer, limits, stops, shape.eos_token_ids, seed, pad_token_id,
-                           grammars), ResultBuilder(tokenizer, stops))
+                           grammars, images), ResultBuilder(tokenizer, stops))
+
+
+def image_side(plan: EnginePlan, cfg: EngineConfig, parts: ModelParts
+               ) -> ImagePrompts | NoImages:
+    """How the request builder treats prompts with images: the model's processor for a
+    served vision-language family, else a refusal naming the family and why."""
+    family = str(getattr(plan.config, "model_type", "?"))
+    if plan.vision is None:
+        why = image_refusal(plan.config)
+        if why is None and vision_family(plan.config) is not None:  # LLM(<loaded module>)
+            why = "images need the model's folder (LLM(path)), not a loaded module"
+        return NoImages(family, why)
+    return ImagePrompts(parts.processor, plan.vision, plan.vision.image_token_id(plan.config),
+                        cfg.image_limit, cfg.mm_processor_kwargs,
+                        rope_index_of(parts.model) if plan.vision.mrope else None,
+                        cfg.max_num_batched_tokens, str(plan.path))
 
 
 @dataclass(frozen=True)
@@ -479,7 +517,8 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
         # the mixers' state pool (a slot per sequence, and the scratch one) is made after
         # the KV pool: keep its bytes out of the KV budget
         kept = sum(reserve) + (cfg.max_num_seqs + 1) * (
-            parts.state.bytes_per_seq if parts.state else 0)
+            parts.state.bytes_per_seq if parts.state else 0) + (
+            ENCODER_CACHE_BYTES if plan.vision is not None else 0)
 
         def local_budget() -> int:
             with paged_forward(parts.model) if plan.module is not None else nullcontext():
@@ -509,10 +548,11 @@ def assemble(plan: EnginePlan, cfg: EngineConfig, executor: Executor) -> Assembl
     check_pool_geometry(parts.specs, setup.num_kv_heads, setup.head_dim,
                         setup.head_dim_v or setup.head_dim)
     local = build_runner(parts.model, setup, plan.device, make_backend, plan.module is not None,
-                         parts.state)
+                         parts.state, plan.vision)
     executor.setup(replace(setup, backend=chosen[0]))
     shape = _engine_shape(cfg, pool, parts, plan.device)
-    requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id)
+    requests, results = build_frontend(shape, parts.tokenizer, cfg.seed, parts.pad_token_id,
+                                       image_side(plan, cfg, parts))
     if not cfg.enforce_eager:
         _capture_graphs(local, plan, cfg, pool.max_model_len, executor.tp_size)
     state = parts.state.bytes_per_seq if parts.state else 0
@@ -563,9 +603,9 @@ def _capture_graphs(runner: ModelRunner, plan: EnginePlan, cfg: EngineConfig,
                     "tensor_parallel_size > 1, a shared model or sleep mode (their addresses "
                     "change); running eagerly")
         return
-    if runner.mixers is not None:
+    if runner.mixers is not None or runner.vision is not None:
         logger.info("enforce_eager=False: CUDA graphs are not captured for models with "
-                    "state mixers; running eagerly")
+                    "state mixers or images; running eagerly")
         return
     if plan.device.type != "cuda" or not runner.backend.supports_graphs:
         logger.info("enforce_eager=False: CUDA graphs need a GPU and a backend that supports "

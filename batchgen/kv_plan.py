@@ -27,6 +27,8 @@ from batchgen.kv.block_manager import blocks_for
 from batchgen.kv.cache import kv_cache_bytes
 from batchgen.model import loader
 from batchgen.model.state_probe import config_state
+from batchgen.multimodal.encoder import ENCODER_CACHE_BYTES
+from batchgen.multimodal.families import vision_family
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -79,6 +81,7 @@ class KvPlan:
     quantization: str | None = None  # the checkpoint's method (vLLM's name), from its config
     weight_bytes: int | None = None  # the checkpoint's weights as stored (None: not counted)
     device_memory: int | None = None  # the device's bytes the KV budget was derived from
+    encoder_cache_bytes: int = 0  # a vision-language model's image features beside the pool
 
     @property
     def cache_config(self) -> CacheConfig:
@@ -216,7 +219,8 @@ def plan_kv(config: PretrainedConfig, *, memory: int | None = None, block_size: 
         num_host_blocks=pool.num_host_blocks, head_dim_v=geo.head_dim_v, latent=geo.latent,
         state_bytes_per_seq=state.bytes_per_seq if state is not None else 0,
         quantization=config_quantization(config), weight_bytes=weight_bytes,
-        device_memory=device_memory)
+        device_memory=device_memory,
+        encoder_cache_bytes=ENCODER_CACHE_BYTES if vision_family(config) is not None else 0)
 
 
 def kv_budget_after_weights(device_memory: int, weight_bytes: int, utilization: float) -> int:

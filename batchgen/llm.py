@@ -67,7 +67,8 @@ class LLM:
                  enable_chunked_prefill: bool | None = None, scheduling_policy: str = "fcfs",
                  generation_config: str = "auto", structured_outputs_config: Any = None,
                  chat_template: str | None = None, skip_tokenizer_init: bool = False,
-                 **engine_args: Any) -> None:
+                 limit_mm_per_prompt: dict[str, int] | None = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
         configure_logging()
         cfg = EngineConfig.from_llm_args(locals(), engine_args)  # vLLM's others: default or refused
         self.chat_template = chat_template
@@ -92,9 +93,8 @@ class LLM:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.attention_backend = built.attention_backend
         self.engine, self.requests, self.results = built.engine, built.requests, built.results
-        c = self.cache_config
+        c, self._busy = self.cache_config, False
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
-        self._busy = False
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
         # load_weights and sleep reach every rank only when each runs this code itself
         # (external_launcher; each frees its own shards), else they are refused under TP

@@ -16,9 +16,18 @@ from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.id_table import check_table_rows
 from batchgen.kinds import RequestKind
+from batchgen.multimodal.inputs import chat_images
+from batchgen.multimodal.items import MMPrompt
+from batchgen.multimodal.prompt import ImagePrompts, NoImages
 from batchgen.param_bounds import check_model_bounds
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
-from batchgen.prompts import Conversation, PromptType, TokensPrompt
+from batchgen.prompts import (
+    Conversation,
+    PromptType,
+    TextPrompt,
+    TokensPrompt,
+    check_prompt_keys,
+)
 from batchgen.sampling.grammar import Constraint, Grammars
 from batchgen.sampling.stop import StopFactory
 
@@ -42,8 +51,11 @@ class RequestBuilder:
 
     def __init__(self, tokenizer: Any, limits: Limits, stops: StopFactory,
                  eos_token_ids: list[int], seed: int | None = 0,
-                 pad_token_id: int | None = None, grammars: Grammars | None = None) -> None:
+                 pad_token_id: int | None = None, grammars: Grammars | None = None,
+                 images: ImagePrompts | NoImages | None = None) -> None:
         self.tokenizer = tokenizer
+        # prompts with multi_modal_data: the processor's (a vision-language model), or refused
+        self.images = images if images is not None else NoImages("this model's")
         self.limits = limits
         self.stops = stops
         self.eos_token_ids = eos_token_ids
@@ -79,12 +91,16 @@ class RequestBuilder:
     def _build(self, prompts: list[Any], per_prompt: list[Any], start: int, kind: RequestKind
                ) -> list[SequenceGroup]:
         """Groups for prompts `start`, `start + 1`, ... (all checked before any is made)."""
-        texts, token_ids = self._tokenize(prompts, start)
-        token_ids = [self._truncate(ids, p) for ids, p in zip(token_ids, per_prompt)]
+        texts, token_ids, images = self._tokenize(prompts, start)
+        token_ids = [self._truncate(ids, p, mm) for ids, p, mm in
+                     zip(token_ids, per_prompt, images)]
         limits = [self._check(start + i, ids, p, kind)
                   for i, (ids, p) in enumerate(zip(token_ids, per_prompt))]
-        return [kind.group(self, start + i, text, ids, p, t)
-                for i, (text, ids, p, t) in enumerate(zip(texts, token_ids, per_prompt, limits))]
+        groups = [kind.group(self, start + i, text, ids, p, t) for i, (text, ids, p, t)
+                  in enumerate(zip(texts, token_ids, per_prompt, limits))]
+        for group, mm in zip(groups, images):
+            group.mm = mm
+        return groups
 
     def check_one(self, prompt: PromptType, params: Any, kind: RequestKind,
                   name: str = "prompt") -> TokensPrompt:
@@ -92,8 +108,10 @@ class RequestBuilder:
         building nothing; else return it tokenized, so running it does not tokenize again
         (callers that must not let one bad request stop the others check each first:
         run-batch, a dataset job's rows)."""
-        (text,), (ids,) = self._tokenize([prompt], name=name)
-        self._check(name, self._truncate(ids, params), params, kind)
+        (text,), (ids,), (mm,) = self._tokenize([prompt], name=name)
+        self._check(name, self._truncate(ids, params, mm), params, kind)
+        if mm is not None:  # its images are processed again when it runs
+            return prompt  # type: ignore[return-value]
         checked = TokensPrompt(prompt_token_ids=ids)
         if text is not None:
             checked["prompt"] = text
@@ -102,10 +120,13 @@ class RequestBuilder:
     def render_chat(self, conversations: Conversation | Seq[Conversation],
                     chat_template: str | None, add_generation_prompt: bool,
                     continue_final_message: bool, tools: list[dict] | None,
-                    chat_template_kwargs: dict[str, Any] | None) -> list[TokensPrompt]:
+                    chat_template_kwargs: dict[str, Any] | None
+                    ) -> list[TokensPrompt | TextPrompt]:
         """Each conversation through the tokenizer's chat template (or `chat_template`), as
         token ids: the template's own BOS, none added twice. One conversation (a list of
-        messages) or a list of them."""
+        messages) or a list of them. Image parts (image_url: a file:// or data: URL;
+        image_pil) become the template's image placeholders and the prompt's
+        multi_modal_data (tokenized by the processor, without a second BOS)."""
         tok = self.tokenizer
         if tok is None:
             raise ValueError(f"chat renders a chat template: {NO_TOKENIZER}")
@@ -120,48 +141,52 @@ class RequestBuilder:
         kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                   continue_final_message=continue_final_message, tools=tools,
                   **(chat_template_kwargs or {}))
-        out: list[TokensPrompt] = []
+        out: list[TokensPrompt | TextPrompt] = []
         for i, conv in enumerate(convs):
             if not (isinstance(conv, list) and all(isinstance(m, dict) for m in conv)):
                 raise ValueError(f"messages[{i}] must be a list of {{'role', 'content'}} dicts")
+            conv, images = chat_images(conv, f"messages[{i}]")
+            if images:
+                out.append(TextPrompt(prompt=tok.apply_chat_template(conv, tokenize=False, **kw),
+                                      multi_modal_data={"image": images},
+                                      mm_processor_kwargs={"add_special_tokens": False}))
+                continue
             ids = tok.apply_chat_template(conv, tokenize=True, return_dict=False, **kw)
             text = tok.apply_chat_template(conv, tokenize=False, **kw)
             out.append(TokensPrompt(prompt_token_ids=list(ids), prompt=text))
         return out
 
-    def _truncate(self, ids: list[int], p: Params) -> list[int]:
+    def _truncate(self, ids: list[int], p: Params, mm: MMPrompt | None = None) -> list[int]:
         """truncate_prompt_tokens=k keeps the last k tokens (-1: as many as max_model_len
-        leaves room for, with one token to generate)."""
+        leaves room for, with one token to generate); refused with images (cutting would
+        split their placeholders from their features)."""
         k = p.truncate_prompt_tokens
         if k is None:
             return ids
+        if mm is not None:
+            raise ValueError("truncate_prompt_tokens cannot apply to a prompt with images")
         return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
 
     def _tokenize(self, prompts: list[PromptType], start: int = 0, name: str | None = None
-                  ) -> tuple[list[str | None], list[list[int]]]:
-        """Batched tokenisation of text prompts; token-id prompts pass through. Messages name
-        prompt i `prompts[i]` (or `name`, for a single prompt)."""
+                  ) -> tuple[list[str | None], list[list[int]], list[MMPrompt | None]]:
+        """Batched tokenisation of text prompts; token-id prompts pass through; prompts with
+        images go through the model's processor one by one. Messages name prompt i
+        `prompts[i]` (or `name`, for a single prompt)."""
         texts: list[str | None] = []
         ids: list[list[int] | None] = []
+        images: list[MMPrompt | None] = []
         for i, p in enumerate(prompts, start):
-            if isinstance(p, str):
-                texts.append(p)
-                ids.append(None)
-            elif isinstance(p, dict) and "prompt_token_ids" in p:
-                tok = p["prompt_token_ids"]
-                if isinstance(tok, (str, bytes)) or not all(
-                        isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                        for t in tok):
-                    raise ValueError(f"{name or _label(i)}['prompt_token_ids'] must be a list "
-                                     "of ints")
-                texts.append(p.get("prompt"))
-                ids.append([int(t) for t in tok])
-            elif isinstance(p, dict) and isinstance(p.get("prompt"), str):
-                texts.append(p["prompt"])
-                ids.append(None)
+            label = name or _label(i)
+            if isinstance(p, dict):
+                check_prompt_keys(p, label)
+            mm = None
+            if isinstance(p, dict) and p.get("multi_modal_data") is not None:
+                text, tok, mm = self.images.process(p, label)
             else:
-                raise ValueError(f"{name or _label(i)} must be a str, a {{'prompt': str}} or a "
-                                 f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
+                text, tok = _text_or_ids(p, label)
+            texts.append(text)
+            ids.append(tok)
+            images.append(mm)
         todo = [i for i, t in enumerate(ids) if t is None]  # positions in this batch
         if todo:
             if self.tokenizer is None:
@@ -170,7 +195,7 @@ class RequestBuilder:
             enc = self.tokenizer([texts[i] for i in todo])["input_ids"]
             for i, e in zip(todo, enc):
                 ids[i] = list(e)
-        return texts, ids  # type: ignore[return-value]
+        return texts, ids, images  # type: ignore[return-value]
 
     def _check(self, at: int | str, ids: list[int], p: Params, kind: RequestKind) -> int:
         """Refuse a request that could never run, naming the prompt (`prompts[at]`, or `at`
@@ -242,6 +267,23 @@ class RequestBuilder:
         """The seed of sample `index`: from (seed, index) when the request is seeded, else a
         fresh draw from this builder's generator (seeded by the LLM's seed)."""
         return sample_seed(seed, index) if seed is not None else self._rng.getrandbits(64)
+
+
+def _text_or_ids(p: Any, label: str) -> tuple[str | None, list[int] | None]:
+    """A text prompt's text (ids None: tokenized in a batch), or a token-id prompt's text
+    (if given) and ids; ValueError naming the prompt for any other form."""
+    if isinstance(p, str):
+        return p, None
+    if isinstance(p, dict) and "prompt_token_ids" in p:
+        tok = p["prompt_token_ids"]
+        if isinstance(tok, (str, bytes)) or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tok):
+            raise ValueError(f"{label}['prompt_token_ids'] must be a list of ints")
+        return p.get("prompt"), [int(t) for t in tok]
+    if isinstance(p, dict) and isinstance(p.get("prompt"), str):
+        return p["prompt"], None
+    raise ValueError(f"{label} must be a str, a {{'prompt': str}} or a "
+                     f"{{'prompt_token_ids': [...]}}, got {type(p).__name__}")
 
 
 def _label(at: int | str) -> str:

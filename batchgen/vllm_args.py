@@ -29,7 +29,7 @@ NO_EFFECT = {
     "enable_logging_iteration_details": "batchgen logs no per-step lines",
     "max_parallel_loading_workers": "transformers loads the weights",
     "shutdown_timeout": "an LLM stops its workers when it is deleted",
-    "skip_mm_profiling": "batchgen serves no multi-modal model",
+    "skip_mm_profiling": "the image encoder cache has a fixed byte budget, not profiled",
 }
 # Values beyond vLLM's default that mean what batchgen does anyway.
 ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {
@@ -121,7 +121,7 @@ def check_call_args(method: str, **kwargs: Any) -> None:
     """vLLM's per-call arguments batchgen has no use for (`lora_request`, `mm_processor_kwargs`,
     `tokenization_kwargs`): None (or empty) only, else a ValidationError naming it."""
     why = {"lora_request": "batchgen serves no LoRA adapters",
-           "mm_processor_kwargs": "batchgen serves no multi-modal model",
+           "mm_processor_kwargs": "give it in each prompt dict or to LLM(...)",
            "tokenization_kwargs": "prompts are tokenized with the tokenizer's defaults"}
     for name, value in kwargs.items():
         if value is not None and not (isinstance(value, (dict, list)) and not value):

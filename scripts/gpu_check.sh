@@ -96,7 +96,7 @@ grep '^gpu_warmup' "$logs/gpu_warmup.log" 2>/dev/null
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90 --timeout_method=signal")
 step gpu_tests 240 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider \
   --durations=8 -o faulthandler_timeout=60 $per_test ${GPU_CHECK_TESTS:-tests/test_cuda_flashinfer.py \
-  tests/test_cuda_flashinfer_mla.py tests/test_cuda.py}
+  tests/test_cuda_flashinfer_mla.py tests/test_cuda.py tests/test_cuda_vlm.py}
 grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E  " "$logs/gpu_tests.log" | tail -40
 step gpu_bench 240 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" &&
   sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log"

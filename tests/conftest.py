@@ -71,3 +71,20 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("family matrix: families new to the expectations")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(scope="session")
+def tiny_vlm_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Callable ``(family="llava", seed=0) -> Path``: a tiny vision-language model folder
+    (weights, tokenizer, image processor, processor), written once per session."""
+    from batchgen.tools.make_tiny_vlm import make_tiny_vlm
+
+    root = tmp_path_factory.mktemp("tiny-vlms")
+    cache: dict[tuple[str, int], Path] = {}
+
+    def factory(family: str = "llava", seed: int = 0) -> Path:
+        if (family, seed) not in cache:
+            cache[family, seed] = make_tiny_vlm(root / f"{family}-{seed}", family, seed)
+        return cache[family, seed]
+
+    return factory

@@ -128,6 +128,7 @@ class _Wrapper:
         indptr, indices, last = (t.tolist() for t in self._tables())
         g = p["hq"] // p["hkv"]
         res = torch.zeros(q.shape[0], p["hq"], v_cache.shape[-1])
+        at = 0  # the sequence's first entry of a custom mask
         for i in range(len(last)):
             pages = indices[indptr[i]:indptr[i + 1]]
             n = (len(pages) - 1) * p["page_size"] + last[i]
@@ -140,6 +141,9 @@ class _Wrapper:
             qpos = torch.arange(n - qi.shape[0], n)[:, None]
             kpos = torch.arange(n)[None]
             allowed = kpos <= qpos if (p["causal"] or qi.shape[0] == 1) else kpos >= 0
+            if p.get("mask") is not None:  # FlashInfer: the custom mask, window on top
+                allowed = p["mask"][at:at + qi.shape[0] * n].view(qi.shape[0], n)
+                at += qi.shape[0] * n
             if p["window_left"] >= 0:
                 allowed = allowed & (kpos >= qpos - p["window_left"])
             s = s.masked_fill(~allowed, float("-inf"))
@@ -193,13 +197,24 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
              logits_soft_cap: float | None = None, rope_scale: float | None = None,
              rope_theta: float | None = None, q_data_type: Any = "float16",
              kv_data_type: Any = None) -> None:
-        if custom_mask is not None or packed_custom_mask is not None:
-            raise NotImplementedError("the stand-in applies no custom mask")
+        if packed_custom_mask is not None:
+            raise NotImplementedError("the stand-in takes custom_mask unpacked only")
+        if custom_mask is not None and (custom_mask.dtype != torch.bool or custom_mask.dim() != 1):
+            raise ValueError("custom_mask must be a flat bool tensor")
         self._record(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                      num_qo_heads, num_kv_heads, head_dim_qk, page_size, causal=causal,
                      sm_scale=sm_scale, window_left=window_left,
                      logits_soft_cap=logits_soft_cap, q_data_type=q_data_type,
                      kv_data_type=kv_data_type, pos_encoding_mode=pos_encoding_mode)
+        self.plan_args["mask"] = custom_mask  # each sequence's [qo, kv] rows, concatenated
+        if custom_mask is not None:
+            qo = qo_indptr.tolist()
+            lens = ((paged_kv_indptr[1:] - paged_kv_indptr[:-1] - 1) * page_size
+                    + paged_kv_last_page_len).tolist()
+            want = sum((qo[i + 1] - qo[i]) * n for i, n in enumerate(lens))
+            if custom_mask.numel() != want:
+                raise ValueError(f"custom_mask has {custom_mask.numel()} entries, the batch "
+                                 f"needs sum(qo_len * kv_len) = {want}")
 
 
 def _refuse_sinks(sinks: torch.Tensor | None, q_scale: float | None) -> None:

@@ -57,6 +57,7 @@ ALONE = {  # scripts with their own small settings
                   "--hf-batch", "2", "--threads", "1"],
     "quantization.py": ["--model", "tiny", "--num-prompts", "2", "--output-len", "3",
                         "--methods", "full precision,torchao int8 (online)", "--threads", "1"],
+    "vlm.py": ["--images", "6", "--max-tokens", "3", "--hf-batch-size", "3", "--threads", "1"],
     "vs_vllm.py": ["--model", "tiny", "--num-prompts", "3", "--sampling-prompts", "2", "--n", "2",
                    "--max-tokens", "3", "--repeats", "1", "--hf-batch-size", "2",
                    "--kv-cache-gib", "1", "--vllm-python", "/nonexistent/vllm-venv/bin/python"],
@@ -81,6 +82,8 @@ EXPECT = {  # lines a script must print with the settings above
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "quantization.py": ["full precision: weights", "KV fp8, checkpoint scales vs the "
                         "model-dtype pool"],
+    "vlm.py": ["| system | wall s | images/s | output tok/s | processor s | processor share |",
+               "greedy agreement batchgen vs HF generate (batched): 6/6 prompts"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }

@@ -30,8 +30,11 @@ MARKERS = {
                            "every returned beam matches the regex"],
     "hybrid_model": ["state per sequence: ", "greedy equals HF generate: True", "sample 3:",
                      "beam score"],
+    "caption_images": ["captioned 12 images -> captions.parquet", "from the prefix cache",
+                       "outputs equal a run without the cache: True"],
 }
-OWN_MODEL = {"hybrid_model"}  # makes its own tiny model (a hybrid, not the llama)
+# make their own tiny model (a hybrid; a vision-language model), not the llama
+OWN_MODEL = {"hybrid_model", "caption_images"}
 NO_ARG = "samples_over_dataset"  # the one run without a model folder
 
 

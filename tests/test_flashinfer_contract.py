@@ -224,3 +224,26 @@ def test_graph_decode_pads_to_captured_sizes_and_equals_eager(standin, tiny_mode
     live = sum(1 for i in range(meta_rows) if backend.meta.kv_indices[kv[i]] != scratch)
     assert all(backend.meta.kv_indices[kv[i]] == scratch for i in range(live, meta_rows))
     assert backend.meta.kv_last_page_len[live:].tolist() == [1] * (meta_rows - live)
+
+
+def test_gemma3_images_through_flashinfers_custom_mask(standin, tiny_vlm_factory, monkeypatch):
+    """Bidirectional image attention through the FlashInfer backend: steps with image chunks
+    plan the prefill wrapper with a custom mask (the layer's window on top), and the tokens
+    equal HF's."""
+    from tests.test_vlm import greedy, hf_greedy, workload
+
+    path = tiny_vlm_factory("gemma3")
+    prompts = workload("gemma3")
+    llm = LLM(path, attention_backend="flashinfer", limit_mm_per_prompt={"image": 2},
+              block_size=4, num_kv_blocks=256, max_num_batched_tokens=20)
+    assert llm.attention_backend == "flashinfer"
+    masks = []
+    plan = standin.BatchPrefillWithPagedKVCacheWrapper.plan
+
+    def recording(self, *args, custom_mask=None, **kw):
+        masks.append(custom_mask)
+        return plan(self, *args, custom_mask=custom_mask, **kw)
+
+    monkeypatch.setattr(standin.BatchPrefillWithPagedKVCacheWrapper, "plan", recording)
+    assert greedy(llm, prompts, 12) == hf_greedy(path, prompts, 12)
+    assert any(m is not None for m in masks) and any(m is None for m in masks)

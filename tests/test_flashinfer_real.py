@@ -263,3 +263,28 @@ def test_the_gpu_warmup_builds_one_distinct_module_per_variant(fi):
         modules.append({c.module for c in recorder.calls[seen:]})
     assert all(len(m) == 1 for m in modules), modules
     assert len(set().union(*modules)) == len(warmup.VARIANTS)
+
+
+def test_a_step_with_bidirectional_images_hands_flashinfer_its_custom_mask(fi):
+    """Gemma 3's image spans: the prefill plan gets the step's custom mask (causal, widened
+    to the whole image for queries inside it; FlashInfer's own window stays on top), packed
+    by FlashInfer's segment_packbits per sequence; a step without images plans causal."""
+    fi_module, recorder = fi
+    backend = _backend(fi_module, [_spec(window=24), _spec()])
+    pages = dict(kv_indptr=_i32([0, 1, 3]), kv_indices=_i32([3, 4, 5]),
+                 kv_last_page_len=_i32([5, 3]), block_size=PAGE)
+    step = StepMetadata(_i32([0, 5, 8]), **pages, spans={1: [(PAGE - 2, PAGE + 3)]})
+    mask = step.span_mask()
+    q1 = torch.arange(PAGE, PAGE + 3)[:, None]  # the second sequence's queries
+    k1 = torch.arange(PAGE + 3)[None, :]
+    widened = (k1 <= q1) | (k1 >= PAGE - 2)
+    assert torch.equal(mask[25:], widened.reshape(-1)) and mask[:25].sum() == 15  # causal 5x5
+    backend.plan(step)
+    backend.run(0, torch.randn(8, HQ, D).bfloat16())
+    packed = recorder.last("segment_packbits")
+    assert torch.equal(packed.args[0], mask), "the custom mask never reached FlashInfer"
+    assert packed.args[1].tolist() == [0, 25, 25 + 3 * (PAGE + 3)]  # bits per sequence
+    calls = len(recorder.calls)
+    backend.plan(StepMetadata(_i32([0, 5, 8]), **pages))
+    backend.run(0, torch.randn(8, HQ, D).bfloat16())
+    assert not [c for c in recorder.calls[calls:] if "packbits" in c.fn]

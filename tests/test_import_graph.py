@@ -15,11 +15,12 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
      "batchgen.outputs", "batchgen.defaults", "batchgen.threads", "batchgen.param_bounds", "batchgen.id_table",
-     "batchgen.vllm_args"),  # values and utilities; vLLM's argument names
+     "batchgen.vllm_args", "batchgen.multimodal.items"),  # values and utilities; vLLM's argument names
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
-    ("batchgen.model", "batchgen.quantization"),  # loading (quantized too), runner, inputs
+    ("batchgen.model", "batchgen.quantization",
+     "batchgen.multimodal"),  # loading (quantized too), runner, inputs; images
     ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
      "batchgen.config",

@@ -161,11 +161,13 @@ class FlashInferBackend:
             wrapper.plan(meta.kv_indptr, meta.kv_indices_device, meta.kv_last_page_len,
                          spec.num_heads, spec.num_kv_heads, spec.head_dim, meta.block_size,
                          **common)
-        else:
+        else:  # bidirectional images (Gemma 3): FlashInfer's custom mask, window on top
+            mask = meta.span_mask()
+            extra = {} if mask is None else {"custom_mask": mask}
             wrapper.plan(meta.qo_indptr, meta.kv_indptr, meta.kv_indices_device,
                          meta.kv_last_page_len, spec.num_heads, spec.num_kv_heads,
                          spec.head_dim, meta.block_size, head_dim_vo=spec.head_dim_v,
-                         causal=True, **common)
+                         causal=True, **extra, **common)
         return wrapper
 
     def _wrapper(self, kind: str, spec: AttentionSpec) -> Any:

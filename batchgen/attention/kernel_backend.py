@@ -56,7 +56,7 @@ class CpuKernelBackend(TiledBackend):
         prefill = np.flatnonzero((q_len > 1) | (not self.kernel_decodes)).tolist()
         pages = {i: meta.kv_indices[kv_ptr[i]:kv_ptr[i + 1]].tolist() for i in prefill}
         self.tiles.plan(qo.tolist() if prefill else [], kv_lens.tolist() if prefill else [],
-                        pages, prefill, meta.block_size)
+                        pages, prefill, meta.block_size, meta.spans)
 
     def run_rest(self, layer: int, q: torch.Tensor,
                  kv_blocks: tuple[torch.Tensor, torch.Tensor],

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from batchgen.multimodal.items import MMPrompt
 from batchgen.state.slots import StateOps
 
 
@@ -33,6 +34,10 @@ class StepRows:
     # the forward (swaps, forks, beams); None without state
     state_slots: np.ndarray | None = None
     state_ops: StateOps | None = None
+    # vision-language models: the image side of each row whose chunk covers prompt tokens
+    # (row index -> its request's MMPrompt), and each row's M-RoPE decode delta
+    images: dict[int, MMPrompt] | None = None
+    rope_delta: np.ndarray | None = None
 
     @property
     def num_rows(self) -> int:
@@ -88,6 +93,9 @@ class StepMetadata:
     kv_last_page_len: torch.Tensor
     block_size: int
     kv_indices_device: torch.Tensor | None = None
+    # bidirectional images (Gemma 3): sequence i's [start, end) positions whose queries
+    # attend every key of their image, for the sequences that have any (None: causal)
+    spans: dict[int, list[tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.kv_indices_device is None:
@@ -105,6 +113,25 @@ class StepMetadata:
         """KV length of each sequence after this step: (pages - 1) * block_size + last_page_len."""
         pages = self.kv_indptr[1:] - self.kv_indptr[:-1]
         return (pages - 1) * self.block_size + self.kv_last_page_len
+
+    def span_mask(self) -> torch.Tensor | None:
+        """FlashInfer's `custom_mask` for a step with bidirectional images: every sequence's
+        [qo_len, kv_len] boolean mask, row-major, concatenated (causal, widened to the whole
+        image for queries inside one; the layer's window still applies on top, as in HF's
+        Gemma 3), on the pages' device; None without images."""
+        if not self.spans:
+            return None
+        qo = self.qo_indptr.tolist()
+        parts = []
+        for i, kv_len in enumerate(self.kv_lens().tolist()):
+            q = torch.arange(kv_len - (qo[i + 1] - qo[i]), kv_len)[:, None]
+            k = torch.arange(kv_len)[None, :]
+            m = k <= q
+            for s, e in self.spans.get(i, ()):
+                m |= (q >= s) & (q < e) & (k >= s) & (k < e)
+            parts.append(m.reshape(-1))
+        device = self.kv_indices_device.device if self.kv_indices_device is not None else None
+        return torch.cat(parts).to(device)
 
     def as_lists(self) -> tuple[list[int], list[int], list[list[int]]]:
         """(qo_indptr, kv_lens, pages of each sequence) as Python lists, for host-side plans."""

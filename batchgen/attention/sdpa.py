@@ -41,13 +41,16 @@ class _Group:
     q_pos: torch.Tensor  # [S, q_len, 1] position of each query (bottom-right aligned)
     base_mask: torch.Tensor  # [S, q_len, width] causal & in-range
     masks: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    span_mask: torch.Tensor | None = None  # [S, q_len, width] query and key in one image
 
     def mask(self, window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
         """[S, 1, groups*q_len, width] additive mask (0 / -inf), built once per step for each
-        window size and shared by the layers (SDPA would otherwise convert a bool mask per call)."""
+        window size and shared by the layers (SDPA would otherwise convert a bool mask per call).
+        Bidirectional image spans widen the causal part; a window then bounds both (HF's
+        Gemma 3: AND(window, OR(causal, same image)))."""
         key = (window, groups, dtype)
         if key not in self.masks:
-            m = self.base_mask
+            m = self.base_mask if self.span_mask is None else self.base_mask | self.span_mask
             if window is not None:
                 kv_pos = torch.arange(m.shape[-1], device=m.device)
                 m = m & (kv_pos > self.q_pos - window)
@@ -71,9 +74,17 @@ class _Tile:
     q_len: int
     kv_len: int
     width: int
+    end: int = -1  # one past its last query's position (-1: kv_len)
+    spans: tuple[tuple[int, int], ...] = ()  # bidirectional images its queries are in
+
+    @property
+    def first_row_position(self) -> int:
+        """The position of the tile's row 0."""
+        return (self.kv_len if self.end < 0 else self.end) - self.n - self.lead
 
 
-def _tiles(q_start: int, q_len: int, kv_len: int) -> list[_Tile]:
+def _tiles(q_start: int, q_len: int, kv_len: int,
+           spans: Sequence[tuple[int, int]] = ()) -> list[_Tile]:
     """The SDPA tiles of one sequence's queries.
 
     A decode row (one query) is one tile, its keys rounded up to KV_SPLIT. A prefill chunk is
@@ -81,13 +92,23 @@ def _tiles(q_start: int, q_len: int, kv_len: int) -> list[_Tile]:
     positions of its window, those outside the chunk padded) and is as wide as its window (keys
     past its last query are masked). So a prompt position lands in the same row of an SDPA call
     of the same shape however the prompt is chunked or prefix-cached: CPU SDPA blocks its
-    queries by row, so its bits depend neither on the batch, the token budget nor the cache."""
+    queries by row, so its bits depend neither on the batch, the token budget nor the cache.
+    `spans`: bidirectional images [s, e) of the sequence; a tile with queries in one also
+    sees its keys up to e (never past the chunk: the scheduler ends no chunk inside one)."""
     if q_len == 1:
         return [_Tile(q_start, 1, 0, 1, kv_len, KV_SPLIT * math.ceil(kv_len / KV_SPLIT))]
     first = kv_len - q_len  # position of the first query
     cuts = [first, *range((first // QUERY_TILE + 1) * QUERY_TILE, kv_len, QUERY_TILE), kv_len]
-    return [_Tile(q_start + a - first, b - a, a % QUERY_TILE, QUERY_TILE, b,
-                  QUERY_TILE * math.ceil(b / QUERY_TILE)) for a, b in zip(cuts, cuts[1:])]
+    tiles = []
+    for a, b in zip(cuts, cuts[1:]):
+        near = tuple((s, e) for s, e in spans if s < b and e > a)
+        reach = max([b, *(e for _, e in near)])
+        if reach > kv_len:
+            raise RuntimeError(f"a prefill chunk ends at {kv_len}, inside a bidirectional "
+                               f"image ending at {reach}")
+        tiles.append(_Tile(q_start + a - first, b - a, a % QUERY_TILE, QUERY_TILE, reach,
+                           QUERY_TILE * math.ceil(reach / QUERY_TILE), b, near))
+    return tiles
 
 
 class SdpaTiles:
@@ -100,11 +121,14 @@ class SdpaTiles:
 
     def plan(self, qo: list[int], kv_lens: list[int],
              pages: Sequence[list[int]] | Mapping[int, list[int]], seqs: Iterable[int],
-             block_size: int) -> None:
-        """Tiles of the sequences `seqs` (indices into qo / kv_lens / pages), grouped by shape."""
+             block_size: int, spans: Mapping[int, list[tuple[int, int]]] | None = None
+             ) -> None:
+        """Tiles of the sequences `seqs` (indices into qo / kv_lens / pages), grouped by shape;
+        `spans`: each sequence's bidirectional images (StepMetadata.spans)."""
         buckets: dict[tuple[int, int], list[tuple[_Tile, list[int]]]] = {}
+        spans = spans or {}
         for i in seqs:  # tiles of one (rows, width) shape share an SDPA call
-            for t in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i]):
+            for t in _tiles(qo[i], qo[i + 1] - qo[i], kv_lens[i], spans.get(i, ())):
                 buckets.setdefault((t.q_len, t.width), []).append((t, pages[i]))
         self.groups = [self._group(tiles, width, block_size)
                        for (_, width), tiles in sorted(buckets.items())]
@@ -120,7 +144,7 @@ class SdpaTiles:
             pages.extend(own[:n])
             pages.extend([0] * (n_pages - n))
         kv_len = torch.tensor([t.kv_len for t, _ in tiles])
-        start = torch.tensor([t.kv_len - t.n - t.lead for t, _ in tiles])  # position of row 0
+        start = torch.tensor([t.first_row_position for t, _ in tiles])
         ar_kv = torch.arange(width)
         q_pos = start[:, None] + torch.arange(q_len)[None]
         base = (ar_kv[None, None, :] < kv_len[:, None, None]) & (
@@ -135,7 +159,8 @@ class SdpaTiles:
             device=dev)
         return _Group(rows=rows, slots=slots, num_seqs=len(tiles), q_len=q_len, width=width,
                       pages=torch.tensor(pages, device=dev), q_pos=q_pos[:, :, None].to(dev),
-                      base_mask=base.to(dev))
+                      base_mask=base.to(dev), span_mask=_span_mask([t for t, _ in tiles],
+                                                                   q_pos, width, dev))
 
     def run(self, q: torch.Tensor, kv_blocks: tuple[torch.Tensor, torch.Tensor],
             spec: AttentionSpec, out: torch.Tensor,
@@ -189,6 +214,20 @@ class TiledBackend:
                  kv_blocks: tuple[torch.Tensor, torch.Tensor],
                  spec: AttentionSpec, out: torch.Tensor, scales: tuple[float, float]) -> None:
         """Attend the rows the tiles do not cover, into `out` (K, V stored / `scales`)."""
+
+
+def _span_mask(tiles: list[_Tile], q_pos: torch.Tensor, width: int, dev: torch.device
+               ) -> torch.Tensor | None:
+    """[S, q_len, width]: query and key in the same bidirectional image (None: no image)."""
+    if not any(t.spans for t in tiles):
+        return None
+    kv = torch.arange(width)
+    out = torch.zeros(len(tiles), q_pos.shape[1], width, dtype=torch.bool)
+    for k, t in enumerate(tiles):
+        for s, e in t.spans:
+            out[k] |= (((q_pos[k] >= s) & (q_pos[k] < e))[:, None]
+                       & ((kv >= s) & (kv < e))[None, :])
+    return out.to(dev)
 
 
 def _gather(kv_blocks: tuple[torch.Tensor, torch.Tensor], pages: torch.Tensor, s: int,

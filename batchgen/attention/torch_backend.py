@@ -30,7 +30,7 @@ class TorchBackend(TiledBackend):
         self.cascade, covered = plan_cascades(qo, kv_lens, pages, meta.block_size,
                                               self.cache.device)
         rest = (i for i in range(len(kv_lens)) if i not in covered)
-        self.tiles.plan(qo, kv_lens, pages, rest, meta.block_size)
+        self.tiles.plan(qo, kv_lens, pages, rest, meta.block_size, meta.spans)
 
     def run_rest(self, layer: int, q: torch.Tensor,
                  kv_blocks: tuple[torch.Tensor, torch.Tensor],

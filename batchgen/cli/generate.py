@@ -72,6 +72,10 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     src.add_argument("--messages-column", default=None,
                      help="chat messages column, rendered through the chat template")
     io.add_argument("--chat-template", default=None, help="a Jinja chat template file")
+    io.add_argument("--image-column", default=None,
+                    help="a vision-language model's image column (a path, image bytes or a "
+                         "datasets Image) beside the text prompt column, whose text holds "
+                         "the model's image placeholder")
     io.add_argument("--output", required=True, help="folder for the shards")
     io.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                     help="shard file format (default parquet)")
@@ -153,6 +157,11 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
+    if args.ray and args.image_column:
+        raise CliError("--image-column is for local jobs: not on Ray (--ray) yet")
+    if args.image_column and args.messages_column:
+        raise CliError("--image-column goes with --prompt-column: chat messages carry their "
+                       "own image parts")
     if args.ray and args.on_error != "fail":
         raise CliError("--on-error skip is for local jobs: on Ray (--ray) a row that cannot "
                        "run fails the job")
@@ -161,7 +170,8 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     source = open_source(args.input)
     column = args.messages_column or args.prompt_column or "prompt"
     for flag, name in (("--messages-column" if args.messages_column else "--prompt-column",
-                        column), ("--schema-column", args.schema_column)):
+                        column), ("--schema-column", args.schema_column),
+                       ("--image-column", args.image_column)):
         if name is not None and source.column_names is not None \
                 and name not in source.column_names:
             raise CliError(f"{flag} {name!r} is not a column of {args.input} (columns: "
@@ -182,7 +192,8 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
                               rows_per_shard=args.rows_per_shard,
                               shard_seconds=args.shard_seconds or None, chat_template=template,
                               schema_column=args.schema_column, on_error=args.on_error,
-                              output_format=args.output_format, use_tqdm=not args.quiet)
+                              output_format=args.output_format, use_tqdm=not args.quiet,
+                              image_column=args.image_column)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")

@@ -147,6 +147,11 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
             f"mixer state (SSM / linear attention / conv layers): {format_bytes(per)} "
             f"({per:,} bytes) per sequence, whatever its length; {plan.max_num_seqs} "
             f"sequences: {format_bytes(per * plan.max_num_seqs)} beside the KV pool")
+    if plan.encoder_cache_bytes:
+        lines.append(
+            f"images: each image's placeholder tokens are tokens of the pool above; the encoder "
+            f"cache keeps up to {format_bytes(plan.encoder_cache_bytes)} of image features "
+            "beside it (kept out of a GPU pool sized from free memory)")
     lines.append(f"LLM logs: {plan.capacity_line()}")
     return lines
 

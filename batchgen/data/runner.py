@@ -40,7 +40,7 @@ from batchgen.data.rows import (
     row_params,
 )
 from batchgen.data.shards import ShardStore
-from batchgen.data.source import Source, open_source, quiet_datasets
+from batchgen.data.source import Source, open_source, quiet_datasets, undecoded_images
 from batchgen.data.writers import ShardWriter, writer_for
 from batchgen.kinds import kind_of
 from batchgen.log import logger
@@ -65,7 +65,8 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
                      chat_template: str | None = None, add_generation_prompt: bool = True,
                      chat_template_kwargs: dict[str, Any] | None = None,
                      schema_column: str | None = None, output_format: str = "parquet",
-                     on_error: str = "fail", use_tqdm: bool = True) -> datasets.Dataset:
+                     on_error: str = "fail", use_tqdm: bool = True,
+                     image_column: str | None = None) -> datasets.Dataset:
     """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
     Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
     `row_id`, `num_prompt_tokens` and `outputs` (the n completions, or the beams for
@@ -90,14 +91,18 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
 
     Under `params.structured_outputs`, or with `schema_column` (a column holding each row's
     own JSON schema, a dict or its JSON text), every output also gets a `valid` flag: it
-    finished and, for JSON, its raw text (kept as generated) parses."""
+    finished and, for JSON, its raw text (kept as generated) parses.
+
+    `image_column` (a vision-language model): each row's image beside its text prompt, which
+    holds the model's image placeholder: a path, an image file's bytes, or datasets' `Image`
+    (kept encoded in the output; a row whose image is None runs as text)."""
     params = llm.get_default_sampling_params() if params is None else params
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
-                      chat_template, add_generation_prompt, chat_template_kwargs)
+                      chat_template, add_generation_prompt, chat_template_kwargs, image_column)
     _check_args(params, rows_per_shard, shard_seconds, on_error, resume, output_dir, seed)
     writer = writer_for(output_format)
     _check_schema_column(params, schema_column)
-    source = open_source(data)
+    source = undecoded_images(open_source(data), image_column)
     _check_columns(source, spec, messages_column, schema_column)
     seed = job_seed(params, seed)
     skip = on_error == "skip"
@@ -121,9 +126,9 @@ def _check_columns(source: Source, spec: PromptSpec, messages_column: str | None
     if names is not None and spec.column not in names:
         raise ValueError(f"{'messages_column' if messages_column else 'prompt_column'} "
                          f"{spec.column!r} is not a column of data (columns: {names})")
-    if names is not None and schema_column is not None and schema_column not in names:
-        raise ValueError(f"schema_column {schema_column!r} is not a column of data (columns: "
-                         f"{names})")
+    for name, column in (("schema_column", schema_column), ("image_column", spec.image_column)):
+        if names is not None and column is not None and column not in names:
+            raise ValueError(f"{name} {column!r} is not a column of data (columns: {names})")
 
 
 def _reconcile(store: ShardStore, source: Source, errors: bool) -> None:
@@ -365,6 +370,15 @@ def row_constraint(llm: LLM, row: dict[str, Any], column: str) -> StructuredOutp
     return so
 
 
+def _prompt_identity(spec: PromptSpec) -> dict[str, Any]:
+    """The prompt source as a manifest records it (no image column: absent, as in manifests
+    written before it existed, which stay resumable)."""
+    fields = dataclasses.asdict(spec)
+    if fields.get("image_column") is None:
+        fields.pop("image_column", None)
+    return json_safe(fields)
+
+
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
          schema_column: str | None = None, writer: ShardWriter | None = None,
          on_error: str = "fail") -> dict[str, Any]:
@@ -388,7 +402,7 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
                    else VLLM_SAMPLING_FIELDS)  # likewise the fields added for vLLM's API
     fields["seed"] = None  # the job seed below covers it
     job = {**model_identity(llm), "kind": type(params).__name__,
-           "params": json_safe(fields), "seed": seed, "prompt": json_safe(dataclasses.asdict(spec)),
+           "params": json_safe(fields), "seed": seed, "prompt": _prompt_identity(spec),
            "input": source.fingerprint, "input_rows": source.num_rows}
     if schema_column is not None:  # (absent otherwise: older manifests stay resumable)
         job["schema_column"] = schema_column

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -91,6 +92,21 @@ def open_source(data: Any) -> Source:
         return _from_path(Path(os.path.expanduser(os.fspath(data))))
     raise ValueError("data must be a datasets.Dataset, an IterableDataset, or the path of a "
                      f"JSONL/JSON/Parquet/CSV file or dataset folder, got {type(data).__name__}")
+
+
+def undecoded_images(source: Source, column: str | None) -> Source:
+    """The source with datasets' `Image` feature in `column` left encoded ({"bytes", "path"}
+    per row): rows stay writable to the output shards and fingerprinted by their bytes; the
+    processor decodes each image when its request is built."""
+    import datasets
+
+    features = getattr(source.dataset, "features", None)
+    if column is None or not features or not isinstance(features.get(column), datasets.Image):
+        return source
+    if not features[column].decode:
+        return source
+    ds = source.dataset.cast_column(column, datasets.Image(decode=False))
+    return dataclasses.replace(source, dataset=ds, schema=ds.features.arrow_schema)
 
 
 def _from_dataset(ds: Any, fingerprint: str) -> Source:

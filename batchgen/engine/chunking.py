@@ -3,8 +3,18 @@ cannot depend on the cut (the scheduler's rule, kept apart so it is testable alo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def chunk_size(start: int, left: int, budget: int, max_num_batched_tokens: int,
+               grid: int = 0, cut: Callable[[int, int], int] | None = None) -> int:
+    """`grid_chunk`'s size, shortened by `cut(start, n)` where the request says a chunk
+    must not end (inside an image whose attention is bidirectional)."""
+    n = grid_chunk(start, left, budget, max_num_batched_tokens, grid)
+    return cut(start, n) if cut is not None and n else n
+
+
+def grid_chunk(start: int, left: int, budget: int, max_num_batched_tokens: int,
                grid: int = 0) -> int:
     """Tokens of a prefill chunk from `start` with `left` tokens to go: as many as the budget
     allows, but never a lone token out of a longer run (a one-query chunk runs as a decode row,

@@ -425,7 +425,8 @@ class KVManager:
         (each block is hashed once in the sequence's life)."""
         memo = self._hashes.get(seq, [])
         if num_tokens // self.block_size > len(memo):
-            memo = chain_hashes(seq.token_ids, self.block_size, memo, num_tokens)
+            memo = chain_hashes(seq.token_ids, self.block_size, memo, num_tokens,
+                                seq.group.block_key)
             self._hashes[seq] = memo
         return memo
 

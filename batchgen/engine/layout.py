@@ -17,6 +17,7 @@ from batchgen.attention.metadata import StepRows
 from batchgen.engine.batch import PersistentBatch
 from batchgen.engine.scheduler import StepPlan
 from batchgen.engine.sequence import Sequence, SequenceGroup
+from batchgen.multimodal.items import MMPrompt
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,12 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     beam_rows, row = _beam_decodes(plan, batch)  # the beams' decode rows that lead the rest
     num_logits.append(np.ones(row - k, np.int64))
     tokens.append(c["last_token"][plan.slots[k:row]])
-    for seq, start, n in zip(plan.seqs[row:], plan.starts[row:].tolist(),
-                             plan.num_new[row:].tolist()):
+    images = _decode_images(plan, batch, row)
+    for i, (seq, start, n) in enumerate(zip(plan.seqs[row:], plan.starts[row:].tolist(),
+                                            plan.num_new[row:].tolist()), row):
         group, end = seq.group, start + n
+        if group.mm is not None and start < group.num_prompt_tokens:
+            images[i] = group.mm
         want = end == len(seq.token_ids)
         rows = int(want)
         if group.scores_prompt:
@@ -77,7 +81,8 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     runner_rows = StepRows(plan.slots, plan.starts, plan.num_new,
                            np.concatenate(num_logits).astype(np.int64, copy=False),
                            np.concatenate(tokens).astype(np.int64, copy=False),
-                           batch.block_table, _state_slots(plan, batch), plan.state_ops)
+                           batch.block_table, _state_slots(plan, batch), plan.state_ops,
+                           images or None, c["rope_delta"][plan.slots])
     identity = row == k and not sample_rows
     layout = LogitsLayout(tuple(samplers), None if identity else np.concatenate(
         (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
@@ -122,6 +127,14 @@ def first_scored(group: SequenceGroup) -> int:
     """The first prompt position a prompt-scoring request scores (position 0 has no context):
     row 0 of its prompt_logprob_token_ids scores this position."""
     return max(group.params.prompt_logprobs_start, 1)
+
+
+def _decode_images(plan: StepPlan, batch: PersistentBatch, end: int) -> dict[int, MMPrompt]:
+    """The one-token rows before `end` that compute a prompt token of a request with images
+    (by vector ops: a prompt's last token alone, rarely), by row."""
+    head = plan.slots[:end]
+    rows = np.flatnonzero(plan.starts[:end] < batch.cols["num_prompt"][head]).tolist()
+    return {i: plan.seqs[i].group.mm for i in rows if plan.seqs[i].group.mm is not None}
 
 
 def _state_slots(plan: StepPlan, batch: PersistentBatch) -> np.ndarray | None:

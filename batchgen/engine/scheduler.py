@@ -210,7 +210,7 @@ class Scheduler:
                 continue
             done = self.kv.num_computed(seq)
             n = chunk_size(done, self._chunk_limit(group, seq, done, group.fork_pending),
-                           d.tokens, self.max_num_batched_tokens, self.kv.grid)
+                           d.tokens, self.max_num_batched_tokens, self.kv.grid, group.chunk_cut)
             if n > 0:
                 preempted |= self._schedule_unit(group, [seq], [n], d)[1]
         return preempted
@@ -297,7 +297,8 @@ class Scheduler:
         if len(hit) < len(hashes) and hashes[len(hit)] in inflight:
             return None  # computed this step by an earlier request: hit it next step instead
         start = len(hit) * self.block_size
-        n = chunk_size(start, limit - start, d.tokens, self.max_num_batched_tokens, self.kv.grid)
+        n = chunk_size(start, limit - start, d.tokens, self.max_num_batched_tokens, self.kv.grid,
+                       group.chunk_cut)
         headroom = self.watermark_blocks if self.running else 0
         if n == 0 or not self.kv.can_admit(start + n, hit, headroom):
             return None

@@ -22,6 +22,9 @@ from batchgen.sampling.sampler import NUM_PARAMS, TopLogprobs
 from batchgen.sampling.stop import StopChecker
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from batchgen.multimodal.items import MMPrompt
     from batchgen.outputs import RequestMetrics
     from batchgen.params import BeamSearchParams, SamplingParams
     from batchgen.sampling.grammar import Constraint
@@ -186,6 +189,8 @@ class SequenceGroup:
     scores_prompt: bool = field(init=False)  # either of the two: its prompt rows keep logits
     # structured outputs: the prompt's matcher, never advanced (samples and beams fork it)
     constraint: Constraint | None = field(default=None, repr=False)
+    # images: each one's placeholders, key and tensors (vision-language models), else None
+    mm: MMPrompt | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
 
     def __post_init__(self) -> None:
@@ -208,3 +213,14 @@ class SequenceGroup:
     @property
     def finished(self) -> bool:
         return self.policy.finished(self)
+
+    @property
+    def chunk_cut(self) -> Callable[[int, int], int] | None:
+        """Where its prompt chunks must stop short (inside no bidirectional image), if
+        anywhere."""
+        return self.mm.cut if self.mm is not None and self.mm.bidirectional else None
+
+    @property
+    def block_key(self) -> Callable[[int, int], bytes] | None:
+        """What its prefix-cache block hashes add for the images a block overlaps."""
+        return self.mm.block_key if self.mm is not None else None

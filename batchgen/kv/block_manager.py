@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 
 
 class PoolExhausted(MemoryError):
@@ -28,15 +28,19 @@ def slot_of(block_table, token_pos, block_size: int):
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int, parent_hashes: list[bytes],
-                 num_tokens: int | None = None) -> list[bytes]:
+                 num_tokens: int | None = None,
+                 extra: Callable[[int, int], bytes] | None = None) -> list[bytes]:
     """Content hashes of the full blocks among the first `num_tokens` tokens, each chained on
     the previous block's hash (equal hashes mean equal prefixes). `parent_hashes` are the known
-    hashes of the leading blocks; only the missing ones are computed."""
+    hashes of the leading blocks; only the missing ones are computed. `extra(i, block_size)`:
+    more of block i's content than its token ids (the images it overlaps)."""
     end = len(token_ids) if num_tokens is None else num_tokens
     hashes = list(parent_hashes)
     for i in range(len(hashes), end // block_size):
         h = hashlib.blake2b(hashes[-1] if hashes else b"", digest_size=16)
         h.update(array("q", token_ids[i * block_size:(i + 1) * block_size]).tobytes())
+        if extra is not None:
+            h.update(extra(i, block_size))
         hashes.append(h.digest())
     return hashes
 

@@ -41,6 +41,7 @@ class StepBatch:
     logits_indices: torch.Tensor  # [R'] int64: packed rows whose logits are kept (padded)
     num_logits: int  # R: the real logits rows, one per chunk that wants logits, chunk order
     meta: StepMetadata  # host int32, FlashInfer's format
+    order: np.ndarray | None = None  # [S] the step rows' indices in packed order
 
 
 class _Buffers:
@@ -123,7 +124,9 @@ class StepInputs:
         last_row = np.empty(len(order), np.int64)
         last_row[order] = qo[1:] - 1
         logits = _logits_rows(last_row, rows.num_logits)
-        return self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to, pad)
+        batch = self._pad(ids, pages, qo, kv, s_o, n_o, logits, pad_to, pad)
+        batch.order = order
+        return batch
 
     def _decode(self, rows: StepRows, pad_to: int | None, pad: bool = True) -> StepBatch:
         """`prepare` for a step of one token per row (the common step): no reordering."""
@@ -134,8 +137,10 @@ class StepInputs:
         tables = rows.block_tables[rows.slots, :width]
         pages = tables[np.arange(width)[None, :] < pages_n[:, None]]
         logits = np.flatnonzero(rows.num_logits)
-        return self._pad(rows.token_ids, pages, np.arange(n + 1), kv, starts,
-                         np.ones(n, np.int64), logits, pad_to, pad)
+        batch = self._pad(rows.token_ids, pages, np.arange(n + 1), kv, starts,
+                          np.ones(n, np.int64), logits, pad_to, pad)
+        batch.order = np.arange(n)
+        return batch
 
     def _pad(self, ids: np.ndarray, pages: np.ndarray, qo: np.ndarray, kv: np.ndarray,
              starts: np.ndarray, lens: np.ndarray, logits: np.ndarray, pad_to: int | None,
@@ -195,6 +200,10 @@ class StepInputs:
                             d["kv_indices"][:p])
         return StepBatch(d["input_ids"][:t], d["positions"][:t], d["slot_mapping"][:t],
                          d["logits_indices"][:r], num_logits, meta)
+
+    def host_positions(self, t: int) -> np.ndarray:
+        """The last prepared step's first `t` positions on the host (padding included)."""
+        return self.np["positions"][:t]
 
 
 def _logits_rows(last_row: np.ndarray, num_logits: np.ndarray) -> np.ndarray:

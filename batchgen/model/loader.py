@@ -24,6 +24,7 @@ from batchgen.model.families import (
 )
 from batchgen.model.submesh import sharded_class
 from batchgen.model.versions import check_transformers
+from batchgen.multimodal.families import check_vision
 
 # RoPE scalings that depend on the longest sequence in the packed batch (batch-dependent output).
 UNSUPPORTED_ROPE = ("dynamic", "longrope")
@@ -114,6 +115,7 @@ def check_supported(config: PretrainedConfig) -> ModelLayout:
     """Refuse model families, layer kinds and RoPE scalings that batchgen cannot run exactly,
     and state mixers on an unverified transformers, from the config alone (before any weights
     are read); return the layers' classes."""
+    check_vision(config)
     layout = classify(config)
     check_served(layout)
     check_transformers(layout.family, layout.mixer_kinds)
@@ -207,16 +209,17 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
                device: torch.device, trust_remote_code: bool = False, tp_size: int = 1,
-               tp_mesh: DeviceMesh | None = None, quant: dict[str, Any] | None = None
-               ) -> torch.nn.Module:
+               tp_mesh: DeviceMesh | None = None, quant: dict[str, Any] | None = None,
+               vision: bool = False) -> torch.nn.Module:
     """Load safetensors weights with batchgen's attention registered and selected, straight
     onto `device` (device_map: quantizers place their packed tensors themselves, with no
     full-precision copy elsewhere first); `quant`: from_pretrained's quantization keywords
     (batchgen/quantization: a GGUF file, an online method's config). With tp_size > 1, this
     rank's shard, split by transformers' own tensor-parallel plan over the whole world (a
     process group of that size) or over `tp_mesh`'s "tp" dimension (a subgroup:
-    model/submesh.py)."""
-    from transformers import AutoModelForCausalLM
+    model/submesh.py). `vision`: an image-text-to-text model whose text decoder alone attends
+    through batchgen (its vision tower keeps SDPA)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from batchgen.attention.interface import register
@@ -228,9 +231,14 @@ def load_model(path: Path, config: PretrainedConfig, dtype: torch.dtype,
     extra.update(quant or {})
     cls = (AutoModelForCausalLM if tp_mesh is None or tp_size == 1
            else sharded_class(config, tp_mesh, device))
+    attn: str | dict[str, str] = register()
+    if vision:
+        cls = AutoModelForImageTextToText
+        attn = {name: attn if name == "text_config" else "sdpa" for name in config.sub_configs}
+        attn[""] = "sdpa"
     try:
         model = cls.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=register(),
+            path, config=config, dtype=dtype, attn_implementation=attn,
             trust_remote_code=trust_remote_code, **extra)
     finally:
         if bars_were_on:

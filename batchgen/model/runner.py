@@ -18,6 +18,7 @@ from batchgen.model.cuda_graphs import DecodeGraphs, GraphCapturer
 from batchgen.model.inputs import StepInputs
 from batchgen.model.mixer_step import MixerStep
 from batchgen.model.shared import paged_forward
+from batchgen.multimodal.step import VisionStep
 from batchgen.state.cache import StateCache
 
 
@@ -25,11 +26,12 @@ class ModelRunner:
     """The model is the loader's (or the caller's: `shared`), the pools and the backend are
     the LLM's; the step buffers (`inputs`) and the captured graphs are the runner's own. A
     model with state mixers brings its state pool's seam (`state`): its steps run
-    sequence-separated (MixerStep)."""
+    sequence-separated (MixerStep); a vision-language model its image seam (`vision`): its
+    steps' inputs carry image features and, for M-RoPE, 3-D positions."""
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, backend: AttentionBackend,
                  inputs: StepInputs, host: HostPool | None = None, shared: bool = False,
-                 state: StateCache | None = None) -> None:
+                 state: StateCache | None = None, vision: VisionStep | None = None) -> None:
         self.model = model
         self.shared = shared  # batchgen's attention is selected only inside its forwards
         self.cache = cache
@@ -39,6 +41,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.mixers = (MixerStep(model, cache, backend, inputs, state)
                        if state is not None else None)
+        self.vision = vision
 
     def use_graphs(self, sizes: list[int], max_pages: int, capturer: GraphCapturer) -> None:
         """Capture decode steps of these batch sizes; later decode steps replay them."""
@@ -83,12 +86,19 @@ class ModelRunner:
                 and len(rows.token_ids) == rows.num_rows):
             return graphs.replay(rows)
         batch = self.inputs.prepare(rows)
+        if self.vision is not None:  # bidirectional images widen their queries' masks
+            batch.meta.spans = self.vision.spans(rows, batch)
         self.backend.plan(batch.meta)
+        ctx = StepContext(self.cache, self.backend, batch.slot_mapping)
+        if self.vision is not None:
+            logits = self.vision.run(rows, batch, self.inputs.host_positions(
+                len(batch.input_ids)), logits_to_keep=batch.logits_indices, batchgen_step=ctx)
+            return logits[0, :batch.num_logits].float()
         out = self.model(
             input_ids=batch.input_ids[None],
             position_ids=batch.positions[None],
             use_cache=False,
             logits_to_keep=batch.logits_indices,
-            batchgen_step=StepContext(self.cache, self.backend, batch.slot_mapping),
+            batchgen_step=ctx,
         )
         return out.logits[0, :batch.num_logits].float()
