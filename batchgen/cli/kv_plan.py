@@ -133,6 +133,15 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
             f"{plan.num_host_blocks * plan.block_size:,} tokens "
             f"({plan.num_host_blocks / plan.seq_blocks:.2f} max_model_len sequences "
             "swapped out at once)")
+    lines += _beside_the_pool(plan)
+    lines.append(f"LLM logs: {plan.capacity_line()}")
+    return lines
+
+
+def _beside_the_pool(plan: KvPlan) -> list[str]:
+    """What the pool's figures leave out: sliding windows it does not save, mixer state and
+    image features kept beside it."""
+    s, lines = plan.max_model_len, []
     if plan.sliding is not None:
         sw, windowed = plan.sliding, plan.windowed_seq_bytes or 0
         lines.append(
@@ -152,7 +161,6 @@ def report_lines(plan: KvPlan, model: str) -> list[str]:
             f"images: each image's placeholder tokens are tokens of the pool above; the encoder "
             f"cache keeps up to {format_bytes(plan.encoder_cache_bytes)} of image features "
             "beside it (kept out of a GPU pool sized from free memory)")
-    lines.append(f"LLM logs: {plan.capacity_line()}")
     return lines
 
 

@@ -87,6 +87,7 @@ class StepInputs:
         self.main = _Buffers(_sizes(max_tokens, max_seqs, max_pages, min_rows), device)
         self._main_limits = self.main.limits  # compared every step, without a call
         self.wide: _Buffers | None = None  # steps past `main` (made when first needed)
+        self.last = self.main  # the set the last prepared step was packed into
 
     def _wide(self, tokens: int, rows: int, pages: int, logits: int) -> _Buffers:
         """The set for a step past `main`, (re)made at twice what it needs when the last one
@@ -177,6 +178,7 @@ class StepInputs:
         lim = self._main_limits
         buf = (self.main if t <= lim[0] and s <= lim[1] and p <= lim[2] and r <= lim[3]
                else self._wide(t, s, p, r))
+        self.last = buf
         bs, a = self.block_size, buf.np
         a["input_ids"][:t] = ids
         a["qo_indptr"][:s + 1] = qo
@@ -203,7 +205,7 @@ class StepInputs:
 
     def host_positions(self, t: int) -> np.ndarray:
         """The last prepared step's first `t` positions on the host (padding included)."""
-        return self.np["positions"][:t]
+        return self.last.np["positions"][:t]
 
 
 def _logits_rows(last_row: np.ndarray, num_logits: np.ndarray) -> np.ndarray:
