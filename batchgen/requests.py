@@ -7,6 +7,7 @@ import numbers
 import random
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import islice, zip_longest
 from typing import Any
@@ -16,6 +17,7 @@ from batchgen.engine.kv_manager import request_peak_blocks
 from batchgen.engine.sequence import SequenceGroup, sample_seed
 from batchgen.id_table import check_table_rows
 from batchgen.kinds import RequestKind
+from batchgen.multimodal.ahead import Processed, ProcessorPool
 from batchgen.multimodal.inputs import chat_images
 from batchgen.multimodal.items import MMPrompt
 from batchgen.multimodal.prompt import ImagePrompts, NoImages
@@ -55,7 +57,7 @@ class RequestBuilder:
                  images: ImagePrompts | NoImages | None = None) -> None:
         self.tokenizer = tokenizer
         # prompts with multi_modal_data: the processor's (a vision-language model), or refused
-        self.images = images if images is not None else NoImages("this model's")
+        self.images = ProcessorPool(images if images is not None else NoImages("this model's"))
         self.limits = limits
         self.stops = stops
         self.eos_token_ids = eos_token_ids
@@ -73,7 +75,8 @@ class RequestBuilder:
         """Validate and tokenize everything, then make the groups (ValueError on any bad
         input, naming it, before anything is queued)."""
         prompts = as_prompt_list(prompts)
-        return self._build(prompts, _params_per_prompt(params, len(prompts), kind), 0, kind)
+        per_prompt = _params_per_prompt(params, len(prompts), kind)
+        return self._build(prompts, per_prompt, 0, kind, self._ahead(prompts, 0))
 
     def stream(self, prompts: PromptType | Iterable[PromptType], params: Any,
                kind: RequestKind, chunk: int) -> Iterator[SequenceGroup]:
@@ -83,15 +86,41 @@ class RequestBuilder:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         start = 0
-        for batch in _batched(_paired(prompts, params, kind), chunk):
+        for batch, ahead in self._read_ahead(_batched(_paired(prompts, params, kind), chunk)):
             yield from self._build([pr for pr, _ in batch], [pa for _, pa in batch], start,
-                                   kind)
+                                   kind, ahead)
             start += len(batch)
 
-    def _build(self, prompts: list[Any], per_prompt: list[Any], start: int, kind: RequestKind
-               ) -> list[SequenceGroup]:
+    def _read_ahead(self, batches: Iterator[list[Any]]
+                    ) -> Iterator[tuple[list[Any], dict[int, Future[Processed]]]]:
+        """Each batch with its image prompts' processing started; on a model that takes
+        images, while a batch's groups run the next batch is pulled and its images processed in the workers (an error
+        pulling it is raised only when it is reached)."""
+        if not isinstance(self.images.prompts, ImagePrompts):  # text only: as lazy as it was
+            yield from ((batch, {}) for batch in batches)
+            return
+        start, batch = 0, next(batches, None)
+        ahead = self._ahead([pr for pr, _ in batch], start) if batch else {}
+        while batch is not None:
+            try:
+                following = next(batches, None)
+            except Exception:  # the user's iterator, or a params mismatch
+                yield batch, ahead
+                raise
+            start += len(batch)
+            after = self._ahead([pr for pr, _ in following], start) if following else {}
+            yield batch, ahead
+            batch, ahead = following, after
+
+    def _ahead(self, prompts: list[Any], start: int) -> dict[int, Future[Processed]]:
+        """Start processing the prompts with images (by input index) in the workers."""
+        return {i: self.images.submit(p, _label(i)) for i, p in enumerate(prompts, start)
+                if isinstance(p, dict) and p.get("multi_modal_data") is not None}
+
+    def _build(self, prompts: list[Any], per_prompt: list[Any], start: int, kind: RequestKind,
+               ahead: dict[int, Future[Processed]] | None = None) -> list[SequenceGroup]:
         """Groups for prompts `start`, `start + 1`, ... (all checked before any is made)."""
-        texts, token_ids, images = self._tokenize(prompts, start)
+        texts, token_ids, images = self._tokenize(prompts, start, ahead=ahead)
         token_ids = [self._truncate(ids, p, mm) for ids, p, mm in
                      zip(token_ids, per_prompt, images)]
         limits = [self._check(start + i, ids, p, kind)
@@ -167,11 +196,14 @@ class RequestBuilder:
             raise ValueError("truncate_prompt_tokens cannot apply to a prompt with images")
         return ids[-(self.limits.max_model_len - 1 if k == -1 else k):]
 
-    def _tokenize(self, prompts: list[PromptType], start: int = 0, name: str | None = None
+    def _tokenize(self, prompts: list[PromptType], start: int = 0, name: str | None = None,
+                  ahead: dict[int, Future[Processed]] | None = None
                   ) -> tuple[list[str | None], list[list[int]], list[MMPrompt | None]]:
         """Batched tokenisation of text prompts; token-id prompts pass through; prompts with
-        images go through the model's processor one by one. Messages name prompt i
-        `prompts[i]` (or `name`, for a single prompt)."""
+        images go through the model's processor (their results taken from `ahead`, by input
+        index, where the workers already started them). Messages name prompt i `prompts[i]`
+        (or `name`, for a single prompt)."""
+        ahead = ahead or {}
         texts: list[str | None] = []
         ids: list[list[int] | None] = []
         images: list[MMPrompt | None] = []
@@ -181,7 +213,8 @@ class RequestBuilder:
                 check_prompt_keys(p, label)
             mm = None
             if isinstance(p, dict) and p.get("multi_modal_data") is not None:
-                text, tok, mm = self.images.process(p, label)
+                todo_mm = ahead.get(i) or self.images.submit(p, label)
+                text, tok, mm = todo_mm.result()
             else:
                 text, tok = _text_or_ids(p, label)
             texts.append(text)

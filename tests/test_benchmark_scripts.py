@@ -85,7 +85,9 @@ EXPECT = {  # lines a script must print with the settings above
     "quantization.py": ["full precision: weights", "KV fp8, checkpoint scales vs the "
                         "model-dtype pool"],
     "vlm.py": ["| system | wall s | images/s | output tok/s | processor s | processor share |",
-               "greedy agreement batchgen vs HF generate (batched): 6/6 prompts"],
+               "greedy agreement batchgen vs HF generate (batched): 6/6 prompts",
+               "| processor | wall s | device busy s | device idle share |",
+               "| ahead, in the workers |", "| when each chunk is pulled |"],
     "vs_vllm.py": ["vLLM: skipped (no python with vllm at /nonexistent/vllm-venv/bin/python",
                    "greedy agreement batchgen vs HF generate"],
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -402,3 +403,34 @@ def test_kv_plan_counts_the_encoder_cache(tiny_vlm_factory, tiny_model_factory) 
     text = plan_kv(AutoConfig.from_pretrained(tiny_model_factory("llama")))
     assert vlm.encoder_cache_bytes > 0 and text.encoder_cache_bytes == 0
     assert any("encoder cache keeps up to 256.0 MiB" in line for line in report_lines(vlm, "m"))
+
+
+def test_image_prompts_are_processed_ahead_in_worker_threads(tiny_vlm_factory, monkeypatch
+                                                              ) -> None:
+    """The processor runs in the worker threads, each on its own copy; a stream submits the
+    next chunk's prompts when it hands out the current chunk's first group (so they are
+    processed while the engine steps), and its outputs equal a plain generate's."""
+    from batchgen.kinds import kind_of
+    from batchgen.multimodal.ahead import ProcessorPool
+    from batchgen.multimodal.prompt import ImagePrompts
+
+    path = tiny_vlm_factory("llava")
+    prompts = [as_prompt(t, i) for t, i in workload("llava") if i] * 2  # 6 image prompts
+    llm = LLM(path, limit_mm_per_prompt={"image": 2}, block_size=8, num_kv_blocks=256,
+              max_num_seqs=2)  # a stream pulls chunks of 2 prompts
+    params = SamplingParams(temperature=0, max_tokens=4)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    submitted, ran = [], []
+    submit, process = ProcessorPool.submit, ImagePrompts.process
+    monkeypatch.setattr(ProcessorPool, "submit",
+                        lambda self, p, name: submitted.append(name) or submit(self, p, name))
+    monkeypatch.setattr(ImagePrompts, "process", lambda self, p, name: ran.append(
+        (threading.current_thread().name, id(self.processor))) or process(self, p, name))
+    groups = llm.requests.stream(iter(prompts), params, kind_of(params), 2)
+    next(groups)
+    assert submitted == [f"prompts[{i}]" for i in range(4)]  # chunk 2 started already
+    groups.close()
+    got = dict(llm.generate_stream(iter(prompts), params, use_tqdm=False))
+    assert [got[i].outputs[0].token_ids for i in range(len(prompts))] == want
+    assert ran and all(name.startswith("batchgen-mm") for name, _ in ran)
+    assert id(llm.requests.images.prompts.processor) not in {p for _, p in ran}
