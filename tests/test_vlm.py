@@ -402,3 +402,37 @@ def test_kv_plan_counts_the_encoder_cache(tiny_vlm_factory, tiny_model_factory) 
     text = plan_kv(AutoConfig.from_pretrained(tiny_model_factory("llama")))
     assert vlm.encoder_cache_bytes > 0 and text.encoder_cache_bytes == 0
     assert any("encoder cache keeps up to 256.0 MiB" in line for line in report_lines(vlm, "m"))
+
+
+def test_run_batch_chat_lines_with_image_parts(tiny_vlm_factory, tmp_path: Path) -> None:
+    """OpenAI batch-file chat lines with image_url parts (a data: and a file:// URL) answer as
+    `llm.chat` does on the same messages; an http URL is that line's error, the others run."""
+    import base64
+
+    from batchgen.batch_api import run_batch
+
+    llm = LLM(tiny_vlm_factory("llava"), block_size=8, num_kv_blocks=128)
+    template = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                "<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    file = tmp_path / "a.png"
+    image(6, 16, 16).save(file)
+    data = "data:image/png;base64," + base64.b64encode(file.read_bytes()).decode()
+    urls = {"data": data, "file": f"file://{file}", "http": "https://example.org/a.png"}
+    msgs = {k: [{"role": "user", "content": [{"type": "text", "text": f"look {k}"},
+                                             {"type": "image_url", "image_url": {"url": u}}]}]
+            for k, u in urls.items()}
+    lines = [json.dumps({"custom_id": k, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": m, "max_tokens": T, "temperature": 0}})
+             for k, m in msgs.items()]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    s = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", chat_template=template,
+                  use_tqdm=False)
+    assert (s.answered, s.errors) == (2, 1)
+    got = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").open())}
+    assert "never downloads" in got["http"]["error"]["message"]
+    refs = llm.chat([msgs["data"], msgs["file"]], SamplingParams(temperature=0, max_tokens=T),
+                    use_tqdm=False, chat_template=template)
+    for key, ref in zip(("data", "file"), refs):
+        body = got[key]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == ref.outputs[0].text
+        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
