@@ -436,3 +436,7 @@ def test_run_batch_chat_lines_with_image_parts(tiny_vlm_factory, tmp_path: Path)
         body = got[key]["response"]["body"]
         assert body["choices"][0]["message"]["content"] == ref.outputs[0].text
         assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    image(7, 16, 16).save(file)  # the same file:// URL, another image: that line reruns
+    s = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", chat_template=template,
+                  resume=True, use_tqdm=False)
+    assert (s.answered, s.reused, s.recomputed, s.errors) == (0, 1, 1, 1)

@@ -3,9 +3,12 @@ the error that line gets in the output (a line that cannot be served never stops
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from batchgen.params import SamplingParams
 
@@ -200,3 +203,23 @@ def completion_prompt(body: dict[str, Any]) -> Any:
         return {"prompt_token_ids": prompt}
     raise LineError("invalid_request", "prompt must be a non-empty string or a list of token "
                     "ids (one prompt per line)", "prompt")
+
+
+def file_images(body: dict[str, Any]) -> list[str]:
+    """A SHA-256 of each local image file a chat body names (image_url parts with file://
+    URLs), in order: a resume recomputes a line whose file changed under the same URL (an
+    unreadable file counts as "missing"; the line's own check reports it)."""
+    out = []
+    msgs = body.get("messages")
+    for m in msgs if isinstance(msgs, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for p in content if isinstance(content, list) else []:
+            url = p.get("image_url") if isinstance(p, dict) else None
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str) and url.startswith("file://"):
+                try:
+                    path = Path(unquote(urlparse(url).path))  # as multimodal/inputs.py reads it
+                    out.append(hashlib.sha256(path.read_bytes()).hexdigest())
+                except OSError:
+                    out.append("missing")
+    return out
