@@ -390,6 +390,17 @@ def test_an_image_column_in_a_dataset_job_and_the_cli(tiny_vlm_factory, tmp_path
     shards = pq.read_table(tmp_path / "b").to_pylist()
     assert [r["outputs"][0]["token_ids"] for r in sorted(shards, key=lambda r: r["row_id"])] \
         == want
+    # a resume over image paths keeps unchanged files' rows and redoes a file changed in place
+    job = dict(image_column="image", output_dir=tmp_path / "c", use_tqdm=False)
+    generate_dataset(llm, tmp_path / "rows.jsonl", params, **job)
+    generate_dataset(llm, tmp_path / "rows.jsonl", params, resume=True, **job)
+    assert llm.kv_stats().prompt_tokens_computed == 0
+    pics[1] = image(30, 16, 16)
+    pics[1].save(tmp_path / "1.png")
+    again = generate_dataset(llm, tmp_path / "rows.jsonl", params, resume=True, **job)
+    assert llm.kv_stats().prompt_tokens_computed > 0
+    now = greedy(llm, list(zip(texts, [[p] for p in pics])), 6)
+    assert [r["outputs"][0]["token_ids"] for r in again] == now != want
 
 
 def test_kv_plan_counts_the_encoder_cache(tiny_vlm_factory, tiny_model_factory) -> None:
