@@ -4,7 +4,8 @@
 # host lacks them; every FlashInfer kernel module the later steps use, built several at once
 # (scripts/gpu_warmup.py); the GPU tests; the GPU benchmark (issue 9's bar); a hybrid model;
 # the host overhead per decode step on CUDA (issue 17), for beams, and async scheduling (issue
-# 33); on a host with two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19). Steps
+# 33); on a host with two or more GPUs also tensor parallelism, TP=1 vs TP=2 (issue 19);
+# quantized checkpoints (issue 41); vision-language models (issue 40, gpu_vlm). Steps
 # run in that order, most valuable first; a step that would start with too little time left is
 # skipped with one line. Short tables are printed; every log is packed after each step into
 # $OUT/gpu_logs.tar.gz (when OUT is set), so a run cut short still returns what it did.
@@ -96,7 +97,7 @@ grep '^gpu_warmup' "$logs/gpu_warmup.log" 2>/dev/null
 per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout=90 --timeout_method=signal")
 step gpu_tests 240 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider \
   --durations=8 -o faulthandler_timeout=60 $per_test ${GPU_CHECK_TESTS:-tests/test_cuda_flashinfer.py \
-  tests/test_cuda_flashinfer_mla.py tests/test_cuda.py tests/test_cuda_vlm.py}
+  tests/test_cuda_flashinfer_mla.py tests/test_cuda.py}
 grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E  " "$logs/gpu_tests.log" | tail -40
 step gpu_bench 240 python3 benchmarks/gpu_bench.py --json "$logs/gpu_bench.json" &&
   sed -n '/^model:/p; /^| system/,$p' "$logs/gpu_bench.log"
@@ -129,6 +130,13 @@ fi
 # last, so it never displaces the steps above (GPU_CHECK_STEPS=gpu_quant runs it alone).
 step gpu_quant 90 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider $per_test \
   tests/test_cuda_quantization.py
+# Vision-language models (issue 40): tiny llava, llava_next, idefics3, qwen2_5_vl, qwen3_vl and
+# gemma3 give HF generate's greedy tokens on CUDA (float32, torch backend), and Gemma 3's
+# bidirectional images through FlashInfer's custom mask follow the torch backend; tiny towers,
+# about a minute; GPU_CHECK_STEPS="gpu_warmup gpu_vlm" runs it (after the kernels it loads).
+step gpu_vlm 120 python3 -m pytest -v -rfE --tb=short -m cuda -p no:cacheprovider $per_test \
+  --durations=8 tests/test_cuda_vlm.py
+grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed|^E  " "$logs/gpu_vlm.log" 2>/dev/null | tail -12
 pack
 echo "gpu_check: $((SECONDS - start)) s in all"
 [ "$status" -eq 0 ] && echo "gpu_check: all steps passed" || echo "gpu_check: a step FAILED (logs: ${OUT:-$logs})"

@@ -194,3 +194,34 @@ def test_bad_config_and_flags(local_ray, model: Path, tmp_path: Path, capsys) ->
                  str(tmp_path / "o2"), "--ray"])
     err = capsys.readouterr().err
     assert code == 2 and "already has column(s) ['outputs']" in err, err
+
+
+def test_an_image_column_equals_the_local_runner(local_ray, tiny_vlm_factory) -> None:
+    """A VLM on one actor over rows with datasets' Image column (Arrow: {bytes, path}): each
+    row's outputs equal generate_dataset's on the same rows (a None image: a text row)."""
+    import numpy as np
+    from PIL import Image
+
+    from batchgen.tools.make_tiny_vlm import IMAGE_PLACEHOLDER
+
+    path = tiny_vlm_factory("llava")
+    rng = np.random.RandomState(0)
+    pics = [Image.fromarray((rng.rand(16, 16, 3) * 255).astype("uint8")) for _ in range(2)]
+    ph = IMAGE_PLACEHOLDER["llava"]
+    data = datasets.Dataset.from_dict({"prompt": [f"a {ph} b", f"{ph} c", "text only"],
+                                       "image": [*pics, None]}).cast_column(
+        "image", datasets.Image())
+    params = SamplingParams(temperature=0, max_tokens=6)
+    engine = {"device": "cpu", "block_size": 8, "num_kv_blocks": 64}
+    local = generate_dataset(LLM(str(path), **engine), data, params, image_column="image",
+                             use_tqdm=False)
+    cfg = BatchgenProcessorConfig(str(path), params, engine, image_column="image",
+                                  batch_size=3, concurrency=1)
+    got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 3))).take_all())
+    want = [o[0]["token_ids"] for o in local["outputs"]]
+    assert [r["outputs"][0]["token_ids"] for r in got] == want
+    assert want[0] != want[1]  # the images are seen
+    with pytest.raises(ValueError, match="image_column 'picture' is not a column"):
+        build_processor(BatchgenProcessorConfig(str(path), params, engine,
+                                                image_column="picture"))(
+            ray.data.from_arrow(numbered_blocks(data, 3)))

@@ -158,7 +158,9 @@ def test_lines_that_cannot_be_served_get_errors(answered) -> None:
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs must be"),
     ({"messages": CHAT, "n": 0}, "n must be"),
     ({"messages": CHAT, "stream": True}, "stream must be false"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "only text"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio_url"}]}]}, "content parts must"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "data:image/png;base64,AAAA"}}]}]}, "not a readable image"),
     ({"messages": CHAT, "logit_bias": {"x": 1}}, "logit_bias must map"),
     ({"messages": CHAT, "n": 8, "max_tokens": 1000}, "can never fit the pool"),
 ])

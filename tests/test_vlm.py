@@ -391,6 +391,17 @@ def test_an_image_column_in_a_dataset_job_and_the_cli(tiny_vlm_factory, tmp_path
     shards = pq.read_table(tmp_path / "b").to_pylist()
     assert [r["outputs"][0]["token_ids"] for r in sorted(shards, key=lambda r: r["row_id"])] \
         == want
+    # a resume over image paths keeps unchanged files' rows and redoes a file changed in place
+    job = dict(image_column="image", output_dir=tmp_path / "c", use_tqdm=False)
+    generate_dataset(llm, tmp_path / "rows.jsonl", params, **job)
+    generate_dataset(llm, tmp_path / "rows.jsonl", params, resume=True, **job)
+    assert llm.kv_stats().prompt_tokens_computed == 0
+    pics[1] = image(30, 16, 16)
+    pics[1].save(tmp_path / "1.png")
+    again = generate_dataset(llm, tmp_path / "rows.jsonl", params, resume=True, **job)
+    assert llm.kv_stats().prompt_tokens_computed > 0
+    now = greedy(llm, list(zip(texts, [[p] for p in pics])), 6)
+    assert [r["outputs"][0]["token_ids"] for r in again] == now != want
 
 
 def test_kv_plan_counts_the_encoder_cache(tiny_vlm_factory, tiny_model_factory) -> None:
@@ -434,3 +445,41 @@ def test_image_prompts_are_processed_ahead_in_worker_threads(tiny_vlm_factory, m
     assert [got[i].outputs[0].token_ids for i in range(len(prompts))] == want
     assert ran and all(name.startswith("batchgen-mm") for name, _ in ran)
     assert id(llm.requests.images.prompts.processor) not in {p for _, p in ran}
+
+
+def test_run_batch_chat_lines_with_image_parts(tiny_vlm_factory, tmp_path: Path) -> None:
+    """OpenAI batch-file chat lines with image_url parts (a data: and a file:// URL) answer as
+    `llm.chat` does on the same messages; an http URL is that line's error, the others run."""
+    import base64
+
+    from batchgen.batch_api import run_batch
+
+    llm = LLM(tiny_vlm_factory("llava"), block_size=8, num_kv_blocks=128)
+    template = ("{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                "<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %}")
+    file = tmp_path / "a.png"
+    image(6, 16, 16).save(file)
+    data = "data:image/png;base64," + base64.b64encode(file.read_bytes()).decode()
+    urls = {"data": data, "file": f"file://{file}", "http": "https://example.org/a.png"}
+    msgs = {k: [{"role": "user", "content": [{"type": "text", "text": f"look {k}"},
+                                             {"type": "image_url", "image_url": {"url": u}}]}]
+            for k, u in urls.items()}
+    lines = [json.dumps({"custom_id": k, "method": "POST", "url": "/v1/chat/completions",
+                         "body": {"messages": m, "max_tokens": T, "temperature": 0}})
+             for k, m in msgs.items()]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    s = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", chat_template=template,
+                  use_tqdm=False)
+    assert (s.answered, s.errors) == (2, 1)
+    got = {d["custom_id"]: d for d in map(json.loads, (tmp_path / "out.jsonl").open())}
+    assert "never downloads" in got["http"]["error"]["message"]
+    refs = llm.chat([msgs["data"], msgs["file"]], SamplingParams(temperature=0, max_tokens=T),
+                    use_tqdm=False, chat_template=template)
+    for key, ref in zip(("data", "file"), refs):
+        body = got[key]["response"]["body"]
+        assert body["choices"][0]["message"]["content"] == ref.outputs[0].text
+        assert body["usage"]["prompt_tokens"] == len(ref.prompt_token_ids)
+    image(7, 16, 16).save(file)  # the same file:// URL, another image: that line reruns
+    s = run_batch(llm, tmp_path / "in.jsonl", tmp_path / "out.jsonl", chat_template=template,
+                  resume=True, use_tqdm=False)
+    assert (s.answered, s.reused, s.recomputed, s.errors) == (0, 1, 1, 1)

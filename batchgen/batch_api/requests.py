@@ -3,9 +3,12 @@ the error that line gets in the output (a line that cannot be served never stops
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 from batchgen.params import SamplingParams
 
@@ -24,6 +27,7 @@ _IGNORED = ("model", "user", "metadata", "store", "service_tier", "stream", "str
 _CHAT_FIELDS = ("messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs",
                 "logit_bias", "chat_template_kwargs")
 _COMPLETION_FIELDS = ("prompt", "max_tokens", "logprobs", "echo", "logit_bias", "best_of")
+_PARTS = ("text", "image_url")  # chat content parts (image_url: a VLM's images)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -165,8 +169,9 @@ def _logit_bias(bias: Any) -> dict[int, float]:
 
 
 def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """The body's messages, content parts of type text joined into one string (other part
-    types are refused: this is a text model)."""
+    """The body's messages: content parts all of type text joined into one string; image
+    parts (image_url) kept as parts for the chat renderer (a VLM's images; other
+    part types are refused)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
         raise LineError("invalid_request", "messages must be a non-empty list of "
@@ -177,10 +182,11 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
             raise LineError("invalid_request", "every message needs a string role", "messages")
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise LineError("invalid_request", "only text content parts are supported",
-                                "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            if not all(isinstance(p, dict) and p.get("type") in _PARTS for p in content):
+                raise LineError("invalid_request", "content parts must be of type "
+                                f"{', '.join(_PARTS)}", "messages")
+            if all(p["type"] == "text" for p in content):
+                content = "".join(str(p.get("text", "")) for p in content)
         out.append({**m, "content": content})
     return out
 
@@ -197,3 +203,23 @@ def completion_prompt(body: dict[str, Any]) -> Any:
         return {"prompt_token_ids": prompt}
     raise LineError("invalid_request", "prompt must be a non-empty string or a list of token "
                     "ids (one prompt per line)", "prompt")
+
+
+def file_images(body: dict[str, Any]) -> list[str]:
+    """A SHA-256 of each local image file a chat body names (image_url parts with file://
+    URLs), in order: a resume recomputes a line whose file changed under the same URL (an
+    unreadable file counts as "missing"; the line's own check reports it)."""
+    out = []
+    msgs = body.get("messages")
+    for m in msgs if isinstance(msgs, list) else []:
+        content = m.get("content") if isinstance(m, dict) else None
+        for p in content if isinstance(content, list) else []:
+            url = p.get("image_url") if isinstance(p, dict) else None
+            url = url.get("url") if isinstance(url, dict) else url
+            if isinstance(url, str) and url.startswith("file://"):
+                try:
+                    path = Path(unquote(urlparse(url).path))  # as multimodal/inputs.py reads it
+                    out.append(hashlib.sha256(path.read_bytes()).hexdigest())
+                except OSError:
+                    out.append("missing")
+    return out

@@ -2,8 +2,9 @@
 line per input line (same custom_id, input order), written atomically by the dataset jobs'
 JSONL writer (batchgen.data.writers). Finished answers are appended to a progress file as they
 come, each with its request's fingerprint (the model's identity, the served name, the chat
-template, the line's url and body), and the output's fingerprints are kept beside it, so
-`resume=True` reuses exactly the answers whose request is unchanged and recomputes the rest."""
+template, the line's url and body, the bytes of its file:// images), and the output's
+fingerprints are kept beside it, so `resume=True` reuses exactly the answers whose request is
+unchanged and recomputes the rest."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from batchgen.batch_api.requests import (
     chat_messages,
     completion_prompt,
     custom_id_of,
+    file_images,
     parse_line,
     sampling_params,
 )
@@ -109,7 +111,9 @@ def _prepare(llm: LLM, raw: list[str], done: dict[str, tuple[dict[str, Any], str
             if req.custom_id in plan.fingerprints:
                 raise LineError("duplicate_custom_id", f"custom_id {req.custom_id!r} appears "
                                 "on an earlier line", "custom_id")
-            fingerprint = digest({**identity, "url": req.url, "body": req.body})
+            images = file_images(req.body)  # absent without file:// images (older files)
+            fingerprint = digest({**identity, "url": req.url, "body": req.body,
+                                  **({"image_files": images} if images else {})})
             plan.fingerprints[req.custom_id] = fingerprint
             if req.custom_id in done:
                 answer, was = done[req.custom_id]

@@ -157,8 +157,6 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     if args.ray and args.resume:
         raise CliError("--resume is for local jobs: on Ray (--ray) a failed task is retried "
                        "within the job; rerun a stopped Ray job into a new --output")
-    if args.ray and args.image_column:
-        raise CliError("--image-column is for local jobs: not on Ray (--ray) yet")
     if args.image_column and args.messages_column:
         raise CliError("--image-column goes with --prompt-column: chat messages carry their "
                        "own image parts")

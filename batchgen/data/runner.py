@@ -112,7 +112,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
         fingerprint = _job(llm, params, seed, spec, source, schema_column, writer, on_error)
         store = ShardStore(Path(output_dir).expanduser(), fingerprint, resume, writer)
         if resume:
-            _reconcile(store, source, skip)
+            _reconcile(store, source, skip, spec.image_column)
     job = _Job(llm, source, params, spec, seed, schema, store,
                _Closing(rows_per_shard, shard_seconds), schema_column, skip)
     job.run(use_tqdm)
@@ -131,17 +131,20 @@ def _check_columns(source: Source, spec: PromptSpec, messages_column: str | None
             raise ValueError(f"{name} {column!r} is not a column of data (columns: {names})")
 
 
-def _reconcile(store: ShardStore, source: Source, errors: bool) -> None:
+def _reconcile(store: ShardStore, source: Source, errors: bool,
+               image_column: str | None = None) -> None:
     """On resume: keep only the listed rows whose input is unchanged (error rows are retried).
     The rows are read and fingerprinted only when the input's fingerprint differs from the
     one the manifest lists, or says nothing of the rows (an iterable)."""
     stored = store.stored_input or {}
-    unchanged = source.content_fingerprint and stored.get("input") == source.fingerprint
+    # an image column of paths: the files may change under an unchanged input, so rows are read
+    unchanged = source.content_fingerprint and stored.get("input") == source.fingerprint \
+        and image_column is None
     current = None
     if not unchanged:  # (nothing to read when no row was kept)
-        current = {i: row_fingerprint(row) for i, row in source.rows()
+        current = {i: row_fingerprint(row, image_column) for i, row in source.rows()
                    if i in store.done_ids} if store.done_ids else {}
-    dropped = store.reconcile(current, errors)
+    dropped = store.reconcile(current, errors, whole_shards=image_column is not None)
     if dropped:
         logger.info("resume: %d row(s) changed, left the input or failed: they are redone",
                     len(dropped))
@@ -223,7 +226,7 @@ class _Job:
                 if self._failed(row_id, row, e):
                     continue
                 return
-            self.inflight[index] = (row_id, row, row_fingerprint(row))
+            self.inflight[index] = (row_id, row, row_fingerprint(row, self.spec.image_column))
             index += 1
             yield prompt, params
 
@@ -248,7 +251,8 @@ class _Job:
             self.failure.__cause__ = error
             return False
         logger.warning("skipped %s", message)
-        self._file(error_row(row, row_id, message), row_fingerprint(row))
+        self._file(error_row(row, row_id, message),
+                   row_fingerprint(row, self.spec.image_column))
         return True
 
     def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:

@@ -122,18 +122,21 @@ class ShardStore:
         logger.warning("resume: shard %s is missing or torn; its rows are redone", s.file)
         return False
 
-    def reconcile(self, current: Mapping[int, str] | None, errors: bool) -> set[int]:
+    def reconcile(self, current: Mapping[int, str] | None, errors: bool,
+                  whole_shards: bool = False) -> set[int]:
         """After `_load`, against the input as it is now (`current`: row id -> input
         fingerprint of each kept row still in the input; None: the input is unchanged): drop
         from the shards the rows whose input changed or is gone, and the rows that hold an
         error (they are retried), each shard rewritten without them. Returns the dropped ids
-        (they are no longer in `done_ids`). `errors`: the shards have an `error` column."""
+        (they are no longer in `done_ids`). `errors`: the shards have an `error` column.
+        `whole_shards` (an image column of paths: a row's stored input cannot tell which
+        file changed): a shard whose fingerprint differs is redone whole."""
         dropped: set[int] = set()
         for info in list(self.shards):
             ids = self.ids_of[info.file]
             stale = set(info.errors)
             if current is not None:
-                stale |= self._changed(info, ids, current, errors)
+                stale |= self._changed(info, ids, current, errors, whole_shards)
             if stale:
                 self._rewrite(info, stale, current)
                 dropped |= stale & set(ids)
@@ -143,12 +146,14 @@ class ShardStore:
         return dropped
 
     def _changed(self, info: ShardInfo, ids: list[int], current: Mapping[int, str],
-                 errors: bool) -> set[int]:
+                 errors: bool, whole_shards: bool = False) -> set[int]:
         """The rows of a shard whose input is gone or differs from the current one (found by
         the shard's fingerprint first: only a shard that differs is read row by row)."""
         gone = {i for i in ids if i not in current}
         if not gone and info.inputs == rows_fingerprint({i: current[i] for i in ids}):
             return set()
+        if whole_shards:
+            return set(ids)
         table = self.writer.read(self.dir / info.file)
         stored = {r[ROW_ID]: row_fingerprint(input_part(r, errors)) for r in table.to_pylist()}
         return gone | {i for i in ids if i not in gone and stored.get(i) != current[i]}

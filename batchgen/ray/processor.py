@@ -49,6 +49,7 @@ class BatchgenProcessorConfig:
     messages_column: str | None = None  # chat messages, rendered through the chat template
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    image_column: str | None = None  # a VLM's row image: a path, bytes, {"bytes", "path"}
     seed: int | None = None  # the job seed (params.seed first), as in generate_dataset
     batch_size: int = 64  # rows per map_batches call
     concurrency: int | tuple[int, int] = 1  # actors: a fixed number or (min, max)
@@ -66,7 +67,7 @@ class BatchgenProcessorConfig:
     def prompt_spec(self) -> PromptSpec:
         return PromptSpec(None if self.messages_column else self.prompt_column,
                           self.messages_column, self.chat_template, True,
-                          self.chat_template_kwargs)
+                          self.chat_template_kwargs, self.image_column)
 
 
 def _check(c: BatchgenProcessorConfig) -> None:
@@ -149,6 +150,9 @@ class Processor:
         if c.prompt_spec.column not in ds.columns():
             name = "messages_column" if c.messages_column else "prompt_column"
             raise ValueError(f"{name} {c.prompt_spec.column!r} is not a column of the dataset "
+                             f"(columns: {ds.columns()})")
+        if c.image_column is not None and c.image_column not in ds.columns():
+            raise ValueError(f"image_column {c.image_column!r} is not a column of the dataset "
                              f"(columns: {ds.columns()})")
         size = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,) * 2
         compute = ray.data.ActorPoolStrategy(
