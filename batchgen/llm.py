@@ -23,6 +23,7 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.factory import assemble, log_capacity, plan_engine
 from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.log import configure_logging
+from batchgen.lora.seam import LoRASeam
 from batchgen.model.shared import weights_version
 from batchgen.model.sleep import SleepState
 from batchgen.model.weights import load_weights
@@ -69,8 +70,9 @@ class LLM:
                  chat_template: str | None = None, skip_tokenizer_init: bool = False,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
-        configure_logging()
-        cfg = EngineConfig.from_llm_args(locals(), engine_args)  # vLLM's others: default or refused
+        configure_logging()  # LoRA's args: batchgen/lora; vLLM's others: default or refused
+        lora = LoRASeam.take(engine_args, tensor_parallel_size)
+        cfg = EngineConfig.from_llm_args(locals(), engine_args)
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
         self._stats = None if disable_log_stats else StatsRecorder(model_name(model))
@@ -100,7 +102,7 @@ class LLM:
         # (external_launcher; each frees its own shards), else they are refused under TP
         self._sleep = SleepState(self.cache, self.model, plan.module is None, built.state_pool)
         self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
-        self._weights_version = weights_version(self.model)
+        self._weights_version, self._lora = weights_version(self.model), lora.attach(self)
         log_capacity(built, self._executor.tp_size)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -114,15 +116,15 @@ class LLM:
         `sampling_params`, the model's generation_config.json defaults apply (as in vLLM).
         `priority` (one for all or one per prompt) orders admission under
         `scheduling_policy="priority"`, lower first; it never changes an output."""
-        check_call_args("generate", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+        check_call_args("generate", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run(prompts, sampling_params, SAMPLES, use_tqdm, priority)
+        return self._run(prompts, sampling_params, SAMPLES, use_tqdm, priority, lora_request)
 
     def generate_stream(self, prompts: PromptType | Iterable[PromptType],
                         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
-                        use_tqdm: bool | Callable[..., tqdm] = True
+                        use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: Any = None
                         ) -> Iterator[tuple[int, RequestOutput]]:
         """`generate` over any iterable of prompts (a generator of unknown length too), yielding
         `(input index, RequestOutput)` as each request finishes. New requests are pulled as
@@ -132,14 +134,13 @@ class LLM:
         already yielded stay valid. Closing the stream early frees every block."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm)
+        return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm, lora_request)
 
     def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
                            params: BeamSearchParams | Iterable[BeamSearchParams],
                            use_tqdm: bool | Callable[..., tqdm] = True
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
-        """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
-        `generate_stream`."""
+        """`beam_search` as a stream of `(input index, BeamSearchOutput)`."""
         check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run_stream(prompts, params, BEAMS, use_tqdm)
 
@@ -153,13 +154,12 @@ class LLM:
         token's logprob is the value the search ranked (the beam's processed log-probability);
         a logits `logprobs_mode` is refused. `concurrency_limit=k` (vLLM's) runs the prompts k
         at a time, in input order, each batch to its end before the next starts."""
-        check_call_args("beam_search", lora_request=lora_request)
         check_beam_mode(self.engine.sampler.logprobs_mode)
         if use_tqdm and concurrency_limit is not None:
             logger.warning("beam_search: no progress bar with concurrency_limit (as in vLLM)")
             use_tqdm = False
         return [out for wave in waves(prompts, params, priority, concurrency_limit)
-                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2])]
+                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2], lora_request)]
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -174,12 +174,13 @@ class LLM:
         through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
         then `generate`. `chat_template_content_format` is accepted for vLLM's signature
         (content is passed to the template as given)."""
-        check_call_args("chat", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+        check_call_args("chat", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
         prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
                                             add_generation_prompt, continue_final_message, tools,
                                             chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority,
+                             lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config.json (the sampling fields it sets
@@ -209,7 +210,7 @@ class LLM:
         self._sleep.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what sleep freed: `tags` from ("weights", "kv_cache"), both when None."""
+        """Restore what sleep freed: `tags` from ("weights", "kv_cache"), all when None."""
         self._sleep.wake_up(tags)
 
     def is_sleeping(self) -> bool:
@@ -217,12 +218,11 @@ class LLM:
         return bool(self._sleep.asleep)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (False, doing nothing, while a call is running)."""
+        """Forget every cached block (False, doing nothing, while a call runs)."""
         return self.engine.kv.reset_prefix_cache()
 
     def kv_stats(self) -> KVStats:
-        """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions,
-        and with a swap pool its size, swap-outs, swap-ins and blocks moved."""
+        """KV figures of the last call (pool, peak blocks, COW copies, preemptions, swaps)."""
         return self._last_stats
 
     def get_metrics(self) -> list[Metric]:
@@ -233,8 +233,7 @@ class LLM:
         return self._stats.metrics()
 
     def get_tokenizer(self):
-        """The HF tokenizer prompts are encoded with (None for a folder without one, or with
-        `skip_tokenizer_init=True`)."""
+        """The HF tokenizer (None for a folder without one, or skip_tokenizer_init=True)."""
         return self.tokenizer
 
     def __repr__(self) -> str:
@@ -246,21 +245,22 @@ class LLM:
 
     # ---- running a call -----------------------------------------------------------------------
     def _run(self, prompts: Any, params: Any, kind: RequestKind,
-             use_tqdm: bool | Callable[..., tqdm], priority: Any = None) -> list[Any]:
-        """A batch call: every prompt validated first, all run, outputs in input order. Under
-        the priority policy the groups are queued lower `priority` first (ties in input
-        order), as vLLM's engine, which holds every request of the call, starts them."""
-        groups = self.requests.build(prompts, params, kind)
+             use_tqdm: bool | Callable[..., tqdm], priority: Any = None,
+             lora_request: Any = None) -> list[Any]:
+        """A batch call: every prompt validated first, all run, outputs in input order; under
+        the priority policy queued lower `priority` first (ties in input order), as vLLM's."""
+        groups = self._lora.tag(self.requests.build(prompts, params, kind), lora_request)
         order = queue_order(groups, priority, self.engine.scheduler.by_priority)
         for _ in self._stream(order, len(groups), use_tqdm):
             pass
         return [kind.output(self.results, g) for g in groups]
 
     def _run_stream(self, prompts: Any, params: Any, kind: RequestKind,
-                    use_tqdm: bool | Callable[..., tqdm]) -> Iterator[tuple[int, Any]]:
-        """A stream call: groups built lazily from any iterable of prompts; (input index,
-        output) as each finishes."""
-        groups = self.requests.stream(prompts, params, kind, self.engine.scheduler.max_num_seqs)
+                    use_tqdm: bool | Callable[..., tqdm], lora_request: Any = None
+                    ) -> Iterator[tuple[int, Any]]:
+        """A stream call: groups built lazily; (input index, output) as each finishes."""
+        groups = self._lora.tag_stream(self.requests.stream(
+            prompts, params, kind, self.engine.scheduler.max_num_seqs), lora_request)
         for g in self._stream(groups, length(prompts), use_tqdm):
             yield g.index, kind.output(self.results, g)
 
