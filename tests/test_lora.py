@@ -62,18 +62,27 @@ def _peft_greedy(model, prompt: list[int]) -> list[int]:
 
 
 def _llm(model_dir: Path, **kw) -> LLM:
-    return LLM(str(model_dir), enable_lora=True, max_loras=4, max_lora_rank=8, **kw)
+    return LLM(str(model_dir), enable_lora=True, max_lora_rank=8, **{"max_loras": 4} | kw)
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16},
-                                {"num_kv_blocks": 12, "max_num_seqs": 8}],
-                         ids=["plain", "chunked", "preempting"])
+                                {"num_kv_blocks": 12, "max_num_seqs": 8},
+                                {"max_loras": 2, "max_cpu_loras": 2}],
+                         ids=["plain", "chunked", "preempting", "lru"])
 def test_mixed_batch_equals_peft_per_adapter(setup, kw):
     model_dir, reqs, oracles = setup
     prompts = make_prompt_token_ids(8, 18, 30, 512, seed=3)
     prompts.append(prompts[0])  # the same prompt under another adapter
     names = [None, "a", "b", "c", "a", "b", "c", None, "b"]
     llm = _llm(model_dir, block_size=4, **kw)
+    layers, per_step = llm.engine.runner.lora, []
+    begin = layers.begin_step
+
+    def spy(rows, batch):  # the adapters present in each step
+        begin(rows, batch)
+        per_step.append(len(layers.segments))
+
+    layers.begin_step = spy
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=False)
     # twice: the second call hits the prefix cache of the first
     for _ in range(2):
@@ -83,10 +92,15 @@ def test_mixed_batch_equals_peft_per_adapter(setup, kw):
         want = [_peft_greedy(oracles[n], p) for n, p in zip(names, prompts)]
         assert got == want
     assert got[0] != got[-1]  # the same prompt, base vs adapter b
-    if "num_kv_blocks" in kw:
-        assert llm.kv_stats().preemptions > 0
+    stats = llm.kv_stats()
+    assert 0 < max(per_step) <= kw.get("max_loras", 4)
+    if "max_loras" in kw:  # 3 adapters through 2 slots: each call loads more than 2
+        assert stats.lora_loads > 2 and stats.prefix_hit_tokens > 0
+    elif "num_kv_blocks" in kw:
+        assert stats.preemptions > 0
     else:
-        assert llm.kv_stats().prefix_hit_tokens > 0
+        assert stats.lora_loads == 0  # the first call loaded them into 4 slots
+        assert stats.prefix_hit_tokens > 0
 
 
 def test_same_prompt_under_two_adapters_shares_no_blocks(setup):

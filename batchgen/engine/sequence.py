@@ -192,7 +192,8 @@ class SequenceGroup:
     # images: each one's placeholders, key and tensors (vision-language models), else None
     mm: MMPrompt | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
-    lora: int = 0  # its LoRA adapter's slot (batchgen/lora), 0: the base model
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (batchgen/lora), 0: the base model
+    lora: int = 0  # the adapter's device slot while it runs (the scheduler's LoRA gate)
     lora_key: bytes = b""  # the adapter's identity, in every prefix-cache block hash
 
     def __post_init__(self) -> None:

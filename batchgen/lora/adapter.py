@@ -19,7 +19,7 @@ _PREFIX = "base_model.model."
 
 @dataclass
 class Adapter:
-    """One adapter's weights: module name -> (A [r, in], B [out, r], scale)."""
+    """One adapter's weights in host memory: module name -> (A [r, in], B [out, r], scale)."""
 
     request: LoRARequest
     rank: int
@@ -76,9 +76,10 @@ def _targets(req: LoRARequest, cfg: dict, linears: dict[str, torch.nn.Linear]) -
     return found
 
 
-def load_adapter(req: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int,
-                 device: torch.device, dtype: torch.dtype) -> Adapter:
-    """Read and check `req`'s folder against the model's linear layers (name -> module)."""
+def load_adapter(req: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank: int
+                 ) -> Adapter:
+    """Read and check `req`'s folder against the model's linear layers (name -> module); its
+    weights stay in host memory as stored (a device slot takes a copy)."""
     cfg = _config(req, max_rank)
     rank, alpha = int(cfg.get("r", 8)), float(cfg.get("lora_alpha", 8))
     scale = alpha / math.sqrt(rank) if cfg.get("use_rslora") else alpha / rank
@@ -98,7 +99,7 @@ def load_adapter(req: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank
         if a.shape != (rank, mod.in_features) or b.shape != (mod.out_features, rank):
             raise _refuse(req, f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                                f"rank {rank} on a {mod.in_features}->{mod.out_features} layer")
-        weights[name] = (a.to(device, dtype), b.to(device, dtype), scale)
+        weights[name] = (a, b, scale)
     if not weights:
         raise _refuse(req, "its safetensors file holds no LoRA weights")
     return Adapter(req, rank, weights)

@@ -24,10 +24,15 @@ class LoRALayers:
         self.segments: list[tuple[int, torch.Tensor]] = []
         self._hooks: dict[str, Any] = {}
 
-    def add(self, slot: int, adapter: Adapter) -> None:
-        """Serve `adapter` in `slot`: its layers are hooked (once each)."""
-        for name, w in adapter.weights.items():
-            self.weights.setdefault(name, {})[slot] = w
+    def put(self, slot: int, adapter: Adapter, device: torch.device, dtype: torch.dtype
+            ) -> None:
+        """Serve `adapter` in device slot `slot` (what held it before goes): its weights
+        copied to the model's device and dtype, its layers hooked (once each)."""
+        for table in self.weights.values():
+            table.pop(slot, None)
+        for name, (a, b, scale) in adapter.weights.items():
+            self.weights.setdefault(name, {})[slot] = (a.to(device, dtype), b.to(device, dtype),
+                                                       scale)
             if name not in self._hooks:
                 self._hooks[name] = self.linears[name].register_forward_hook(self._hook(name))
 

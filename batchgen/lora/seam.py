@@ -9,10 +9,9 @@ SequenceGroup (`lora`: its slot, 0 = the base model; `lora_key`: in its prefix-c
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
-
-import numpy as np
 
 from batchgen.checks import check_flag, check_int
 from batchgen.lora.adapter import Adapter, load_adapter
@@ -30,8 +29,12 @@ class LoRASeam:
         self.enabled, self.max_loras, self.max_lora_rank = enabled, max_loras, max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.layers: LoRALayers | None = None
-        self.slots: dict[int, int] = {}  # lora_int_id -> slot (1..)
-        self.adapters: dict[int, Adapter] = {}  # slot -> adapter
+        self.host: OrderedDict[int, Adapter] = OrderedDict()  # lora_int_id -> host copy (LRU)
+        self.requests: dict[int, LoRARequest] = {}  # lora_int_id -> its latest request
+        self.held: dict[int, int] = {}  # device slot (1..max_loras) -> lora_int_id
+        self.slot_of: dict[int, int] = {}  # lora_int_id -> device slot
+        self.last_use: dict[int, int] = {}  # lora_int_id -> admission tick (the slots' LRU)
+        self._tick = 0
 
     @classmethod
     def take(cls, engine_args: dict[str, Any], tensor_parallel_size: int) -> LoRASeam:
@@ -58,12 +61,15 @@ class LoRASeam:
             raise ValueError("enable_lora=True is served for text-only attention models")
         self.layers = LoRALayers(llm.model)
         runner.graphs, runner.lora = None, self.layers  # eager: the hooks run every step
+        self.scheduler = llm.engine.scheduler
+        self.scheduler.lora_gate = self.admits
         self._device, self._dtype = llm.device, llm.dtype
         return self
 
     # ---- per call ----------------------------------------------------------------------------
     def resolve(self, req: Any) -> int:
-        """The slot of `req` (None: 0, the base model), its folder loaded once."""
+        """The `lora_int_id` of `req` (None: 0, the base model), its folder read and checked
+        when it is not in host memory."""
         if req is None:
             return 0
         if not self.enabled:
@@ -72,18 +78,26 @@ class LoRASeam:
             raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per "
                              f"prompt) or None, got {type(req).__name__}")
         check_int(req.lora_int_id, "lora_request.lora_int_id", minimum=1)
-        slot = self.slots.get(req.lora_int_id)
-        if slot is None:
+        self._host_copy(req)
+        return req.lora_int_id
+
+    def _host_copy(self, req: LoRARequest) -> Adapter:
+        """The adapter in host memory (an LRU of `max_cpu_loras`, else `max_loras`, entries;
+        one dropped from it is read again from its folder when needed)."""
+        aid = req.lora_int_id
+        adapter = self.host.get(aid)
+        if adapter is None or adapter.request != req:
             assert self.layers is not None
-            adapter = load_adapter(req, self.layers.linears, self.max_lora_rank,
-                                   self._device, self._dtype)
-            slot = len(self.slots) + 1
-            self.slots[req.lora_int_id], self.adapters[slot] = slot, adapter
-            self.layers.add(slot, adapter)
-        return slot
+            adapter = load_adapter(req, self.layers.linears, self.max_lora_rank)
+            self.host[aid] = adapter
+            while len(self.host) > (self.max_cpu_loras or self.max_loras):
+                self.host.popitem(last=False)
+        self.host.move_to_end(aid)
+        self.requests[aid] = req
+        return adapter
 
     def per_prompt(self, lora_request: Any, count: int | None) -> list[int] | int:
-        """One slot for all prompts, or a slot per prompt from a list."""
+        """One adapter id for all prompts, or one per prompt from a list."""
         if isinstance(lora_request, (list, tuple)):
             if count is not None and len(lora_request) != count:
                 raise ValueError(f"lora_request must be one LoRARequest or a list of one per "
@@ -92,26 +106,46 @@ class LoRASeam:
         return self.resolve(lora_request)
 
     def tag(self, groups: list, lora_request: Any) -> list:
-        """Each group's adapter slot and prefix-cache key, before the call runs."""
-        slots = self.per_prompt(lora_request, len(groups))
+        """Each group's adapter and prefix-cache key, before the call runs."""
+        ids = self.per_prompt(lora_request, len(groups))
         for g in groups:
-            self._set(g, slots if isinstance(slots, int) else slots[g.index])
+            self._set(g, ids if isinstance(ids, int) else ids[g.index])
         return groups
 
     def tag_stream(self, groups: Iterable, lora_request: Any) -> Iterator:
         """`tag` for a stream's lazily built groups (a list: one per prompt, by index)."""
-        slots = self.per_prompt(lora_request, None)
+        ids = self.per_prompt(lora_request, None)
         for g in groups:
-            self._set(g, slots if isinstance(slots, int) else slots[g.index])
+            self._set(g, ids if isinstance(ids, int) else ids[g.index])
             yield g
 
-    def _set(self, group: Any, slot: int) -> None:
-        group.lora = slot
-        if slot:
-            req = self.adapters[slot].request
-            group.lora_key = f"lora:{req.lora_int_id}:{req.lora_path}".encode()
+    def _set(self, group: Any, aid: int) -> None:
+        group.lora_id, group.lora = aid, 0
+        if aid:
+            req = self.requests[aid]
+            group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
 
-    def row_slots(self, seqs: Iterable[Any]) -> np.ndarray | None:
-        """Each row's adapter slot (None when every row runs the base model)."""
-        slots = np.fromiter((s.group.lora for s in seqs), np.int64)
-        return slots if slots.any() else None
+    # ---- the scheduler's gate: max_loras device slots --------------------------------------
+    def admits(self, group: Any, running: list) -> bool:
+        """Whether `group` may run beside `running` (at most `max_loras` distinct adapters);
+        if so its adapter is in a device slot (`group.lora`), loaded into one no running group
+        uses (an empty one, else the least recently used) when it was not."""
+        aid = getattr(group, "lora_id", 0)
+        if not aid:
+            return True
+        slot = self.slot_of.get(aid)
+        if slot is None:
+            used = {g.lora_id for g in running if getattr(g, "lora_id", 0)}
+            if len(used) >= self.max_loras:
+                return False
+            free = [s for s in range(1, self.max_loras + 1) if self.held.get(s) not in used]
+            empty = [s for s in free if s not in self.held]
+            slot = empty[0] if empty else min(free, key=lambda s: self.last_use[self.held[s]])
+            self.slot_of.pop(self.held.get(slot), None)
+            assert self.layers is not None
+            self.layers.put(slot, self._host_copy(self.requests[aid]), self._device, self._dtype)
+            self.held[slot], self.slot_of[aid] = aid, slot
+            self.scheduler.num_lora_loads += 1
+        self._tick += 1
+        self.last_use[aid], group.lora = self._tick, slot
+        return True
