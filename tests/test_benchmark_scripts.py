@@ -47,7 +47,9 @@ ALONE = {  # scripts with their own small settings
     "swap.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "4", "--repeats", "1",
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
-    "startup.py": ["--repeats", "1", "--top", "3"],  # fresh interpreters: no model at all
+    "startup.py": ["--repeats", "1", "--top", "3"],
+    "lora.py": ["--prompts", "3", "--prompt-len", "6", "--new", "3", "--adapters", "0,2",
+                "--hidden-size", "64"],  # fresh interpreters: no model at all
     # TRL's GRPO on the tiny model (its continuous-batching path is left out: minutes on a CPU)
     "rl_rollouts.py": ["--model", "tiny", "--steps", "2", "--prompts-per-step", "2",
                        "--num-generations", "2", "--max-completion-length", "4", "--repeats",
@@ -78,6 +80,7 @@ EXPECT = {  # lines a script must print with the settings above
     "rl_rollouts.py": ["| TRL, HF generate ", "| batchgen, weights shared (no copy) "],
     "hybrid.py": ["greedy agreement with HF one prompt at a time: 2/2 prompts",
                   "| beams W=4 | batchgen", "| n=8 top-p | HF generate"],
+    "lora.py": ["| adapters | batchgen tok/s | vs base alone | PEFT mixed-batch tok/s"],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "quantization.py": ["full precision: weights", "KV fp8, checkpoint scales vs the "
@@ -99,6 +102,8 @@ def test_benchmark_script_runs(script, tmp_path):
         pytest.importorskip("xgrammar")
     if script == "rl_rollouts.py":
         pytest.importorskip("trl")
+    if script == "lora.py":
+        pytest.importorskip("peft")
     out = tmp_path / "result.json"
     argv = ALONE[script] if script in ALONE else [*SMALL, *RUNS[script]]
     proc = subprocess.run([sys.executable, f"benchmarks/{script}", *argv,

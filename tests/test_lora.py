@@ -172,3 +172,24 @@ def test_vllm_scripts_import_lora_request_from_the_compat_layer():
         assert Theirs is LoRARequest
     finally:
         compat.uninstall()
+
+
+def test_streams_take_a_list_by_input_index(setup):
+    model_dir, reqs, oracles = setup
+    prompts = make_prompt_token_ids(3, 10, 16, 512, seed=11)
+    names = ["c", None, "a"]
+    llm = _llm(model_dir, max_loras=1)  # one slot: the adapters take turns
+    got = dict(llm.generate_stream(iter([{"prompt_token_ids": p} for p in prompts]),
+                                   SamplingParams(temperature=0, max_tokens=NEW),
+                                   lora_request=[reqs.get(n) for n in names], use_tqdm=False))
+    assert [list(got[i].outputs[0].token_ids) for i in range(3)] == [
+        _peft_greedy(oracles[n], p) for n, p in zip(names, prompts)]
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"enable_lora": True, "tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+    ({"enable_lora": "yes"}, "enable_lora"), ({"max_loras": 0}, "max_loras"),
+    ({"max_lora_rank": -1}, "max_lora_rank"), ({"max_cpu_loras": 0}, "max_cpu_loras")])
+def test_lora_engine_arguments_are_checked_before_weights(tmp_path, kw, words):
+    with pytest.raises(ValueError, match=words):
+        LLM(str(tmp_path / "no-such-model"), **kw)
