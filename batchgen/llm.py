@@ -87,8 +87,7 @@ class LLM:
             if failure is e:
                 raise
             raise failure from e
-        parts = built.parts
-        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.model, self.tokenizer = (parts := built.parts).model, built.parts.tokenizer
         self.generation_config, self.eos_token_ids = parts.generation_config, parts.eos_token_ids
         self.vocab_size, self.max_model_len = parts.vocab_size, built.max_model_len
         self.cache, self.cache_config = built.cache, built.cache_config
@@ -112,10 +111,9 @@ class LLM:
                  lora_request: Any = None, priority: int | Seq[int] | None = None,
                  tokenization_kwargs: dict[str, Any] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. Without
-        `sampling_params`, the model's generation_config.json defaults apply (as in vLLM).
-        `priority` (one for all or one per prompt) orders admission under
-        `scheduling_policy="priority"`, lower first; it never changes an output."""
+        """Generate for every prompt; outputs in input order. Without `sampling_params`, the
+        model's generation_config.json defaults apply (as in vLLM). `priority` (one for all or
+        one per prompt) orders admission under "priority", lower first; it changes no output."""
         check_call_args("generate", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
         if sampling_params is None:
@@ -130,8 +128,8 @@ class LLM:
         `(input index, RequestOutput)` as each request finishes. New requests are pulled as
         others finish, so the batch stays full while only a window of a few x max_num_seqs
         sequences is held; outputs equal `generate`'s. `sampling_params`: one for all, or an
-        iterable aligned with the prompts. A bad prompt raises when it is reached; outputs
-        already yielded stay valid. Closing the stream early frees every block."""
+        iterable aligned with the prompts; `lora_request` as `generate`'s, a list by input index.
+        A bad prompt raises when reached (outputs yielded stay valid); closing early frees all."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm, lora_request)
@@ -189,13 +187,15 @@ class LLM:
         return SamplingParams.from_generation_config(
             self.generation_config if self._use_generation_config else None)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """New values for the model's parameters, by their HF names (trainer wrappers' prefixes
-        stripped, cast to the model's dtype), copied in place; then the prefix cache is reset
-        (its K/V came from the old weights). Returns the names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     lora_request: Any = None) -> set[str]:
+        """New values for the model's parameters by HF names (wrappers' prefixes stripped, cast
+        to the model's dtype), or with `lora_request` for that loaded adapter's A and B by PEFT
+        names, copied in place; the prefix cache is reset. Returns the names loaded."""
         self._check_idle("load_weights", 1)
         self._sleep.check_awake(weights_only=True)
-        loaded = load_weights(self.model, weights)
+        loaded = (load_weights(self.model, weights) if lora_request is None
+                  else self._lora.load_weights(lora_request, weights))
         self.reset_prefix_cache()
         return loaded
 
@@ -238,10 +238,10 @@ class LLM:
 
     def __repr__(self) -> str:
         c = self.cache_config
-        return (f"LLM(model={str(self.model_path)!r}, dtype={self.dtype}, "
-                f"device={str(self.device)!r}, attention_backend={self.attention_backend!r}, "
-                f"kv_cache={c.num_blocks} blocks x {c.block_size} tokens "
-                f"({self.cache.dtype}), max_model_len={self.max_model_len})")
+        return (f"LLM(model={str(self.model_path)!r}, dtype={self.dtype}, device="
+                f"{str(self.device)!r}, attention_backend={self.attention_backend!r}, kv_cache="
+                f"{c.num_blocks} blocks x {c.block_size} tokens ({self.cache.dtype}), "
+                f"max_model_len={self.max_model_len})")
 
     # ---- running a call -----------------------------------------------------------------------
     def _run(self, prompts: Any, params: Any, kind: RequestKind,

@@ -23,6 +23,7 @@ ADAPTERS = {  # name: (r, alpha, targets, rslora)
     "a": (4, 8, ["q_proj", "v_proj"], False),
     "b": (8, 16, ["o_proj", "gate_proj", "down_proj"], True),
     "c": (2, 4, ["k_proj", "up_proj", "q_proj"], False),
+    "a2": (4, 8, ["q_proj", "v_proj"], False),  # a's shape, other values: load_weights
 }
 NEW = 8
 
@@ -193,3 +194,24 @@ def test_streams_take_a_list_by_input_index(setup):
 def test_lora_engine_arguments_are_checked_before_weights(tmp_path, kw, words):
     with pytest.raises(ValueError, match=words):
         LLM(str(tmp_path / "no-such-model"), **kw)
+
+
+def test_load_weights_pushes_an_adapters_tensors_by_peft_names(setup):
+    model_dir, reqs, oracles = setup
+    prompt = make_prompt_token_ids(1, 20, 20, 512, seed=13)[0]
+    llm = _llm(model_dir, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=NEW)
+
+    def run() -> list[int]:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=reqs["a"],
+                           use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    assert run() == _peft_greedy(oracles["a"], prompt)
+    pushed = [(n, p.detach()) for n, p in oracles["a2"].named_parameters() if "lora_" in n]
+    with pytest.raises(ValueError, match="names no LoRA A or B weight"):
+        llm.load_weights([("model.layers.0.mlp.up_proj.lora_A.weight", pushed[0][1])],
+                         lora_request=reqs["a"])
+    assert llm.load_weights(pushed, lora_request=reqs["a"]) == {n for n, _ in pushed}
+    want = _peft_greedy(oracles["a2"], prompt)
+    assert want != _peft_greedy(oracles["a"], prompt) and run() == want

@@ -9,6 +9,7 @@ SequenceGroup (`lora`: its slot, 0 = the base model; `lora_key`: in its prefix-c
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -17,6 +18,8 @@ from batchgen.checks import check_flag, check_int
 from batchgen.lora.adapter import Adapter, load_adapter
 from batchgen.lora.layers import LoRALayers
 from batchgen.lora.request import LoRARequest
+
+_PEFT_NAME = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 
 
 class LoRASeam:
@@ -33,6 +36,7 @@ class LoRASeam:
         self.requests: dict[int, LoRARequest] = {}  # lora_int_id -> its latest request
         self.held: dict[int, int] = {}  # device slot (1..max_loras) -> lora_int_id
         self.slot_of: dict[int, int] = {}  # lora_int_id -> device slot
+        self.pinned: set[int] = set()  # adapters given weights by load_weights: kept in host
         self.last_use: dict[int, int] = {}  # lora_int_id -> admission tick (the slots' LRU)
         self._tick = 0
 
@@ -90,11 +94,42 @@ class LoRASeam:
             assert self.layers is not None
             adapter = load_adapter(req, self.layers.linears, self.max_lora_rank)
             self.host[aid] = adapter
-            while len(self.host) > (self.max_cpu_loras or self.max_loras):
-                self.host.popitem(last=False)
+            cap = self.max_cpu_loras or self.max_loras
+            spare = [k for k in self.host if k not in self.pinned]
+            for old in spare[:max(len(self.host) - cap, 0)]:
+                del self.host[old]
         self.host.move_to_end(aid)
         self.requests[aid] = req
         return adapter
+
+    def load_weights(self, req: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """verl's LoRA sync: new values for a loaded adapter's A and B, by PEFT names
+        (`base_model.model.` and an adapter name before `.weight` optional), copied in place
+        into its host copy (kept from then on: never dropped for a re-read) and its device
+        slot if it has one. Every name and shape is checked before anything is copied."""
+        if req is None:
+            raise ValueError("load_weights: lora_request must name an adapter, got None")
+        aid = self.resolve(req)
+        adapter = self._host_copy(self.requests[aid])
+        pending = []
+        for key, tensor in weights:
+            m = _PEFT_NAME.fullmatch(key)
+            w = adapter.weights.get(m.group(1)) if m else None
+            if w is None:
+                raise ValueError(f"load_weights: {key!r} names no LoRA A or B weight of adapter "
+                                 f"{req.lora_name!r} (lora_int_id={aid})")
+            old = w[0] if m.group(2) == "A" else w[1]
+            if tuple(tensor.shape) != tuple(old.shape):
+                raise ValueError(f"load_weights: {key!r} has shape {tuple(tensor.shape)}, "
+                                 f"adapter {req.lora_name!r} has {tuple(old.shape)}")
+            pending.append((key, old, tensor))
+        for _, old, tensor in pending:
+            old.copy_(tensor.detach().to(old.device, old.dtype))
+        self.pinned.add(aid)
+        if (slot := self.slot_of.get(aid)) is not None:
+            assert self.layers is not None
+            self.layers.put(slot, adapter, self._device, self._dtype)
+        return {key for key, _, _ in pending}
 
     def per_prompt(self, lora_request: Any, count: int | None) -> list[int] | int:
         """One adapter id for all prompts, or one per prompt from a list."""
