@@ -5,8 +5,10 @@ Tokenisation, windows and truncation follow lm-eval's `hf` backend, so the metri
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 try:
@@ -41,12 +43,16 @@ Pair = tuple[tuple[str, str] | None, list[int], list[int]]  # (cache key, contex
 class BatchgenLM(TemplateLM):
     """An lm-eval model served by a batchgen `LLM`: `pretrained` is a model folder (or an
     `LLM` already built); other keyword arguments go to `LLM` (`tensor_parallel_size`,
-    `max_model_len`, `num_kv_blocks`, `dtype`, ...); `device="auto"` is batchgen's choice."""
+    `max_model_len`, `num_kv_blocks`, `dtype`, ...); `device="auto"` is batchgen's choice.
+    `lora_local_path` (lm-eval's name): a PEFT LoRA folder every request runs under (the
+    `LLM` built with `enable_lora=True` and its rank; a given `LLM` must have LoRA on)."""
 
     def __init__(self, pretrained: str | os.PathLike | LLM, *, max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None,
-                 device: str | None = None, use_tqdm: bool = False, **kwargs: Any) -> None:
+                 device: str | None = None, use_tqdm: bool = False,
+                 lora_local_path: str | os.PathLike | None = None, **kwargs: Any) -> None:
         super().__init__()
+        self.lora = _lora(lora_local_path, kwargs, isinstance(pretrained, LLM))
         for name in _IGNORED_ARGS:
             kwargs.pop(name, None)
         if isinstance(pretrained, LLM):
@@ -134,7 +140,7 @@ class BatchgenLM(TemplateLM):
                                  prompt_logprobs_start=first[u], detokenize=False)
                   for u in unique]
         outs = self.llm.generate([{"prompt_token_ids": list(u)} for u in unique], params,
-                                 use_tqdm=self.use_tqdm)
+                                 use_tqdm=self.use_tqdm, lora_request=self.lora)
         scored = {u: [None if e is None else (e[t].logprob, e[t].rank)
                       for t, e in zip(u, out.prompt_logprobs)]
                   for u, out in zip(unique, outs)}
@@ -170,7 +176,8 @@ class BatchgenLM(TemplateLM):
             prompts.append({"prompt_token_ids": self.tok_encode(context)[-keep:]})
             params.append(p)
             stops.append(until)
-        outs = self.llm.generate(prompts, params, use_tqdm=self.use_tqdm)
+        outs = self.llm.generate(prompts, params, use_tqdm=self.use_tqdm,
+                                 lora_request=self.lora)
         texts = []
         for req, out, until in zip(requests, outs, stops):
             text = postprocess_generated_text(out.outputs[0].text, until, None)
@@ -206,3 +213,18 @@ def _order(starts: dict[tuple[int, ...], int]) -> list[tuple[int, ...]]:
         leaders.setdefault(u[:starts[u] - 1], u)
     lead = set(leaders.values())
     return list(leaders.values()) + [u for u in sorted(starts) if u not in lead]
+
+
+def _lora(path: str | os.PathLike | None, kwargs: dict[str, Any], built: bool) -> Any:
+    """The LoRARequest of `lora_local_path` (None without one); for an `LLM` built here,
+    `enable_lora=True` and `max_lora_rank` of at least the adapter's rank."""
+    if path is None:
+        return None
+    from batchgen.lora import LoRARequest
+
+    if not built:
+        config = Path(path) / "adapter_config.json"
+        rank = json.loads(config.read_text()).get("r", 16) if config.is_file() else 16
+        kwargs.setdefault("enable_lora", True)
+        kwargs.setdefault("max_lora_rank", max(16, int(rank)))
+    return LoRARequest("lm-eval", 1, str(path))

@@ -23,6 +23,7 @@ from batchgen.engine.sequence import SequenceGroup
 from batchgen.factory import assemble, log_capacity, plan_engine
 from batchgen.kinds import BEAMS, SAMPLES, RequestKind
 from batchgen.log import configure_logging
+from batchgen.lora.seam import LoRASeam
 from batchgen.model.shared import weights_version
 from batchgen.model.sleep import SleepState
 from batchgen.model.weights import load_weights
@@ -69,8 +70,9 @@ class LLM:
                  chat_template: str | None = None, skip_tokenizer_init: bool = False,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
-        configure_logging()
-        cfg = EngineConfig.from_llm_args(locals(), engine_args)  # vLLM's others: default or refused
+        configure_logging()  # LoRA's args: batchgen/lora; vLLM's others: default or refused
+        lora = LoRASeam.take(engine_args, tensor_parallel_size)
+        cfg = EngineConfig.from_llm_args(locals(), engine_args)
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
         self._stats = None if disable_log_stats else StatsRecorder(model_name(model))
@@ -85,8 +87,7 @@ class LLM:
             if failure is e:
                 raise
             raise failure from e
-        parts = built.parts
-        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.model, self.tokenizer = (parts := built.parts).model, built.parts.tokenizer
         self.generation_config, self.eos_token_ids = parts.generation_config, parts.eos_token_ids
         self.vocab_size, self.max_model_len = parts.vocab_size, built.max_model_len
         self.cache, self.cache_config = built.cache, built.cache_config
@@ -100,7 +101,7 @@ class LLM:
         # (external_launcher; each frees its own shards), else they are refused under TP
         self._sleep = SleepState(self.cache, self.model, plan.module is None, built.state_pool)
         self._sleep_mode, self._tp_size = cfg.enable_sleep_mode, 1 if spmd else k
-        self._weights_version = weights_version(self.model)
+        self._weights_version, self._lora = weights_version(self.model), lora.attach(self)
         log_capacity(built, self._executor.tp_size)
 
     # ---- public API ---------------------------------------------------------------------------
@@ -110,36 +111,34 @@ class LLM:
                  lora_request: Any = None, priority: int | Seq[int] | None = None,
                  tokenization_kwargs: dict[str, Any] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order. Without
-        `sampling_params`, the model's generation_config.json defaults apply (as in vLLM).
-        `priority` (one for all or one per prompt) orders admission under
-        `scheduling_policy="priority"`, lower first; it never changes an output."""
-        check_call_args("generate", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+        """Generate for every prompt; outputs in input order. Without `sampling_params`, the
+        model's generation_config.json defaults apply (as in vLLM). `priority` (one for all or
+        one per prompt) orders admission under "priority", lower first; it changes no output."""
+        check_call_args("generate", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run(prompts, sampling_params, SAMPLES, use_tqdm, priority)
+        return self._run(prompts, sampling_params, SAMPLES, use_tqdm, priority, lora_request)
 
     def generate_stream(self, prompts: PromptType | Iterable[PromptType],
                         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
-                        use_tqdm: bool | Callable[..., tqdm] = True
+                        use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: Any = None
                         ) -> Iterator[tuple[int, RequestOutput]]:
         """`generate` over any iterable of prompts (a generator of unknown length too), yielding
         `(input index, RequestOutput)` as each request finishes. New requests are pulled as
         others finish, so the batch stays full while only a window of a few x max_num_seqs
         sequences is held; outputs equal `generate`'s. `sampling_params`: one for all, or an
-        iterable aligned with the prompts. A bad prompt raises when it is reached; outputs
-        already yielded stay valid. Closing the stream early frees every block."""
+        iterable aligned with the prompts; `lora_request` as `generate`'s, a list by input index.
+        A bad prompt raises when reached (outputs yielded stay valid); closing early frees all."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm)
+        return self._run_stream(prompts, sampling_params, SAMPLES, use_tqdm, lora_request)
 
     def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
                            params: BeamSearchParams | Iterable[BeamSearchParams],
                            use_tqdm: bool | Callable[..., tqdm] = True
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
-        """`beam_search` as a stream of `(input index, BeamSearchOutput)`, like
-        `generate_stream`."""
+        """`beam_search` as a stream of `(input index, BeamSearchOutput)`."""
         check_beam_mode(self.engine.sampler.logprobs_mode)
         return self._run_stream(prompts, params, BEAMS, use_tqdm)
 
@@ -153,13 +152,12 @@ class LLM:
         token's logprob is the value the search ranked (the beam's processed log-probability);
         a logits `logprobs_mode` is refused. `concurrency_limit=k` (vLLM's) runs the prompts k
         at a time, in input order, each batch to its end before the next starts."""
-        check_call_args("beam_search", lora_request=lora_request)
         check_beam_mode(self.engine.sampler.logprobs_mode)
         if use_tqdm and concurrency_limit is not None:
             logger.warning("beam_search: no progress bar with concurrency_limit (as in vLLM)")
             use_tqdm = False
         return [out for wave in waves(prompts, params, priority, concurrency_limit)
-                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2])]
+                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2], lora_request)]
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
@@ -174,12 +172,13 @@ class LLM:
         through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
         then `generate`. `chat_template_content_format` is accepted for vLLM's signature
         (content is passed to the template as given)."""
-        check_call_args("chat", lora_request=lora_request, mm_processor_kwargs=mm_processor_kwargs,
+        check_call_args("chat", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
         prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
                                             add_generation_prompt, continue_final_message, tools,
                                             chat_template_kwargs)
-        return self.generate(prompts, sampling_params, use_tqdm, priority=priority)
+        return self.generate(prompts, sampling_params, use_tqdm, priority=priority,
+                             lora_request=lora_request)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config.json (the sampling fields it sets
@@ -188,13 +187,15 @@ class LLM:
         return SamplingParams.from_generation_config(
             self.generation_config if self._use_generation_config else None)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """New values for the model's parameters, by their HF names (trainer wrappers' prefixes
-        stripped, cast to the model's dtype), copied in place; then the prefix cache is reset
-        (its K/V came from the old weights). Returns the names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     lora_request: Any = None) -> set[str]:
+        """New values for the model's parameters by HF names (wrappers' prefixes stripped, cast
+        to the model's dtype), or with `lora_request` for that loaded adapter's A and B by PEFT
+        names, copied in place; the prefix cache is reset. Returns the names loaded."""
         self._check_idle("load_weights", 1)
         self._sleep.check_awake(weights_only=True)
-        loaded = load_weights(self.model, weights)
+        loaded = (load_weights(self.model, weights) if lora_request is None
+                  else self._lora.load_weights(lora_request, weights))
         self.reset_prefix_cache()
         return loaded
 
@@ -209,7 +210,7 @@ class LLM:
         self._sleep.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore what sleep freed: `tags` from ("weights", "kv_cache"), both when None."""
+        """Restore what sleep freed: `tags` from ("weights", "kv_cache"), all when None."""
         self._sleep.wake_up(tags)
 
     def is_sleeping(self) -> bool:
@@ -217,12 +218,11 @@ class LLM:
         return bool(self._sleep.asleep)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block (False, doing nothing, while a call is running)."""
+        """Forget every cached block (False, doing nothing, while a call runs)."""
         return self.engine.kv.reset_prefix_cache()
 
     def kv_stats(self) -> KVStats:
-        """KV figures of the last call: pool size, peak blocks in use, COW copies, preemptions,
-        and with a swap pool its size, swap-outs, swap-ins and blocks moved."""
+        """KV figures of the last call (pool, peak blocks, COW copies, preemptions, swaps)."""
         return self._last_stats
 
     def get_metrics(self) -> list[Metric]:
@@ -233,34 +233,34 @@ class LLM:
         return self._stats.metrics()
 
     def get_tokenizer(self):
-        """The HF tokenizer prompts are encoded with (None for a folder without one, or with
-        `skip_tokenizer_init=True`)."""
+        """The HF tokenizer (None for a folder without one, or skip_tokenizer_init=True)."""
         return self.tokenizer
 
     def __repr__(self) -> str:
         c = self.cache_config
-        return (f"LLM(model={str(self.model_path)!r}, dtype={self.dtype}, "
-                f"device={str(self.device)!r}, attention_backend={self.attention_backend!r}, "
-                f"kv_cache={c.num_blocks} blocks x {c.block_size} tokens "
-                f"({self.cache.dtype}), max_model_len={self.max_model_len})")
+        return (f"LLM(model={str(self.model_path)!r}, dtype={self.dtype}, device="
+                f"{str(self.device)!r}, attention_backend={self.attention_backend!r}, kv_cache="
+                f"{c.num_blocks} blocks x {c.block_size} tokens ({self.cache.dtype}), "
+                f"max_model_len={self.max_model_len})")
 
     # ---- running a call -----------------------------------------------------------------------
     def _run(self, prompts: Any, params: Any, kind: RequestKind,
-             use_tqdm: bool | Callable[..., tqdm], priority: Any = None) -> list[Any]:
-        """A batch call: every prompt validated first, all run, outputs in input order. Under
-        the priority policy the groups are queued lower `priority` first (ties in input
-        order), as vLLM's engine, which holds every request of the call, starts them."""
-        groups = self.requests.build(prompts, params, kind)
+             use_tqdm: bool | Callable[..., tqdm], priority: Any = None,
+             lora_request: Any = None) -> list[Any]:
+        """A batch call: every prompt validated first, all run, outputs in input order; under
+        the priority policy queued lower `priority` first (ties in input order), as vLLM's."""
+        groups = self._lora.tag(self.requests.build(prompts, params, kind), lora_request)
         order = queue_order(groups, priority, self.engine.scheduler.by_priority)
         for _ in self._stream(order, len(groups), use_tqdm):
             pass
         return [kind.output(self.results, g) for g in groups]
 
     def _run_stream(self, prompts: Any, params: Any, kind: RequestKind,
-                    use_tqdm: bool | Callable[..., tqdm]) -> Iterator[tuple[int, Any]]:
-        """A stream call: groups built lazily from any iterable of prompts; (input index,
-        output) as each finishes."""
-        groups = self.requests.stream(prompts, params, kind, self.engine.scheduler.max_num_seqs)
+                    use_tqdm: bool | Callable[..., tqdm], lora_request: Any = None
+                    ) -> Iterator[tuple[int, Any]]:
+        """A stream call: groups built lazily; (input index, output) as each finishes."""
+        groups = self._lora.tag_stream(self.requests.stream(
+            prompts, params, kind, self.engine.scheduler.max_num_seqs), lora_request)
         for g in self._stream(groups, length(prompts), use_tqdm):
             yield g.index, kind.output(self.results, g)
 

@@ -259,3 +259,4 @@ class KVStats:
     blocks_swapped_in: int = 0  # and back
     state_bytes_per_seq: int = 0  # models with state mixers: each sequence's state (any length)
     peak_state_slots: int = 0  # most state slots held at once (sequences, prefix snapshots)
+    lora_loads: int = 0  # LoRA adapters loaded into a device slot (max_loras; batchgen/lora)

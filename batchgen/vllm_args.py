@@ -118,10 +118,9 @@ def _short(value: Any) -> str:
 
 
 def check_call_args(method: str, **kwargs: Any) -> None:
-    """vLLM's per-call arguments batchgen has no use for (`lora_request`, `mm_processor_kwargs`,
+    """vLLM's per-call arguments batchgen has no use for (`mm_processor_kwargs`,
     `tokenization_kwargs`): None (or empty) only, else a ValidationError naming it."""
-    why = {"lora_request": "batchgen serves no LoRA adapters",
-           "mm_processor_kwargs": "give it in each prompt dict or to LLM(...)",
+    why = {"mm_processor_kwargs": "give it in each prompt dict or to LLM(...)",
            "tokenization_kwargs": "prompts are tokenized with the tokenizer's defaults"}
     for name, value in kwargs.items():
         if value is not None and not (isinstance(value, (dict, list)) and not value):

@@ -49,7 +49,9 @@ ALONE = {  # scripts with their own small settings
     "swap.py": [*SMALL[:12], "--num-prompts", "3", "--output-len", "4", "--repeats", "1",
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
-    "startup.py": ["--repeats", "1", "--top", "3"],  # fresh interpreters: no model at all
+    "startup.py": ["--repeats", "1", "--top", "3"],
+    "lora.py": ["--prompts", "3", "--prompt-len", "6", "--new", "3", "--adapters", "0,2",
+                "--hidden-size", "64"],  # fresh interpreters: no model at all
     # TRL's GRPO on the tiny model (its continuous-batching path is left out: minutes on a CPU)
     "rl_rollouts.py": ["--model", "tiny", "--steps", "2", "--prompts-per-step", "2",
                        "--num-generations", "2", "--max-completion-length", "4", "--repeats",
@@ -80,6 +82,7 @@ EXPECT = {  # lines a script must print with the settings above
     "rl_rollouts.py": ["| TRL, HF generate ", "| batchgen, weights shared (no copy) "],
     "hybrid.py": ["greedy agreement with HF one prompt at a time: 2/2 prompts",
                   "| beams W=4 | batchgen", "| n=8 top-p | HF generate"],
+    "lora.py": ["| adapters | batchgen tok/s | vs base alone | PEFT mixed-batch tok/s"],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],
     "quantization.py": ["full precision: weights", "KV fp8, checkpoint scales vs the "
@@ -94,7 +97,7 @@ EXPECT = {  # lines a script must print with the settings above
 
 
 NEEDS = {"ray_scaling.py": "ray", "eval.py": "lm_eval", "structured.py": "xgrammar",
-         "rl_rollouts.py": "trl"}
+         "rl_rollouts.py": "trl", "lora.py": "peft"}
 FIRST = ("dataset.py", "gpu_bench.py", "rl_rollouts.py", "ray_scaling.py")  # the longest
 
 

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -192,3 +193,41 @@ def test_other_commands_still_refuse_unknown_flags(capsys) -> None:
         main(["generate", "--model", "x", "--input", "y", "--output", "z", "--tasks", "t"])
     assert e.value.code == 2
     assert "unrecognized arguments: --tasks t" in capsys.readouterr().err
+
+
+def test_an_adapter_scores_as_the_hf_backend_with_peft(model_dir, tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                                                      target_modules=["q_proj", "down_proj"]))
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "adapter")
+    folder = tmp_path / "adapter"
+    hf = evaluate("hf", model_args=f"pretrained={model_dir},dtype=float32,peft={folder},"
+                                   f"max_length={MAX_LENGTH}", device="cpu", batch_size=8,
+                  limit=4)
+    ours = evaluate(BatchgenLM(str(model_dir), max_length=MAX_LENGTH, device="cpu",
+                               block_size=4, num_kv_blocks=512, lora_local_path=str(folder)),
+                    limit=4)
+    base_run = evaluate(BatchgenLM(str(model_dir), max_length=MAX_LENGTH, device="cpu",
+                                   block_size=4, num_kv_blocks=512), limit=4)
+    for task in ("bg_mc", "bg_ppl"):
+        assert metrics(ours, task) == pytest.approx(metrics(hf, task), rel=1e-4)
+    assert metrics(ours, "bg_ppl") != metrics(base_run, "bg_ppl")
+
+
+def test_cli_lora_flag_is_lm_evals_lora_local_path() -> None:
+    from batchgen.cli import build_parser
+    from batchgen.cli.evaluate import lm_eval_argv
+
+    for flag in ("--lora", "--lora-local-path"):
+        args, extra = build_parser().parse_known_args(["eval", "--model", "m", flag, "/a",
+                                                       "--tasks", "t"])
+        argv = lm_eval_argv(args, extra)
+        assert argv[:4] == ["run", "--model", "batchgen", "--model_args"]
+        assert argv[4] == "pretrained=m,lora_local_path=/a" and argv[5:7] == ["--tasks", "t"]

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from batchgen import LLM, BeamSearchParams, SamplingParams
+from batchgen.lora.seam import LoRASeam
 from batchgen.params import RequestOutputKind
 from batchgen.vllm_args import ALIASES, NO_EFFECT, vllm_api, vllm_engine_defaults
 
@@ -41,7 +42,7 @@ def test_the_list_is_vllms_and_whole() -> None:
 
 
 ENGINE = sorted(set(vllm_engine_defaults()) - {"model"})
-OWN = set(inspect.signature(LLM.__init__).parameters)
+OWN = set(inspect.signature(LLM.__init__).parameters) | set(LoRASeam.ARGS)  # batchgen/lora
 
 
 @pytest.mark.parametrize("name", ENGINE)

@@ -38,6 +38,7 @@ class StepRows:
     # (row index -> its request's MMPrompt), and each row's M-RoPE decode delta
     images: dict[int, MMPrompt] | None = None
     rope_delta: np.ndarray | None = None
+    adapters: np.ndarray | None = None  # [R] each row's LoRA slot (batchgen/lora), None: none
 
     @property
     def num_rows(self) -> int:

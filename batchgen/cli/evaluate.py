@@ -14,7 +14,8 @@ from batchgen.cli.common import CliError
 # own flag, passed on to BatchgenLM by lm-eval).
 _ENGINE_FLAGS = {"tensor_parallel_size": int, "max_model_len": int, "max_num_seqs": int,
                  "block_size": int, "num_kv_blocks": int, "kv_cache_memory": str, "dtype": str,
-                 "max_length": int, "max_gen_toks": int}
+                 "max_length": int, "max_gen_toks": int,
+                 "lora_local_path": str}  # `--lora PATH` too: a PEFT LoRA folder
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "the batchgen backend; other arguments go to `lm-eval run`.")
     p.add_argument("--model", required=True, help="model folder (or a hub id in the HF cache)")
     for name, kind in _ENGINE_FLAGS.items():
-        p.add_argument("--" + name.replace("_", "-"), type=kind, default=None)
+        flags = ["--" + name.replace("_", "-")] + (["--lora"] if name == "lora_local_path" else [])
+        p.add_argument(*flags, type=kind, default=None, dest=name)
     p.set_defaults(run=run, passthrough=True)
 
 

@@ -55,6 +55,9 @@ class Scheduler:
         self.running: list[SequenceGroup] = []
         self.swapped: list[SequenceGroup] = []  # swapped out, in admission order
         self.num_preemptions = self.num_swap_outs = self.num_swap_ins = 0
+        # LoRA (batchgen/lora): whether a group may run beside the running ones (max_loras)
+        self.lora_gate: Callable[[SequenceGroup, list[SequenceGroup]], bool] | None = None
+        self.num_lora_loads = 0  # adapters loaded into a device slot (by the gate)
         self._preempted_now: set[SequenceGroup] = set()
         self._order = 0  # admissions so far: a group's place in the running order
         # Admission leaves a little room so running sequences can grow without preemption.
@@ -302,6 +305,8 @@ class Scheduler:
         headroom = self.watermark_blocks if self.running else 0
         if n == 0 or not self.kv.can_admit(start + n, hit, headroom):
             return None
+        if self.lora_gate is not None and not self.lora_gate(group, self.running):
+            return None
         return hashes, hit, start, n
 
     # ---- preemption ---------------------------------------------------------------------------
@@ -343,7 +348,8 @@ class Scheduler:
             group = self.swapped[0]
             held = self.kv.swapped_seqs(group)
             headroom = self.watermark_blocks + len(held) if self.running else 0
-            if not self.kv.can_swap_in(held, headroom):
+            if not self.kv.can_swap_in(held, headroom) or (
+                    self.lora_gate is not None and not self.lora_gate(group, self.running)):
                 return
             self.swapped.pop(0)
             d.swap_in += self.kv.swap_in(held)

@@ -192,6 +192,9 @@ class SequenceGroup:
     # images: each one's placeholders, key and tensors (vision-language models), else None
     mm: MMPrompt | None = field(default=None, repr=False)
     num_prompt_tokens: int = field(init=False)  # len(prompt_token_ids), read every step
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (batchgen/lora), 0: the base model
+    lora: int = 0  # the adapter's device slot while it runs (the scheduler's LoRA gate)
+    lora_key: bytes = b""  # the adapter's identity, in every prefix-cache block hash
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -222,5 +225,8 @@ class SequenceGroup:
 
     @property
     def block_key(self) -> Callable[[int, int], bytes] | None:
-        """What its prefix-cache block hashes add for the images a block overlaps."""
-        return self.mm.block_key if self.mm is not None else None
+        """What its prefix-cache block hashes add: the images a block overlaps, its adapter."""
+        key = self.mm.block_key if self.mm is not None else None
+        if not self.lora_key:
+            return key
+        return lambda i, bs: self.lora_key + (key(i, bs) if key is not None else b"")

@@ -5,7 +5,7 @@ the rows the sampler needs. Decode-only steps replay a captured CUDA graph when 
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -39,6 +39,7 @@ class ModelRunner:
         self.backend = backend
         self.inputs = inputs
         self.graphs: DecodeGraphs | None = None
+        self.lora: Any = None  # batchgen/lora's LoRALayers: the step's tokens by adapter
         self.mixers = (MixerStep(model, cache, backend, inputs, state)
                        if state is not None else None)
         self.vision = vision
@@ -86,6 +87,8 @@ class ModelRunner:
                 and len(rows.token_ids) == rows.num_rows):
             return graphs.replay(rows)
         batch = self.inputs.prepare(rows)
+        if self.lora is not None:
+            self.lora.begin_step(rows, batch)
         if self.vision is not None:  # bidirectional images widen their queries' masks
             batch.meta.spans = self.vision.spans(rows, batch)
         self.backend.plan(batch.meta)

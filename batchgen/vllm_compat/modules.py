@@ -12,6 +12,7 @@ from typing import Any
 
 from batchgen import outputs, params, prompts, stats
 from batchgen.checks import ValidationError
+from batchgen.lora.request import LoRARequest
 
 # A vLLM version inside the range TRL 1.16 accepts (0.22.0 to 0.31.0), at or above the ones its
 # code paths test for (0.26.0, 0.28.0).
@@ -78,6 +79,8 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
         "vllm.v1.metrics.reader": _module(
             "vllm.v1.metrics.reader", Metric=stats.Metric, Counter=stats.Counter,
             Gauge=stats.Gauge, Histogram=stats.Histogram),
+        "vllm.lora": _module("vllm.lora"),
+        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=LoRARequest),
         "vllm.outputs": _module("vllm.outputs", RequestOutput=outputs.RequestOutput,
                                 CompletionOutput=outputs.CompletionOutput,
                                 RequestMetrics=outputs.RequestMetrics),

@@ -1,0 +1,186 @@
+"""The one seam between batchgen and its LoRA adapters.
+
+`LoRASeam.take(engine_args, tp)` takes vLLM's `enable_lora`, `max_loras`, `max_lora_rank`,
+`max_cpu_loras` out of `LLM(...)`'s engine arguments (checked before any weights load);
+`attach(llm)` hooks the model's linear layers (`LoRALayers`) and the runner; `tag(groups,
+lora_request)` resolves each prompt's adapter (read and checked before the call runs) onto its
+SequenceGroup (`lora`: its slot, 0 = the base model; `lora_key`: in its prefix-cache hashes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from batchgen.checks import check_flag, check_int
+from batchgen.lora.adapter import Adapter, load_adapter
+from batchgen.lora.layers import LoRALayers
+from batchgen.lora.request import LoRARequest
+
+_PEFT_NAME = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
+
+
+class LoRASeam:
+    """The LLM's adapters: none (disabled) or those loaded so far, one slot each."""
+
+    ARGS = ("enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")  # vLLM's, honoured
+
+    def __init__(self, enabled: bool, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int | None) -> None:
+        self.enabled, self.max_loras, self.max_lora_rank = enabled, max_loras, max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.layers: LoRALayers | None = None
+        self.host: OrderedDict[int, Adapter] = OrderedDict()  # lora_int_id -> host copy (LRU)
+        self.requests: dict[int, LoRARequest] = {}  # lora_int_id -> its latest request
+        self.held: dict[int, int] = {}  # device slot (1..max_loras) -> lora_int_id
+        self.slot_of: dict[int, int] = {}  # lora_int_id -> device slot
+        self.pinned: set[int] = set()  # adapters given weights by load_weights: kept in host
+        self.last_use: dict[int, int] = {}  # lora_int_id -> admission tick (the slots' LRU)
+        self._tick = 0
+
+    @classmethod
+    def take(cls, engine_args: dict[str, Any], tensor_parallel_size: int) -> LoRASeam:
+        """vLLM's LoRA engine arguments, taken out of `engine_args` and checked."""
+        enabled = engine_args.pop("enable_lora", False)
+        max_loras = engine_args.pop("max_loras", 1)
+        rank = engine_args.pop("max_lora_rank", 16)
+        cpu = engine_args.pop("max_cpu_loras", None)
+        check_flag(enabled, "enable_lora")
+        check_int(max_loras, "max_loras", minimum=1)
+        check_int(rank, "max_lora_rank", minimum=1)
+        check_int(cpu, "max_cpu_loras", minimum=1, allow_none=True)
+        if enabled and tensor_parallel_size > 1:
+            raise ValueError("enable_lora=True needs tensor_parallel_size=1 (LoRA under tensor "
+                             f"parallelism is not served), got {tensor_parallel_size}")
+        return cls(bool(enabled), max_loras, rank, cpu)
+
+    def attach(self, llm: Any) -> LoRASeam:
+        """Hook the model's linear layers and the runner (enable_lora=True only)."""
+        if not self.enabled:
+            return self
+        runner = llm.engine.runner
+        if getattr(runner, "mixers", None) is not None or getattr(runner, "vision", None):
+            raise ValueError("enable_lora=True is served for text-only attention models")
+        self.layers = LoRALayers(llm.model)
+        runner.graphs, runner.lora = None, self.layers  # eager: the hooks run every step
+        self.scheduler = llm.engine.scheduler
+        self.scheduler.lora_gate = self.admits
+        self._device, self._dtype = llm.device, llm.dtype
+        return self
+
+    # ---- per call ----------------------------------------------------------------------------
+    def resolve(self, req: Any) -> int:
+        """The `lora_int_id` of `req` (None: 0, the base model), its folder read and checked
+        when it is not in host memory."""
+        if req is None:
+            return 0
+        if not self.enabled:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if not isinstance(req, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per "
+                             f"prompt) or None, got {type(req).__name__}")
+        check_int(req.lora_int_id, "lora_request.lora_int_id", minimum=1)
+        self._host_copy(req)
+        return req.lora_int_id
+
+    def _host_copy(self, req: LoRARequest) -> Adapter:
+        """The adapter in host memory (an LRU of `max_cpu_loras`, else `max_loras`, entries;
+        one dropped from it is read again from its folder when needed)."""
+        aid = req.lora_int_id
+        adapter = self.host.get(aid)
+        if adapter is None or adapter.request != req:
+            assert self.layers is not None
+            adapter = load_adapter(req, self.layers.linears, self.max_lora_rank)
+            self.host[aid] = adapter
+            cap = self.max_cpu_loras or self.max_loras
+            spare = [k for k in self.host if k not in self.pinned]
+            for old in spare[:max(len(self.host) - cap, 0)]:
+                del self.host[old]
+        self.host.move_to_end(aid)
+        self.requests[aid] = req
+        return adapter
+
+    def load_weights(self, req: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """verl's LoRA sync: new values for a loaded adapter's A and B, by PEFT names
+        (`base_model.model.` and an adapter name before `.weight` optional), copied in place
+        into its host copy (kept from then on: never dropped for a re-read) and its device
+        slot if it has one. Every name and shape is checked before anything is copied."""
+        if req is None:
+            raise ValueError("load_weights: lora_request must name an adapter, got None")
+        aid = self.resolve(req)
+        adapter = self._host_copy(self.requests[aid])
+        pending = []
+        for key, tensor in weights:
+            m = _PEFT_NAME.fullmatch(key)
+            w = adapter.weights.get(m.group(1)) if m else None
+            if w is None:
+                raise ValueError(f"load_weights: {key!r} names no LoRA A or B weight of adapter "
+                                 f"{req.lora_name!r} (lora_int_id={aid})")
+            old = w[0] if m.group(2) == "A" else w[1]
+            if tuple(tensor.shape) != tuple(old.shape):
+                raise ValueError(f"load_weights: {key!r} has shape {tuple(tensor.shape)}, "
+                                 f"adapter {req.lora_name!r} has {tuple(old.shape)}")
+            pending.append((key, old, tensor))
+        for _, old, tensor in pending:
+            old.copy_(tensor.detach().to(old.device, old.dtype))
+        self.pinned.add(aid)
+        if (slot := self.slot_of.get(aid)) is not None:
+            assert self.layers is not None
+            self.layers.put(slot, adapter, self._device, self._dtype)
+        return {key for key, _, _ in pending}
+
+    def per_prompt(self, lora_request: Any, count: int | None) -> list[int] | int:
+        """One adapter id for all prompts, or one per prompt from a list."""
+        if isinstance(lora_request, (list, tuple)):
+            if count is not None and len(lora_request) != count:
+                raise ValueError(f"lora_request must be one LoRARequest or a list of one per "
+                                 f"prompt ({count}), got a list of {len(lora_request)}")
+            return [self.resolve(r) for r in lora_request]
+        return self.resolve(lora_request)
+
+    def tag(self, groups: list, lora_request: Any) -> list:
+        """Each group's adapter and prefix-cache key, before the call runs."""
+        ids = self.per_prompt(lora_request, len(groups))
+        for g in groups:
+            self._set(g, ids if isinstance(ids, int) else ids[g.index])
+        return groups
+
+    def tag_stream(self, groups: Iterable, lora_request: Any) -> Iterator:
+        """`tag` for a stream's lazily built groups (a list: one per prompt, by index)."""
+        ids = self.per_prompt(lora_request, None)
+        for g in groups:
+            self._set(g, ids if isinstance(ids, int) else ids[g.index])
+            yield g
+
+    def _set(self, group: Any, aid: int) -> None:
+        group.lora_id, group.lora = aid, 0
+        if aid:
+            req = self.requests[aid]
+            group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
+
+    # ---- the scheduler's gate: max_loras device slots --------------------------------------
+    def admits(self, group: Any, running: list) -> bool:
+        """Whether `group` may run beside `running` (at most `max_loras` distinct adapters);
+        if so its adapter is in a device slot (`group.lora`), loaded into one no running group
+        uses (an empty one, else the least recently used) when it was not."""
+        aid = getattr(group, "lora_id", 0)
+        if not aid:
+            return True
+        slot = self.slot_of.get(aid)
+        if slot is None:
+            used = {g.lora_id for g in running if getattr(g, "lora_id", 0)}
+            if len(used) >= self.max_loras:
+                return False
+            free = [s for s in range(1, self.max_loras + 1) if self.held.get(s) not in used]
+            empty = [s for s in free if s not in self.held]
+            slot = empty[0] if empty else min(free, key=lambda s: self.last_use[self.held[s]])
+            self.slot_of.pop(self.held.get(slot), None)
+            assert self.layers is not None
+            self.layers.put(slot, self._host_copy(self.requests[aid]), self._device, self._dtype)
+            self.held[slot], self.slot_of[aid] = aid, slot
+            self.scheduler.num_lora_loads += 1
+        self._tick += 1
+        self.last_use[aid], group.lora = self._tick, slot
+        return True
