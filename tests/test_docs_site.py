@@ -35,6 +35,9 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     for name in ("max_tokens", "beam_width", "length_penalty"):
         assert f'id="batchgen.params.SamplingParams.{name}"' in params or \
             f'id="batchgen.params.BeamSearchParams.{name}"' in params, name
+    cli = (site / "reference" / "cli" / "index.html").read_text()
+    for command in ("generate", "beam", "kv-plan", "bench", "run-batch", "eval"):
+        assert f"usage: batchgen {command}" in cli, command
 
 
 def _runnable_blocks() -> list[tuple[str, str]]:
