@@ -38,6 +38,10 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     cli = (site / "reference" / "cli" / "index.html").read_text()
     for command in ("generate", "beam", "kv-plan", "bench", "run-batch", "eval"):
         assert f"usage: batchgen {command}" in cli, command
+    families = pytest.importorskip("tests.families")
+    models = (site / "guide" / "models" / "index.html").read_text()
+    for name in list(families.MATRIX)[:3] + list(families.MATRIX)[-3:]:
+        assert f"<code>{name}</code>" in models, name
 
 
 def _runnable_blocks() -> list[tuple[str, str]]:
