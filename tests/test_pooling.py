@@ -115,3 +115,32 @@ def test_poolers_against_hf_states(tiny_model_factory):
     assert torch.allclose(emb, ref, atol=1e-6) and emb.shape == (8,)
     steps = pool("token_classify", states, PoolingParams(step_tag_id=9), ids[0].tolist())
     assert torch.equal(steps, states[[1, 4]])
+
+
+def test_best_of_n_with_reward_model_and_verifier(reward_model, tiny_model_factory):
+    from batchgen import LLM, SamplingParams
+    from batchgen.pooling.scorer import RewardModel
+    from batchgen.pooling.select import parse_select, score_outputs
+
+    gen = LLM(tiny_model_factory("llama"), seed=0)
+    outs = gen.generate(["Tell me", "Q:"], SamplingParams(n=4, temperature=1.0, max_tokens=6,
+                                                          seed=3))
+    rm = RewardModel(reward_model, seed=0)
+    scores = score_outputs(outs, rm)
+    texts = [o.prompt + c.text for o in outs for c in o.outputs]
+    want = [r[0] for r in _hf_rewards(reward_model, texts)]
+    assert torch.allclose(torch.tensor(scores).flatten(), torch.tensor(want), atol=1e-5)
+    best = parse_select("best")(scores[0])["chosen"]
+    assert best == [max(range(4), key=lambda i: (scores[0][i], -i))]
+    assert parse_select("top:2")(scores[0])["chosen"][0] == best[0]
+    pairs = parse_select("pairs")(scores[0])
+    assert scores[0][pairs["chosen"][0]] == max(scores[0])
+    assert scores[0][pairs["rejected"][0]] == min(scores[0])
+    verifier = score_outputs(outs, lambda p, t: float(len(t) % 2))  # a callable verifier
+    kept = parse_select("threshold:0.5")(verifier[1])["chosen"]
+    assert kept == [i for i, c in enumerate(outs[1].outputs) if len(c.text) % 2]
+    for bad in ["worst", "threshold:abc", "threshold:nan", "top:0", 3]:
+        with pytest.raises(ValueError, match="select must be one of"):
+            parse_select(bad)
+    with pytest.raises(ValueError, match="score must be"):
+        score_outputs(outs, 5)
