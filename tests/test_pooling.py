@@ -144,3 +144,27 @@ def test_best_of_n_with_reward_model_and_verifier(reward_model, tiny_model_facto
             parse_select(bad)
     with pytest.raises(ValueError, match="score must be"):
         score_outputs(outs, 5)
+
+
+def test_cli_score(reward_model, tmp_path, capsys):
+    import json
+
+    from batchgen.cli import main
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"prompt": "Q:", "response": r}) + "\n"
+                           for r in [" yes", " no no no", " maybe"]))
+    out = tmp_path / "s.jsonl"
+    assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
+                 str(out), "--text-column", "none"]) == 2  # a missing column, before loading
+    assert "no text column 'none'" in capsys.readouterr().err
+    assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
+                 str(out), "--prompt-column", "prompt", "--response-column", "response",
+                 "--block-size", "1"]) == 0
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    want = _hf_rewards(reward_model, ["Q: yes", "Q: no no no", "Q: maybe"])
+    assert [g["response"] for g in got] == [" yes", " no no no", " maybe"]
+    assert torch.allclose(torch.tensor([g["scores"] for g in got]), torch.tensor(want),
+                          atol=1e-5)
+    assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
+                 str(out)]) == 2  # an existing output without --overwrite
