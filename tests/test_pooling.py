@@ -168,3 +168,35 @@ def test_cli_score(reward_model, tmp_path, capsys):
                           atol=1e-5)
     assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
                  str(out)]) == 2  # an existing output without --overwrite
+
+
+def test_prm_step_scores_equal_hf(tiny_model_factory, tmp_path_factory):
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from batchgen.pooling.scorer import RewardModel
+
+    src = tiny_model_factory("qwen3")
+    dst = tmp_path_factory.mktemp("prm")
+    config = AutoConfig.from_pretrained(src)
+    config.num_labels = 2
+    torch.manual_seed(5)
+    model = AutoModelForTokenClassification.from_config(config).float().eval()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(dst)
+    for f in src.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, dst / f.name)
+    tok = AutoTokenizer.from_pretrained(dst)
+    texts = ["step one. step two. done.", "a. b."]
+    tag = tok(".")["input_ids"][-1]
+    rm = RewardModel(dst, seed=0, block_size=1, max_num_batched_tokens=4)
+    full = rm.token_classify(texts)
+    steps = rm.token_classify(texts, PoolingParams(step_tag_id=tag))
+    with torch.no_grad():
+        for text, f, s in zip(texts, full, steps):
+            enc = tok(text, return_tensors="pt")
+            ref = model(**enc).logits[0]
+            assert torch.allclose(f.outputs.data, ref, atol=1e-5)
+            mask = enc["input_ids"][0] == tag
+            assert mask.any() and torch.allclose(s.outputs.data, ref[mask], atol=1e-5)

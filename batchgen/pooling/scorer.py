@@ -11,6 +11,8 @@ from batchgen.checks import ValidationError, check_type
 from batchgen.pooling.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
@@ -22,16 +24,19 @@ def load_head_model(path: str | os.PathLike, runner: str = "auto") -> Any:
     """The folder's `*ForSequenceClassification` model (float32 on the CPU), refused before
     its weights load when its architecture is not a pooling one under runner="auto", or
     under runner="generate"."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+    import transformers
 
-    config = AutoConfig.from_pretrained(path)
+    config = transformers.AutoConfig.from_pretrained(path)
     archs = list(getattr(config, "architectures", None) or [])
-    if resolve_runner(runner, archs) != "pooling" or not any(
-            a.endswith("ForSequenceClassification") for a in archs):
+    kind = next((k for k in ("SequenceClassification", "TokenClassification")
+                 if any(a.endswith("For" + k) for a in archs)), None)
+    if resolve_runner(runner, archs) != "pooling" or kind is None:
         raise ValidationError(
-            "model must be a sequence-classification (reward) model for the pooling runner, "
-            f"got architectures {archs} with runner={runner!r}", parameter="model", value=archs)
-    return AutoModelForSequenceClassification.from_pretrained(path, dtype="float32")
+            "model must be a sequence-classification (reward) model or a token-classification "
+            f"(process reward) model for the pooling runner, got architectures {archs} with "
+            f"runner={runner!r}", parameter="model", value=archs)
+    auto = getattr(transformers, "AutoModelFor" + kind)
+    return auto.from_pretrained(path, dtype="float32")
 
 
 class RewardModel:
@@ -44,6 +49,7 @@ class RewardModel:
 
         hf = load_head_model(model, runner)
         self.num_labels = hf.score.out_features
+        self.token_level = type(hf).__name__.endswith("ForTokenClassification")
         self.llm = LLM(as_causal_lm(hf), tokenizer=str(model), logprobs_mode="raw_logits",
                        **engine_args)
 
@@ -66,6 +72,29 @@ class RewardModel:
             result.append(ClassificationRequestOutput(
                 str(out.request_id), ClassificationOutput(vals.tolist()),
                 list(out.prompt_token_ids)))
+        return result
+
+    def token_classify(self, prompts: Any, pooling_params: PoolingParams | None = None
+                       ) -> list[PoolingRequestOutput]:
+        """A process reward model's per-token head outputs [T, L] (under `step_tag_id`, only
+        the step-tag positions): position i's from the prompt logprobs of token i + 1 (raw
+        logits), the last position's from the first sampled token's."""
+        import torch
+
+        from batchgen.params import SamplingParams
+
+        params = pooling_params or PoolingParams()
+        check_type(params, "pooling_params", PoolingParams)
+        labels = range(self.num_labels)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
+                            prompt_logprobs=self.num_labels)
+        result = []
+        for out in self.llm.generate(prompts, sp):
+            rows = [[d[i].logprob for i in labels] for d in out.prompt_logprobs[1:]]
+            rows.append([out.outputs[0].logprobs[0][i].logprob for i in labels])
+            ids = list(out.prompt_token_ids)
+            data = pool("token_classify", torch.tensor(rows), params, ids)
+            result.append(PoolingRequestOutput(str(out.request_id), PoolingOutput(data), ids))
         return result
 
     def reward(self, prompts: Any, pooling_params: PoolingParams | None = None
