@@ -95,6 +95,11 @@ def test_pooling_errors(tiny_model_factory):
     assert resolve_runner("auto", ["LlamaForCausalLM"]) == "generate"
     with pytest.raises(ValueError, match="sequence-classification"):  # a generator as scorer
         RewardModel(tiny_model_factory("llama"))
+    from transformers import AutoModel
+
+    from batchgen.pooling.heads import as_causal_lm
+    with pytest.raises(ValueError, match="with a `score` head"):  # a scorer without a head
+        as_causal_lm(AutoModel.from_pretrained(tiny_model_factory("llama")))
     for kw, name in [(dict(dimensions=0), "dimensions"), (dict(normalize="yes"), "normalize"),
                      (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
                      (dict(returned_token_ids=[]), "returned_token_ids")]:
@@ -191,6 +196,7 @@ def test_prm_step_scores_equal_hf(tiny_model_factory, tmp_path_factory):
     texts = ["step one. step two. done.", "a. b."]
     tag = tok(".")["input_ids"][-1]
     rm = RewardModel(dst, seed=0, block_size=1, max_num_batched_tokens=4)
+    rm.token_classify(texts)  # cached: the second call's prompts could hit their blocks
     full = rm.token_classify(texts)
     steps = rm.token_classify(texts, PoolingParams(step_tag_id=tag))
     with torch.no_grad():
