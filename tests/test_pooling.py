@@ -62,6 +62,10 @@ def test_reward_equals_hf_head(reward_model, engine):
     assert [len(o.outputs.probs) for o in outs] == [len(w) for w in want]
     for out, ref in zip(outs, want):
         assert torch.allclose(torch.tensor(out.outputs.probs), torch.tensor(ref), atol=1e-5)
+    pairs = rm.score("Query: ", PROMPTS[:2])  # a cross-encoder's pairs, the first label
+    ref = _hf_rewards(reward_model, ["Query: " + t for t in PROMPTS[:2]])
+    assert torch.allclose(torch.tensor([p.outputs.score for p in pairs]),
+                          torch.tensor([r[0] for r in ref]), atol=1e-5)
     act = rm.classify(PROMPTS[:1], PoolingParams(use_activation=True))[0].outputs.probs
     ref = torch.tensor(want[0])
     ref = torch.sigmoid(ref) if len(want[0]) == 1 else torch.softmax(ref, -1)
