@@ -30,7 +30,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.distributed",),  # tensor parallelism: workers, the TP executor
     ("batchgen", "batchgen.llm"),  # the user's API
     ("batchgen.data", "batchgen.eval", "batchgen.batch_api",
-     "batchgen.vllm_compat"),  # jobs on an LLM; vLLM's module names over it
+     "batchgen.vllm_compat", "batchgen.pooling"),  # jobs on an LLM; vLLM's module names over it
     ("batchgen.ray",),  # dataset jobs on Ray Data
     ("batchgen.cli", "batchgen.tools", "batchgen.__main__"),  # commands
 ]

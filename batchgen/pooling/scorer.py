@@ -1,0 +1,119 @@
+"""`RewardModel`: a sequence-classification reward model served by batchgen's paged engine
+(`reward`, `classify`, `score`), with vLLM's pooling outputs."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from batchgen.checks import ValidationError, check_type
+from batchgen.pooling.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from batchgen.pooling.params import PoolingParams, resolve_runner
+from batchgen.pooling.poolers import pool
+
+
+def load_head_model(path: str | os.PathLike, runner: str = "auto") -> Any:
+    """The folder's `*ForSequenceClassification` model (float32 on the CPU), refused before
+    its weights load when its architecture is not a pooling one under runner="auto", or
+    under runner="generate"."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    archs = list(getattr(config, "architectures", None) or [])
+    kind = next((k for k in ("SequenceClassification", "TokenClassification")
+                 if any(a.endswith("For" + k) for a in archs)), None)
+    if resolve_runner(runner, archs) != "pooling" or kind is None:
+        raise ValidationError(
+            "model must be a sequence-classification (reward) model or a token-classification "
+            f"(process reward) model for the pooling runner, got architectures {archs} with "
+            f"runner={runner!r}", parameter="model", value=archs)
+    auto = getattr(transformers, "AutoModelFor" + kind)
+    return auto.from_pretrained(path, dtype="float32")
+
+
+class RewardModel:
+    """A reward/classifier model on the paged engine. `engine_args` go to `LLM` (block_size,
+    max_num_batched_tokens, enable_prefix_caching, num_kv_blocks, ...)."""
+
+    def __init__(self, model: str | os.PathLike, runner: str = "auto", **engine_args: Any):
+        from batchgen.llm import LLM
+        from batchgen.pooling.heads import as_causal_lm
+
+        hf = load_head_model(model, runner)
+        self.num_labels = hf.score.out_features
+        self.token_level = type(hf).__name__.endswith("ForTokenClassification")
+        self.llm = LLM(as_causal_lm(hf), tokenizer=str(model), logprobs_mode="raw_logits",
+                       **engine_args)
+
+    def classify(self, prompts: Any, pooling_params: PoolingParams | None = None
+                 ) -> list[ClassificationRequestOutput]:
+        """Each prompt's head outputs at its last token: raw unless `use_activation=True`."""
+        import torch
+
+        from batchgen.params import SamplingParams
+
+        params = pooling_params or PoolingParams()
+        check_type(params, "pooling_params", PoolingParams)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels)
+        outs = self.llm.generate(prompts, sp)
+        result = []
+        for out in outs:
+            top = out.outputs[0].logprobs[0]
+            row = torch.tensor([[top[i].logprob for i in range(self.num_labels)]])
+            vals = pool("classify", row, params)
+            result.append(ClassificationRequestOutput(
+                str(out.request_id), ClassificationOutput(vals.tolist()),
+                list(out.prompt_token_ids)))
+        return result
+
+    def token_classify(self, prompts: Any, pooling_params: PoolingParams | None = None
+                       ) -> list[PoolingRequestOutput]:
+        """A process reward model's per-token head outputs [T, L] (under `step_tag_id`, only
+        the step-tag positions): position i's from the prompt logprobs of token i + 1 (raw
+        logits), the last position's from the first sampled token's."""
+        import torch
+
+        from batchgen.params import SamplingParams
+
+        params = pooling_params or PoolingParams()
+        check_type(params, "pooling_params", PoolingParams)
+        labels = range(self.num_labels)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
+                            prompt_logprobs=self.num_labels)
+        result = []
+        for out in self.llm.generate(prompts, sp):
+            rows = [[d[i].logprob for i in labels] for d in out.prompt_logprobs[1:]]
+            rows.append([out.outputs[0].logprobs[0][i].logprob for i in labels])
+            ids = list(out.prompt_token_ids)
+            data = pool("token_classify", torch.tensor(rows), params, ids)
+            result.append(PoolingRequestOutput(str(out.request_id), PoolingOutput(data), ids))
+        return result
+
+    def reward(self, prompts: Any, pooling_params: PoolingParams | None = None
+               ) -> list[ClassificationRequestOutput]:
+        """vLLM's `reward` for a sequence-classification reward model: the raw reward."""
+        return self.classify(prompts, pooling_params)
+
+    def score(self, queries: str | Sequence[str], documents: str | Sequence[str],
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
+        """Cross-encoder scores of (query, document) pairs, each text pair joined as one
+        prompt (query + document): one label's output per pair."""
+        qs = [queries] if isinstance(queries, str) else list(queries)
+        ds = [documents] if isinstance(documents, str) else list(documents)
+        if len(qs) == 1:
+            qs = qs * len(ds)
+        if len(qs) != len(ds):
+            raise ValidationError(f"queries must be one text or as many as documents "
+                                  f"({len(ds)}), got {len(qs)}", parameter="queries",
+                                  value=len(qs))
+        outs = self.classify([q + d for q, d in zip(qs, ds)], pooling_params)
+        return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
+                                     o.prompt_token_ids) for o in outs]
