@@ -41,6 +41,9 @@ ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {
 }
 # vLLM names of batchgen parameters that batchgen spells otherwise.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
+# Where a refused value is served by another class.
+ELSEWHERE = {"runner": "; its pooling runner is batchgen.pooling.llm.PoolingLLM (vllm_compat's "
+                       "vllm.LLM(runner='pooling') returns one)"}
 
 
 @functools.cache
@@ -109,7 +112,8 @@ def _refusal(name: str, value: Any, record: dict[str, Any]) -> str:
     extra = ALSO_ACCEPTED.get(name, ())
     allowed = " or ".join(repr(v) for v in (default, *extra))
     return (f"{name} must be {allowed} (vLLM's default{', or what batchgen does' if extra else ''}"
-            f"), got {_short(value)}: batchgen does not implement vLLM's {name}")
+            f"), got {_short(value)}: batchgen does not implement vLLM's {name} here"
+            + ELSEWHERE.get(name, ""))
 
 
 def _short(value: Any) -> str:

@@ -210,3 +210,26 @@ def test_prm_step_scores_equal_hf(tiny_model_factory, tmp_path_factory):
             assert torch.allclose(f.outputs.data, ref, atol=1e-5)
             mask = enc["input_ids"][0] == tag
             assert mask.any() and torch.allclose(s.outputs.data, ref[mask], atol=1e-5)
+
+
+def test_vllm_pooling_runner_is_an_llm(reward_model):
+    """vLLM's way: `vllm.LLM(model, runner="pooling")` (or "auto" on a reward model's folder)
+    is a PoolingLLM, an LLM whose reward/classify/score/encode equal HF's head; a causal LM
+    under "auto" stays a generator; embed is refused, naming what is served."""
+    from batchgen import LLM
+    from batchgen.pooling.llm import PoolingLLM, wants_pooling
+    from batchgen.vllm_compat import CompatLLM
+
+    llm = CompatLLM(reward_model, seed=0)  # runner="auto": the config's architecture decides
+    assert isinstance(llm, PoolingLLM) and isinstance(llm, LLM)
+    want = _hf_rewards(reward_model, PROMPTS[:2])
+    for got in (llm.reward(PROMPTS[:2]), llm.encode(PROMPTS[:2], pooling_task="classify")):
+        assert torch.allclose(torch.tensor([o.outputs.probs for o in got]), torch.tensor(want),
+                              atol=1e-5)
+    assert llm.kv_stats().prompt_tokens_computed > 0  # an LLM's own accounting
+    with pytest.raises(ValueError, match="pooling_task must be one of"):
+        llm.encode(PROMPTS[:1], pooling_task="embed")
+    with pytest.raises(ValueError, match="embedding models are not served"):
+        llm.embed(PROMPTS[:1])
+    assert wants_pooling(reward_model) and wants_pooling("anything", "pooling")
+    assert not wants_pooling(reward_model, "generate")

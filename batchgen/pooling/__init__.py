@@ -1,7 +1,7 @@
 """Pooling (vLLM's pooling API) on batchgen: which runner a model gets, PoolingParams, the
 poolers that turn a model's hidden states into rewards, step scores and embeddings, and
-vLLM's output classes. The engine path (prefill-only through the paged pool) is not wired yet:
-see docs/pooling.md."""
+vLLM's output classes; `PoolingLLM` (batchgen.pooling.llm) runs reward and process reward
+models on the paged engine. See docs/pooling.md."""
 
 from batchgen.pooling.outputs import (
                                       ClassificationOutput,

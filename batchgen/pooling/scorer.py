@@ -48,10 +48,20 @@ class RewardModel:
         from batchgen.pooling.heads import as_causal_lm
 
         hf = load_head_model(model, runner)
+        self._bind(hf, LLM(as_causal_lm(hf), tokenizer=str(model), logprobs_mode="raw_logits",
+                           **engine_args))
+
+    @classmethod
+    def over(cls, hf: Any, llm: Any) -> RewardModel:
+        """The calls over an `LLM` already built on `as_causal_lm(hf)` (PoolingLLM's)."""
+        scores = cls.__new__(cls)
+        scores._bind(hf, llm)
+        return scores
+
+    def _bind(self, hf: Any, llm: Any) -> None:
         self.num_labels = hf.score.out_features
         self.token_level = type(hf).__name__.endswith("ForTokenClassification")
-        self.llm = LLM(as_causal_lm(hf), tokenizer=str(model), logprobs_mode="raw_logits",
-                       **engine_args)
+        self.llm = llm
 
     def classify(self, prompts: Any, pooling_params: PoolingParams | None = None
                  ) -> list[ClassificationRequestOutput]:

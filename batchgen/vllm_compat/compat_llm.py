@@ -14,6 +14,7 @@ import torch
 
 from batchgen.checks import check, is_int
 from batchgen.llm import LLM
+from batchgen.pooling.llm import PoolingLLM, wants_pooling
 
 # name_or_path -> the module vllm.LLM(model=name_or_path) generates from (vllm_compat.share)
 SHARED: dict[str, torch.nn.Module] = {}
@@ -25,6 +26,13 @@ class CompatLLM(LLM):
     the engine's own model code, which for batchgen is transformers'. The engine's `seed`
     is in vLLM's range, [0, 2**32) (batchgen's own LLM takes any torch seed); a sample's
     `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
+
+    def __new__(cls, model: Any = None, **kwargs: Any) -> Any:
+        """`vllm.LLM(model, runner="pooling")`, or "auto" on a reward model's folder: a
+        PoolingLLM (batchgen/pooling), built here."""
+        if wants_pooling(model, kwargs.get("runner", "auto")):
+            return PoolingLLM(model, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
         seed = kwargs.get("seed", 0)
