@@ -39,24 +39,26 @@ def queue_order(groups: list[SequenceGroup], priority: Any, by_priority: bool
     return sorted(groups, key=priority_key) if by_priority else groups
 
 
-def waves(prompts: Any, params: Any, priority: Any, limit: int | None
-          ) -> Iterator[tuple[Any, Any, Any]]:
-    """vLLM's beam search `concurrency_limit`: (prompts, params, priority) of each wave of at
-    most `limit` prompts, in input order (None: one wave of all of them)."""
+def waves(prompts: Any, params: Any, priority: Any, limit: int | None, lora: Any = None
+          ) -> Iterator[tuple[Any, Any, Any, Any]]:
+    """vLLM's beam search `concurrency_limit`: (prompts, params, priority, lora_request) of
+    each wave of at most `limit` prompts, in input order (None: one wave of all of them); a
+    per-prompt list is cut with its prompts."""
     check(limit is None or (is_int(limit) and limit >= 1), "concurrency_limit",
           "None or an integer >= 1", limit)
     if limit is None:
-        yield prompts, params, priority
+        yield prompts, params, priority, lora
         return
     prompts = as_prompt_list(prompts)
     one = isinstance(params, BeamSearchParams)
     params = params if one else list(params)
     shared = priority is None or is_int(priority)
     priority = priority if shared else list(priority)
+    one_lora = not isinstance(lora, (list, tuple))
     for lo in range(0, len(prompts), limit):
         cut = slice(lo, lo + limit)
         yield (prompts[cut], params if one else params[cut],
-               priority if shared else priority[cut])
+               priority if shared else priority[cut], lora if one_lora else lora[cut])
 
 
 def length(prompts: object) -> int | None:

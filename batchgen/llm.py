@@ -156,8 +156,8 @@ class LLM:
         if use_tqdm and concurrency_limit is not None:
             logger.warning("beam_search: no progress bar with concurrency_limit (as in vLLM)")
             use_tqdm = False
-        return [out for wave in waves(prompts, params, priority, concurrency_limit)
-                for out in self._run(*wave[:2], BEAMS, use_tqdm, wave[2], lora_request)]
+        cut = waves(prompts, params, priority, concurrency_limit, lora_request)
+        return [o for p, bp, pr, lo in cut for o in self._run(p, bp, BEAMS, use_tqdm, pr, lo)]
 
     def chat(self, messages: Conversation | Seq[Conversation],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -135,6 +135,11 @@ def test_samples_and_beams_keep_their_adapter(setup):
                                  num_beams=2, num_return_sequences=2, do_sample=False,
                                  eos_token_id=EOS_ID, pad_token_id=PAD_ID)
         assert [s.tokens for s in b.sequences] == [strip_after_eos(h.tolist()) for h in hf]
+    waved = llm.beam_search([{"prompt_token_ids": p} for p in prompts],
+                            BeamSearchParams(beam_width=2, max_tokens=4), concurrency_limit=1,
+                            lora_request=[reqs["b"], None], use_tqdm=False)  # cut per wave
+    assert [[s.tokens for s in w.sequences] for w in waved] == [
+        [s.tokens for s in b.sequences] for b in beams]
 
 
 def _folder(tmp_path: Path, src: Path, **changes) -> LoRARequest:
