@@ -49,7 +49,8 @@ _INTS = ("num_computed",  # tokens whose K/V is cached (advanced per step by the
          "num_blocks",
          "seed",  # the sequence's mixed seed (its draws' key), uint64 bits
          "state_slot",  # its state-pool slot (models with state mixers; KVManager), else -1
-         "rope_delta")  # M-RoPE: its decode position is the cache position + this
+         "rope_delta",  # M-RoPE: its decode position is the cache position + this
+         "lora")  # its LoRA adapter's device slot (batchgen/lora's gate, at admission), 0: none
 _FLAGS = ("ignore_eos", "greedy",
           "penalized",  # any penalty: has rows in the PenaltyState
           "controls",  # logit controls (per-row Python in the sampler)
@@ -170,7 +171,7 @@ class PersistentBatch:
         self.ints[slot] = (num_computed, len(seq.token_ids), seq.token_ids[-1],
                            group.num_prompt_tokens, spec.max_tokens, spec.min_tokens,
                            spec.logprobs, 0, _mix_seed(seq.seed), -1,
-                           group.mm.rope_delta if group.mm is not None else 0)
+                           group.mm.rope_delta if group.mm is not None else 0, group.lora)
         self.flags[slot] = (spec.ignore_eos, spec.greedy, spec.penalized, spec.controls,
                             spec.stop_strings, spec.beam, group.fork_pending, False,
                             spec.constrained)

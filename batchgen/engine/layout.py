@@ -82,7 +82,8 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
                            np.concatenate(num_logits).astype(np.int64, copy=False),
                            np.concatenate(tokens).astype(np.int64, copy=False),
                            batch.block_table, _state_slots(plan, batch), plan.state_ops,
-                           images or None, c["rope_delta"][plan.slots], _adapters(plan))
+                           images or None, c["rope_delta"][plan.slots],
+                           _adapters(c["lora"][plan.slots]))
     identity = row == k and not sample_rows
     layout = LogitsLayout(tuple(samplers), None if identity else np.concatenate(
         (np.arange(k), np.array(sample_rows, np.int64))), beam_rows, tuple(prompt_rows),
@@ -90,9 +91,8 @@ def step_layout(plan: StepPlan, batch: PersistentBatch) -> tuple[StepRows, Logit
     return runner_rows, layout
 
 
-def _adapters(plan: StepPlan) -> np.ndarray | None:
-    """Each row's LoRA adapter slot (batchgen/lora), None when all rows run the base model."""
-    slots = np.fromiter((s.group.lora for s in plan.seqs), np.int64, len(plan.seqs))
+def _adapters(slots: np.ndarray) -> np.ndarray | None:
+    """The rows' LoRA adapter slots (batchgen/lora), None when all run the base model."""
     return slots if slots.any() else None
 
 
