@@ -54,9 +54,3 @@ class ProcessorPool:
             mine.processor = copy.deepcopy(self.prompts.processor)
             self._local.prompts = mine
         return mine.process(prompt, name)
-
-    def close(self) -> None:
-        """Stop the workers (queued work is dropped)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
