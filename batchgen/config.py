@@ -54,7 +54,8 @@ GENERATION_CONFIGS = ("auto", "vllm")
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+              "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+              "fp8_e5m2": torch.float8_e5m2}
 
 
 @dataclass
@@ -412,5 +413,6 @@ def fit_max_model_len(cfg: EngineConfig, target: int, capacity: int) -> int:
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The pool's dtype: the model's for "auto", fp8 is float8 e4m3fn (β halves vs 16 bits)."""
+    """The pool's dtype: the model's for "auto"; fp8 is float8 e4m3fn, fp8_e5m2 float8 e5m2
+    (β halves vs 16 bits)."""
     return model_dtype if kv_cache_dtype == "auto" else _KV_DTYPES[kv_cache_dtype]

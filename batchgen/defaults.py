@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # CPU pools default to at most this much memory (vLLM's CPU default is 4 GiB too).
 DEFAULT_CPU_KV_BYTES = 4 << 30
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 

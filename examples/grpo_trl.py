@@ -57,21 +57,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="generate from the trainer's module (batchgen.vllm_compat.share)")
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--learning-rate", type=float, default=1e-5)
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: the policy in bitsandbytes 4-bit NF4 with a LoRA adapter (TRL "
+                        "then asks the generator for quantization='bitsandbytes')")
     p.add_argument("--json", help="write the per-step metrics here")
     return p.parse_args(argv)
+
+
+def _qlora_kwargs(qlora: bool) -> dict:
+    """from_pretrained's arguments for a 4-bit NF4 policy (QLoRA), else none."""
+    if not qlora:
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    return {"quantization_config": BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)}
+
+
+def _lora(qlora: bool) -> object:
+    """The LoRA adapter trained over the 4-bit policy (QLoRA), else None."""
+    if not qlora:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 def main(argv: list[str] | None = None) -> None:
     """One GRPO run with these command-line arguments (sys.argv's by default)."""
     args = parse_args(argv)
     model_dir = args.model or str(demo_model())
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 **_qlora_kwargs(args.qlora))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if args.share_weights:
         batchgen.vllm_compat.share(model)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
             output_dir=out, use_vllm=True, vllm_mode="colocate", use_cpu=True, report_to="none",
@@ -82,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
             dataloader_num_workers=0)
         trainer = GRPOTrainer(model=model, reward_funcs=vowel_reward, args=config,
                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
-                              processing_class=tokenizer)
+                              processing_class=tokenizer, peft_config=_lora(args.qlora))
+        trained = trainer.model  # the policy, wrapped by PEFT under --qlora
+        before = {n: p.detach().clone() for n, p in trained.named_parameters() if p.requires_grad}
         start = time.perf_counter()
         try:
             trainer.train()
@@ -91,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         seconds = time.perf_counter() - start
     rows = [{k: e[k] for k in METRICS if k in e} | {"step": e["step"]}
             for e in trainer.state.log_history if METRICS[0] in e]
-    changed = sum(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    changed = sum(not torch.equal(before[n], p) for n, p in trained.named_parameters()
+                  if n in before)
     print(f"generator: {type(trainer.vllm_generation.llm).__module__}"
           f".{type(trainer.vllm_generation.llm).__name__}, shared weights: "
           f"{trainer.vllm_generation.llm.model is model}, sleep mode: {args.sleep_mode}")

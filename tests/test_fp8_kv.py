@@ -1,5 +1,8 @@
-"""An fp8 (e4m3) KV cache is exactly HF with its keys and values rounded to fp8: the oracle is
-HF's own SDPA attention, registered with K and V passed through the same saturating cast."""
+"""An fp8 (e4m3, or e5m2) KV cache is exactly HF with its keys and values rounded to fp8: the
+oracle is HF's own SDPA attention, registered with K and V passed through the same saturating
+cast."""
+
+import functools
 
 import pytest
 import torch
@@ -12,27 +15,36 @@ from batchgen.attention.metadata import SeqChunk, StepRows
 from batchgen.tools.make_tiny_model import RECOMMENDED_EOS_BOOST
 from tests.helpers import make_prompt_token_ids, strip_after_eos
 
+FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
-def _fp8_sdpa(module, query, key, value, attention_mask, **kw):
+
+def _fp8_sdpa(dtype, module, query, key, value, attention_mask, **kw):
     """HF's SDPA attention over fp8-rounded K/V (scale 1.0, saturated like the pool)."""
-    r = lambda x: x.clamp(-448, 448).to(torch.float8_e4m3fn).to(x.dtype)  # noqa: E731
+    big = torch.finfo(dtype).max
+    r = lambda x: x.clamp(-big, big).to(dtype).to(x.dtype)  # noqa: E731
     return sdpa_attention_forward(module, query, r(key), r(value), attention_mask, **kw)
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_factory):
-    AttentionInterface.register("fp8_reference", _fp8_sdpa)
     path = tiny_model_factory("qwen2", eos_boost=RECOMMENDED_EOS_BOOST)
-    ref = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fp8_reference").eval()
+    refs = {}
+    for name, dtype in FP8.items():
+        AttentionInterface.register(f"{name}_reference", functools.partial(_fp8_sdpa, dtype))
+        refs[name] = AutoModelForCausalLM.from_pretrained(
+            path, attn_implementation=f"{name}_reference").eval()
     prompts = make_prompt_token_ids(6, 3, 50, vocab_size=512, seed=9)
-    return path, ref, prompts
+    return path, refs, prompts
 
 
-@pytest.mark.parametrize("backend", ["cpu_kernel", "torch"])
-def test_fp8_greedy_equals_hf_with_fp8_rounded_kv(setup, backend):
-    path, ref, prompts = setup
-    llm = LLM(path, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8",
+@pytest.mark.parametrize("backend, kv", [("cpu_kernel", "fp8"), ("torch", "fp8"),
+                                         ("cpu_kernel", "fp8_e5m2"), ("torch", "fp8_e5m2")])
+def test_fp8_greedy_equals_hf_with_fp8_rounded_kv(setup, backend, kv):
+    path, refs, prompts = setup
+    ref = refs[kv]
+    llm = LLM(path, block_size=4, num_kv_blocks=256, kv_cache_dtype=kv,
               attention_backend=backend)
+    assert llm.engine.runner.cache.dtype == FP8[kv]
     assert llm.cache_config.bytes_per_token * 2 == LLM(path, num_kv_blocks=8, kv_cache_dtype=(
         "bfloat16")).cache_config.bytes_per_token  # fp8 halves beta
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -46,7 +58,8 @@ def test_fp8_greedy_equals_hf_with_fp8_rounded_kv(setup, backend):
 
 
 def test_fp8_prefill_logits_equal_hf_with_fp8_rounded_kv(setup):
-    path, ref, prompts = setup
+    path, refs, prompts = setup
+    ref = refs["fp8"]
     llm = LLM(path, block_size=4, num_kv_blocks=256, kv_cache_dtype="fp8")
     runner, bm = llm.engine.runner, llm.engine.kv.block_manager
     batch = sorted(prompts, key=len)

@@ -3,7 +3,11 @@ main, every run in one fresh process: `batchgen.vllm_compat.install()` is proces
 is slow to import): at least 5 steps,
 the trainable parameters change, and TRL's own check of the generator's logprobs against its
 recomputation stays at float rounding at temperature 1.0 and 0.7, with weights copied (vLLM's
-way) or shared, with sleep mode on or off."""
+way) or shared, with sleep mode on or off; and QLoRA (a 4-bit NF4 policy with a LoRA adapter,
+the generator in 4-bit too: TRL's merged 4-bit bytes reach it, batchgen/quantization/
+bnb_sync.py), where after the first step the gap is the merged adapter's 4-bit rounding. The
+driver turns off bitsandbytes' bf16 CPU kernel (inference only) so the generator multiplies as
+the training forward does (else the gap is that kernel's bf16 rounding, ~2e-2)."""
 
 from __future__ import annotations
 
@@ -20,11 +24,18 @@ pytest.importorskip("trl")
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"t1.0": ["--temperature", "1.0"], "t0.7": ["--temperature", "0.7"],
         "t0.7-sleep": ["--temperature", "0.7", "--sleep-mode"],
-        "t0.7-shared-sleep": ["--temperature", "0.7", "--sleep-mode", "--share-weights"]}
+        "t0.7-shared-sleep": ["--temperature", "0.7", "--sleep-mode", "--share-weights"],
+        "qlora": ["--temperature", "1.0", "--qlora"]}
 
 
 DRIVER = """
 import runpy, sys
+import bitsandbytes.nn.modules as bnb  # the generator's 4-bit matmul = the training one's
+init = bnb.Linear4bit.__init__
+def same_kernel(self, *args, **kw):
+    init(self, *args, **kw)
+    self.support_avx512bf16_for_cpu = False
+bnb.Linear4bit.__init__ = same_kernel
 example = runpy.run_path(sys.argv[1])  # installs batchgen.vllm_compat, then imports TRL
 for key, args in {runs!r}.items():
     print("=== run", key, flush=True)
@@ -52,7 +63,8 @@ def test_grpo_colocate_on_batchgen(results, run: str) -> None:
     r = results[run]
     assert len(r["steps"]) >= 5 and r["changed"] == r["params"]  # every parameter trained
     assert r["shared"] == ("shared" in run)
-    for step in r["steps"]:
-        assert step["sampling/sampling_logp_difference/mean"] <= 1e-5, step
-        assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=1e-4)
+    for i, step in enumerate(r["steps"]):
+        bound = 2e-3 if run == "qlora" and i else 1e-5  # merged into 4-bit: rounding
+        assert step["sampling/sampling_logp_difference/mean"] <= bound, step
+        assert step["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.0, abs=bound)
     assert "batchgen.vllm_compat.compat_llm.CompatLLM" in r["log"]

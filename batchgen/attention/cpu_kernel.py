@@ -22,7 +22,8 @@ from batchgen.cpu_build import ENV_SWITCH, KernelUnavailable, load_library
 logger = logging.getLogger("batchgen")
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn)  # pool dtypes the kernel reads
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn,  # pool dtypes the kernel reads
+             torch.float8_e5m2)  # (its kv_kind: the index here)
 __all__ = ["ENV_SWITCH", "KernelUnavailable", "PagedDecodeKernel", "build", "load", "try_load"]
 
 
@@ -41,7 +42,7 @@ class PagedDecodeKernel:
                  scale: float, window: int | None, softcap: float | None,
                  sinks: torch.Tensor | None, check_tables: bool = True) -> None:
         """out [S, Hq, D] = attention of q [S, Hq, D] over k/v [P, B, Hkv, D] (q and out
-        float32, k and v float32, bfloat16 or float8 e4m3fn, unscaled; contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
+        float32, k and v float32, bfloat16, float8 e4m3fn or e5m2, unscaled; contiguous, CPU); sequence i's keys are its first kv_len[i] slots of the pages
         kv_indices[kv_indptr[i]:kv_indptr[i+1]] (int32). `check_tables` verifies the page
         tables stay inside the pool (the C code trusts them); once per step is enough."""
         s, hq, d = q.shape

@@ -36,7 +36,7 @@ WRAPPER_BYTES = 8 << 20
 # fa2 is safe for these head sizes only (others can crash or be silently wrong upstream)
 HEAD_DIMS = (64, 128, 256)
 Q_DTYPES = (torch.float16, torch.bfloat16)
-KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 PlanKey = tuple[int | None, float | None, float, bool]  # AttentionSpec.plan_key
 

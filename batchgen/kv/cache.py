@@ -41,8 +41,7 @@ def kv_pool_shape(num_layers: int, num_blocks: int, block_size: int, num_kv_head
     return num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim
 
 
-FP8_DTYPES = (torch.float8_e4m3fn,)
-FP8_MAX = 448.0  # the largest finite float8 e4m3fn: larger values saturate, never NaN
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class KVCache:
@@ -142,12 +141,13 @@ class KVCache:
             flat, x = flat.view(torch.uint8), x.view(torch.uint8)
         flat.index_copy_(0, slot_mapping, x)
 
-    @staticmethod
-    def _quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-        """x / scale, saturated to fp8's range (a plain cast would turn outliers into NaN)."""
+    def _quantize(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """x / scale, saturated to the fp8 type's range (448 for e4m3fn, 57344 for e5m2: a
+        plain cast would turn outliers into NaN or inf)."""
         if scale != 1.0:
             x = x / scale
-        return x.clamp(-FP8_MAX, FP8_MAX)
+        largest = torch.finfo(self.dtype).max
+        return x.clamp(-largest, largest)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one

@@ -76,4 +76,4 @@ class HostPool:
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """An fp8 tensor as its bytes (indexed copies have no float8 kernel everywhere)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t

@@ -7,7 +7,8 @@ torch.compile wrappers (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`, 
 DDP's leading `module.`) and PEFT (`base_model.model.` in front, `.base_layer` inside,
 `modules_to_save.default.`). Each tensor is cast to the parameter's dtype and device and copied
 in place, so every view of the weights (tied embeddings, a shared module) sees it. A tensor that
-already is the parameter's storage (a shared module's own) is skipped.
+already is the parameter's storage (a shared module's own) is skipped. A bitsandbytes 4-bit
+weight is quantized anew from the values sent (batchgen/quantization/bnb_sync.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from batchgen.quantization.bnb_sync import is_4bit, load_4bit
 
 _WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.",
              "modules_to_save.default.")
@@ -55,11 +58,13 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
         if target is None:
             raise ValueError(f"weights must name the model's parameters; {name!r} (as {key!r}) "
                              f"is not one of its {len(targets)} (e.g. {next(iter(targets))!r})")
-        if tuple(tensor.shape) != tuple(target.shape):
+        if is_4bit(target):  # bitsandbytes 4-bit: requantized (TRL's QLoRA sync)
+            load_4bit(model.get_submodule(key.rpartition(".")[0]), name, tensor)
+        elif tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"weights: {name!r} must have shape {tuple(target.shape)}, got "
                              f"{tuple(tensor.shape)} (tensor-parallel shards are not loaded "
                              "here: send the full tensor)")
-        if hasattr(target, "to_local"):  # a tensor-parallel shard: this rank's part
+        elif hasattr(target, "to_local"):  # a tensor-parallel shard: this rank's part
             _copy_shard(target, tensor)
         elif not _same_memory(tensor, target):
             with torch.no_grad():

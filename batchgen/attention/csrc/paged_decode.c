@@ -2,7 +2,7 @@
  * paged pool (no gather), GQA/MQA, sliding window, logit softcap and attention sinks.
  *
  * Layouts (contiguous): q and out [S, Hq, D] float32; k and v one layer of the pool
- * [P, B, Hkv, D] (FlashInfer NHD), float32, bfloat16 or float8 e4m3fn (widened to float32 on
+ * [P, B, Hkv, D] (FlashInfer NHD), float32, bfloat16, float8 e4m3fn or e5m2 (widened to float32 on
  * load, all math in float32; fp8 scales are applied by the caller); kv_indptr [S+1], kv_indices
  * [pages], kv_len [S] (int32).
  * Every sum has a fixed order (over d for a score, over keys in explicit 16-wide lanes for the
@@ -26,12 +26,12 @@ typedef uint16_t v16h __attribute__((vector_size(32)));
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Pool element kinds: float32, bfloat16 (the top half of a float32), float8 e4m3fn (through a
- * 256-entry table). `kind` is a constant wherever these are inlined, so each pool dtype gets
- * its own branch-free copy of the loops. */
-enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2 };
+/* Pool element kinds: float32, bfloat16 (the top half of a float32), float8 e4m3fn and e5m2
+ * (each through a 256-entry table). `kind` is a constant wherever these are inlined, so each
+ * pool dtype gets its own branch-free copy of the loops. */
+enum { KV_F32 = 0, KV_BF16 = 1, KV_FP8 = 2, KV_E5M2 = 3 };
 
-static float fp8_table[256];
+static float fp8_table[256], e5m2_table[256];
 
 /* float8 e4m3fn (1 sign, 4 exponent bits with bias 7, 3 mantissa bits, no infinities; 0x7f and
  * 0xff are NaN) to float32, exactly. */
@@ -44,6 +44,17 @@ static void fill_fp8_table(void) {
     }
 }
 
+/* float8 e5m2 (1 sign, 5 exponent bits with bias 15, 2 mantissa bits: IEEE half's top byte,
+ * with infinities and NaNs) to float32, exactly. */
+static void fill_e5m2_table(void) {
+    for (int b = 0; b < 256; ++b) {
+        const int e = (b >> 2) & 31, m = b & 3;
+        float x = e == 0 ? ldexpf((float)m / 4.0f, -14) : ldexpf(1.0f + (float)m / 4.0f, e - 15);
+        if (e == 31) x = m == 0 ? INFINITY : NAN;
+        e5m2_table[b] = (b & 128) ? -x : x;
+    }
+}
+
 /* 16 elements of K or V from element index i, as float32. */
 ALWAYS_INLINE v16 load16(const void *base, int64_t i, const int kind) {
     if (kind == KV_BF16) {
@@ -51,10 +62,11 @@ ALWAYS_INLINE v16 load16(const void *base, int64_t i, const int kind) {
         memcpy(&h, (const uint16_t *)base + i, sizeof h);
         return (v16)(__builtin_convertvector(h, v16i) << 16);
     }
-    if (kind == KV_FP8) {
+    if (kind == KV_FP8 || kind == KV_E5M2) {
+        const float *table = kind == KV_FP8 ? fp8_table : e5m2_table;
         const uint8_t *b = (const uint8_t *)base + i;
         v16 x;
-        for (int u = 0; u < VL; ++u) x[u] = fp8_table[b[u]];
+        for (int u = 0; u < VL; ++u) x[u] = table[b[u]];
         return x;
     }
     v16 x;
@@ -70,6 +82,7 @@ ALWAYS_INLINE float load1(const void *base, int64_t i, const int kind) {
         return f;
     }
     if (kind == KV_FP8) return fp8_table[((const uint8_t *)base)[i]];
+    if (kind == KV_E5M2) return e5m2_table[((const uint8_t *)base)[i]];
     return ((const float *)base)[i];
 }
 
@@ -218,7 +231,7 @@ ALWAYS_INLINE void prefetch_block(const void *base, const int32_t *pages, int64_
                                   int64_t L, int64_t B, int64_t row, int64_t col, int64_t width,
                                   const int kind) {
     if (pos >= L) return;
-    const int64_t esize = kind == KV_BF16 ? 2 : kind == KV_FP8 ? 1 : 4;
+    const int64_t esize = kind == KV_BF16 ? 2 : kind == KV_FP8 || kind == KV_E5M2 ? 1 : 4;
     const int64_t off = pos % B, end = pos - off + B < L ? pos - off + B : L;
     const char *p = (const char *)base + (((int64_t)pages[pos / B] * B + off) * row + col) * esize;
     for (int64_t i = pos; i < end; ++i, p += row * esize)
@@ -305,6 +318,7 @@ ALWAYS_INLINE int attend(const float *q, const void *k, const void *v, float *ou
 ATTEND_KIND(attend_f32, KV_F32)
 ATTEND_KIND(attend_bf16, KV_BF16)
 ATTEND_KIND(attend_fp8, KV_FP8)
+ATTEND_KIND(attend_e5m2, KV_E5M2)
 
 /* One task per sequence (its K/V rows are read whole, in order), or per (sequence, kv head)
  * when there are too few sequences to keep the threads busy. */
@@ -320,11 +334,13 @@ int batchgen_paged_decode(const float *q, const void *k, const void *v, int kv_k
     const int64_t per = num_kv_heads / split;
     int failed = 0;
     if (kv_kind == KV_FP8 && fp8_table[0x38] != 1.0f) fill_fp8_table(); /* 0x38 = 1.0 */
+    if (kv_kind == KV_E5M2 && e5m2_table[0x3c] != 1.0f) fill_e5m2_table(); /* 0x3c = 1.0 */
     typedef int (*attend_fn)(const float *, const void *, const void *, float *, const int32_t *,
                              int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                              float, int64_t, float, const float *);
-    const attend_fn fn = kv_kind == KV_FP8 ? attend_fp8 : kv_kind == KV_BF16 ? attend_bf16
-                                                                             : attend_f32;
+    const attend_fn fn = kv_kind == KV_E5M2 ? attend_e5m2
+                         : kv_kind == KV_FP8 ? attend_fp8
+                         : kv_kind == KV_BF16 ? attend_bf16 : attend_f32;
 #pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
     for (int64_t t = 0; t < num_seqs * split; ++t) {
         const int64_t s = t / split, h0 = (t % split) * per;
