@@ -293,3 +293,65 @@ def mxfp4_gpt_oss(src: Path, out: Path, seed: int = 0) -> Path:
         "lm_head"]}
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def int4_checkpoint(src: Path, out: Path, method: str, group: int = 32) -> Path:
+    """A GPTQ (v1 format, symmetric) or AWQ (GEMM format, zero point) 4-bit checkpoint of the
+    decoder's projections, written by hand with round-to-nearest in each library's tensor
+    layout (qweight / qzeros / scales int32-packed nibbles, GPTQ's g_idx): building one with
+    calibration takes minutes on a CPU, and the test's oracle is HF loading the same folder."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    for f in sorted(out.glob("*.safetensors")):
+        tensors = load_file(f)
+        for name in [n for n in tensors if _block_quantizable(n, tensors[n], (8, group))]:
+            w = tensors.pop(name).float()
+            packed = _gptq_tensors(w, group) if method == "gptq" else _awq_tensors(w, group)
+            tensors.update({name.removesuffix("weight") + k: v for k, v in packed.items()})
+        save_file({k: (v.half() if v.is_floating_point() else v).contiguous()
+               for k, v in tensors.items()}, f,
+              metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["dtype"] = "float16"
+    cfg["quantization_config"] = (
+        {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": False,
+         "sym": True, "checkpoint_format": "gptq"} if method == "gptq" else
+        {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+         "version": "gemm"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _pack(q: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit values per int32 along the last dim (value order[k] in nibble k)."""
+    q = q.to(torch.int64).reshape(*q.shape[:-1], -1, 8)
+    word = sum(q[..., j] << (4 * k) for k, j in enumerate(order))
+    return torch.where(word >= 2**31, word - 2**32, word).to(torch.int32)
+
+
+def _gptq_tensors(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """GPTQ v1 symmetric: q = round(w / s) + 8 in [0, 15], zeros stored as 8 - 1."""
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // group, group)
+    scale = (g.abs().amax(-1) * 2 / 15).clamp(min=1e-8)  # [out, groups]
+    q = (g / scale[..., None]).round().add(8).clamp(0, 15).reshape(out_f, in_f)
+    zeros = torch.full((in_f // group, out_f), 7)
+    along_in = q.T.reshape(in_f // 8, 8, out_f).permute(0, 2, 1)  # [in/8, out, 8]
+    return {"qweight": _pack(along_in).reshape(in_f // 8, out_f),
+            "qzeros": _pack(zeros), "scales": scale.T.contiguous(),
+            "g_idx": (torch.arange(in_f) // group).int()}
+
+
+def _awq_tensors(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """AWQ GEMM with zero points: q = round(w / s) + z in [0, 15], packed along the output
+    dim in AWQ's nibble order."""
+    out_f, in_f = w.shape
+    g = w.reshape(out_f, in_f // group, group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)  # [out, groups]
+    zero = (-lo / scale).round().clamp(0, 15)
+    q = ((g / scale[..., None]).round() + zero[..., None]).clamp(0, 15).reshape(out_f, in_f)
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    return {"qweight": _pack(q.T, order), "qzeros": _pack(zero.T, order),
+            "scales": scale.T.contiguous()}

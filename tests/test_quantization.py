@@ -40,6 +40,8 @@ CASES = {
     "gguf-q8_0-folder": ("gguf",),
     "gguf-q4_0-file": ("gguf",),
     "mxfp4-gpt_oss": (),
+    "gptq-int4": ("gptqmodel", "optimum"),  # gptqmodel is not in the CPU test set (docs)
+    "awq-int4": ("gptqmodel", "optimum"),
 }
 
 
@@ -54,6 +56,8 @@ def _build(name: str, sources: tuple, out: Path) -> tuple[Path, Path]:
         return (quant_models.block_fp8(deepseek, out, (8, 8)),) * 2
     if name.startswith("bnb-"):
         return (quant_models.bitsandbytes(src, out, int(name[4])),) * 2
+    if name.endswith("-int4"):
+        return (quant_models.int4_checkpoint(src, out, name.split("-")[0]),) * 2
     if name == "torchao-int8":
         return (quant_models.torchao_int8(src, out),) * 2
     qtype = name.split("-")[1].upper()
@@ -120,7 +124,7 @@ def test_quantized_checkpoint_equals_hf(sources, name):
 def _method(case: str) -> str:
     prefix = case.split("-")[0]
     return {"ct": "compressed-tensors", "bnb": "bitsandbytes", "torchao": "torchao",
-            "gguf": "gguf", "fp8": "fp8", "mxfp4": "mxfp4"}[prefix]
+            "gguf": "gguf", "fp8": "fp8", "mxfp4": "mxfp4", "gptq": "gptq", "awq": "awq"}[prefix]
 
 
 # ---- refusals: before any weight is read ------------------------------------------------------
