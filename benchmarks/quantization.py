@@ -73,7 +73,9 @@ def kv_runs(model: Path, scratch: Path, prompts: list[list[int]], calibration: l
     quant_models._write_kv_scales(scaled, amax, None)
     results = {}
     for name, folder, kv in (("auto", model, "auto"), ("fp8, scales 1.0", model, "fp8"),
-                             ("fp8, checkpoint scales", scaled, "fp8")):
+                             ("fp8, checkpoint scales", scaled, "fp8"),
+                             ("fp8_e5m2, scales 1.0", model, "fp8_e5m2"),
+                             ("fp8_e5m2, checkpoint scales", scaled, "fp8_e5m2")):
         llm = LLM(str(folder), dtype=args.dtype, kv_cache_dtype=kv, enable_prefix_caching=False)
         outs = llm.generate(h.token_prompts(prompts), h.greedy(args.output_len, logprobs=0),
                             use_tqdm=False)
