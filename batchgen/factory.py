@@ -205,6 +205,7 @@ def plan_engine(model: str | os.PathLike | torch.nn.Module,
     dev = resolve_device(device)
     quant = quantization.plan_quantization(config, cfg.quantization, dev,
                                            gguf[1] if gguf else None)  # config alone
+    quantization.check_tensor_parallel(quant, cfg.tensor_parallel_size)
     if gguf:
         quantization.check_gguf(*gguf)
     else:

@@ -175,6 +175,10 @@ def test_online_methods_that_cannot_run_here_are_refused(sources, tmp_path, aske
     _poison_weights(folder)
     with pytest.raises(ValueError, match=match):
         LLM(folder, quantization=asked, num_kv_blocks=8)
+    if asked == "fp8":  # and quantized weights under tensor parallelism, from the config
+        with pytest.raises(ValueError, match="'torchao' with tensor_parallel_size=2: .*not "
+                                             "verified under tensor parallelism"):
+            LLM(folder, quantization="torchao", tensor_parallel_size=2, num_kv_blocks=8)
 
 
 def test_an_unserved_checkpoint_method_is_refused(sources, tmp_path):

@@ -14,11 +14,12 @@ from batchgen.quantization.memory import checkpoint_bytes, weight_bytes
 from batchgen.quantization.methods import METHODS, NAMES, method_for_checkpoint
 from batchgen.quantization.plan import (
     QuantPlan,
+    check_tensor_parallel,
     checkpoint_method,
     load_kwargs,
     plan_quantization,
 )
 
 __all__ = ["METHODS", "NAMES", "KVScales", "QuantPlan", "check_gguf", "checkpoint_bytes",
-           "checkpoint_kv_scales", "checkpoint_method", "fp8_scales", "gguf_source",
+           "checkpoint_kv_scales", "checkpoint_method", "check_tensor_parallel", "fp8_scales", "gguf_source",
            "load_gguf_config", "load_gguf_tokenizer", "method_for_checkpoint", "load_kwargs", "plan_quantization", "weight_bytes"]

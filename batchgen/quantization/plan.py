@@ -78,6 +78,18 @@ def plan_quantization(config: PretrainedConfig, requested: str | None, device: t
     return QuantPlan(method.name, None)
 
 
+def check_tensor_parallel(plan: QuantPlan | None, tensor_parallel_size: int) -> None:
+    """ValueError for quantized weights under tensor parallelism: each rank would quantize or
+    unpack only its shard (per-channel scales over half a row: other weights than one rank's,
+    found on a tiny model with torchao int8), and no sharded quantized load is verified."""
+    if plan is not None and tensor_parallel_size > 1:
+        raise ValueError(
+            f"quantization={plan.method!r} with tensor_parallel_size={tensor_parallel_size}: "
+            "quantized weights are not verified under tensor parallelism in batchgen (each "
+            "rank quantizes or unpacks its own shard, which gives other weights than one "
+            "device); use tensor_parallel_size=1, or a full-precision checkpoint")
+
+
 def _check_runs(method: Method, device_check: Any, device: torch.device, name: str) -> None:
     """ValueError when the method's package is missing or its kernels cannot run here."""
     if method.package and importlib.util.find_spec(method.package) is None:
