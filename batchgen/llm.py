@@ -136,11 +136,11 @@ class LLM:
 
     def beam_search_stream(self, prompts: PromptType | Iterable[PromptType],
                            params: BeamSearchParams | Iterable[BeamSearchParams],
-                           use_tqdm: bool | Callable[..., tqdm] = True
+                           use_tqdm: bool | Callable[..., tqdm] = True, *, lora_request: Any = None
                            ) -> Iterator[tuple[int, BeamSearchOutput]]:
         """`beam_search` as a stream of `(input index, BeamSearchOutput)`."""
         check_beam_mode(self.engine.sampler.logprobs_mode)
-        return self._run_stream(prompts, params, BEAMS, use_tqdm)
+        return self._run_stream(prompts, params, BEAMS, use_tqdm, lora_request)
 
     def beam_search(self, prompts: PromptType | Iterable[PromptType],
                     params: BeamSearchParams | Seq[BeamSearchParams],
@@ -232,9 +232,9 @@ class LLM:
             raise ValueError("get_metrics needs LLM(..., disable_log_stats=False)")
         return self._stats.metrics()
 
-    def get_tokenizer(self):
-        """The HF tokenizer (None for a folder without one, or skip_tokenizer_init=True)."""
-        return self.tokenizer
+    def get_tokenizer(self, lora_request: Any = None):
+        """The HF tokenizer (None if none, or skip_tokenizer_init); an adapter's own, if any."""
+        return self._lora.tokenizer(lora_request, self.tokenizer)
 
     def __repr__(self) -> str:
         c = self.cache_config
@@ -249,7 +249,7 @@ class LLM:
              lora_request: Any = None) -> list[Any]:
         """A batch call: every prompt validated first, all run, outputs in input order; under
         the priority policy queued lower `priority` first (ties in input order), as vLLM's."""
-        groups = self._lora.tag(self.requests.build(prompts, params, kind), lora_request)
+        groups = self._lora.build(self.requests, prompts, params, kind, lora_request)
         order = queue_order(groups, priority, self.engine.scheduler.by_priority)
         for _ in self._stream(order, len(groups), use_tqdm):
             pass
@@ -259,8 +259,8 @@ class LLM:
                     use_tqdm: bool | Callable[..., tqdm], lora_request: Any = None
                     ) -> Iterator[tuple[int, Any]]:
         """A stream call: groups built lazily; (input index, output) as each finishes."""
-        groups = self._lora.tag_stream(self.requests.stream(
-            prompts, params, kind, self.engine.scheduler.max_num_seqs), lora_request)
+        groups = self._lora.build_stream(self.requests, prompts, params, kind,
+                                         self.engine.scheduler.max_num_seqs, lora_request)
         for g in self._stream(groups, length(prompts), use_tqdm):
             yield g.index, kind.output(self.results, g)
 

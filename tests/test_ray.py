@@ -225,3 +225,39 @@ def test_an_image_column_equals_the_local_runner(local_ray, tiny_vlm_factory) ->
         build_processor(BatchgenProcessorConfig(str(path), params, engine,
                                                 image_column="picture"))(
             ray.data.from_arrow(numbered_blocks(data, 3)))
+
+
+def test_an_adapter_column_equals_the_local_runner(local_ray, model: Path,
+                                                   tmp_path: Path) -> None:
+    """Rows under two PEFT LoRA adapters and the base model, on one actor: the same outputs as
+    generate_dataset's local run with the same lora_column and loras (tests/test_lora_data.py
+    checks that against PEFT's models); lora_column without enable_lora is refused."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    loras = {}
+    for i, targets in enumerate((["q_proj", "v_proj"], ["o_proj", "up_proj"])):
+        torch.manual_seed(i)
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        peft_model = peft.get_peft_model(base, peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        for n, p in peft_model.named_parameters():
+            if "lora_" in n:
+                p.data.normal_(0, 0.3)
+        peft_model.save_pretrained(tmp_path / f"l{i}")
+        loras[f"l{i}"] = str(tmp_path / f"l{i}")
+    data = datasets.Dataset.from_list([{**r, "adapter": [None, "l0", "l1"][i % 3]}
+                                       for i, r in enumerate(rows(9))])
+    engine = {"device": "cpu", "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    local = generate_dataset(LLM(str(model), **engine), data, PARAMS, seed=3,
+                             lora_column="adapter", loras=loras, use_tqdm=False).to_list()
+    cfg = config(model, engine_kwargs=engine, lora_column="adapter", loras=loras,
+                 concurrency=1, batch_size=5)
+    got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
+    assert got == local
+    base = generate_dataset(LLM(str(model), device="cpu"), data, PARAMS, seed=3,
+                            use_tqdm=False)["outputs"]
+    assert [r["outputs"] == b for r, b in zip(got, base)] == [True, False, False] * 3
+    with pytest.raises(ValueError, match="lora_column needs engine_kwargs"):
+        config(model, lora_column="adapter", loras=loras)

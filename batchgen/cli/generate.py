@@ -76,6 +76,12 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                     help="a vision-language model's image column (a path, image bytes or a "
                          "datasets Image) beside the text prompt column, whose text holds "
                          "the model's image placeholder")
+    io.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                    help="a PEFT LoRA adapter folder under a name (repeatable); each row names "
+                         "its adapter in --lora-column")
+    io.add_argument("--lora-column", default=None, metavar="COL",
+                    help="the column naming each row's adapter (a --lora NAME; empty or null: "
+                         "the base model)")
     io.add_argument("--output", required=True, help="folder for the shards")
     io.add_argument("--output-format", choices=("parquet", "jsonl"), default="parquet",
                     help="shard file format (default parquet)")
@@ -141,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
           args.tensor_parallel_size)
     if args.kind == "beam":
         check_beam_mode(args.logprobs_mode, "--logprobs-mode")
+    from batchgen.lora.dataset import LoRAColumn, parse_lora_flags
+
+    args.loras = parse_lora_flags(args.lora)
+    if bool(args.loras) != (args.lora_column is not None):
+        raise CliError("--lora NAME=PATH and --lora-column COL go together (the adapters, and "
+                       "the column naming each row's)")
+    LoRAColumn.of(args.lora_column, args.loras)
     params = _params(args)
     return _run_job(args, params, memory)
 
@@ -169,12 +182,17 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     column = args.messages_column or args.prompt_column or "prompt"
     for flag, name in (("--messages-column" if args.messages_column else "--prompt-column",
                         column), ("--schema-column", args.schema_column),
-                       ("--image-column", args.image_column)):
+                       ("--image-column", args.image_column),
+                       ("--lora-column", args.lora_column)):
         if name is not None and source.column_names is not None \
                 and name not in source.column_names:
             raise CliError(f"{flag} {name!r} is not a column of {args.input} (columns: "
                            f"{', '.join(source.column_names)})")
-    engine = engine_kwargs(args, memory)
+    from batchgen.lora.dataset import LoRAColumn
+    from batchgen.lora.dataset import engine_kwargs as lora_engine_kwargs
+
+    LoRAColumn.of(args.lora_column, args.loras).check_rows(source)  # each row's adapter name
+    engine = engine_kwargs(args, memory) | lora_engine_kwargs(args.loras)
     if args.ray:
         from batchgen.cli.ray_job import run_on_ray
 
@@ -191,7 +209,8 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
                               shard_seconds=args.shard_seconds or None, chat_template=template,
                               schema_column=args.schema_column, on_error=args.on_error,
                               output_format=args.output_format, use_tqdm=not args.quiet,
-                              image_column=args.image_column)
+                              image_column=args.image_column,
+                              lora_column=args.lora_column, loras=args.loras or None)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")

@@ -48,7 +48,8 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
             args.model).expanduser().exists() else args.model,
         sampling_params=params, engine_kwargs=engine, prompt_column=spec.prompt_column or "prompt",
         messages_column=spec.messages_column, chat_template=template, seed=args.seed,
-        image_column=args.image_column,
+        image_column=args.image_column, lora_column=args.lora_column,
+        loras=args.loras or None,
         batch_size=args.batch_size, concurrency=args.actors, num_gpus=args.gpus_per_actor,
         num_cpus=args.cpus_per_actor)
     started = not ray.is_initialized()

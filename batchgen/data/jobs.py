@@ -41,11 +41,12 @@ class SampleJobs:
         which rows ran beside it)."""
         return replace(params, seed=row_seed)
 
-    def stream(self, llm: LLM, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
-        return llm.generate_stream(prompts, params, use_tqdm=False)
+    def stream(self, llm: LLM, prompts: Any, params: Any, lora_request: Any = None
+               ) -> Iterator[tuple[int, Any]]:
+        return llm.generate_stream(prompts, params, use_tqdm=False, **_lora(lora_request))
 
-    def run(self, llm: LLM, prompts: Any, params: Any) -> list[Any]:
-        return llm.generate(prompts, params, use_tqdm=False)
+    def run(self, llm: LLM, prompts: Any, params: Any, lora_request: Any = None) -> list[Any]:
+        return llm.generate(prompts, params, use_tqdm=False, **_lora(lora_request))
 
     def records(self, out: RequestOutput) -> list[dict[str, Any]]:
         """The completions as plain dicts (a dataset row's `outputs`)."""
@@ -73,11 +74,12 @@ class BeamJobs:
     def row_params(self, params: BeamSearchParams, row_seed: int) -> BeamSearchParams:
         return params  # beams draw nothing
 
-    def stream(self, llm: LLM, prompts: Any, params: Any) -> Iterator[tuple[int, Any]]:
-        return llm.beam_search_stream(prompts, params, use_tqdm=False)
+    def stream(self, llm: LLM, prompts: Any, params: Any, lora_request: Any = None
+               ) -> Iterator[tuple[int, Any]]:
+        return llm.beam_search_stream(prompts, params, use_tqdm=False, **_lora(lora_request))
 
-    def run(self, llm: LLM, prompts: Any, params: Any) -> list[Any]:
-        return llm.beam_search(prompts, params, use_tqdm=False)
+    def run(self, llm: LLM, prompts: Any, params: Any, lora_request: Any = None) -> list[Any]:
+        return llm.beam_search(prompts, params, use_tqdm=False, **_lora(lora_request))
 
     def records(self, out: BeamSearchOutput) -> list[dict[str, Any]]:
         recs = [{"text": s.text, "token_ids": s.token_ids,
@@ -96,6 +98,11 @@ _JOBS: dict[str, JobKind] = {SAMPLES.name: SampleJobs(), BEAMS.name: BeamJobs()}
 def job_kind(params: object, name: str = "params") -> JobKind:
     """The job side of a params object's kind (ValueError naming `name` for anything else)."""
     return _JOBS[kind_of(params, name).name]
+
+
+def _lora(lora_request: Any) -> dict[str, Any]:
+    """`lora_request` as a keyword argument (none without an adapter column)."""
+    return {} if lora_request is None else {"lora_request": lora_request}
 
 
 def _logprob_records(logprobs: list[Any]) -> list[list[dict[str, Any]]]:

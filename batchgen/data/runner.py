@@ -44,6 +44,7 @@ from batchgen.data.source import Source, open_source, quiet_datasets, undecoded_
 from batchgen.data.writers import ShardWriter, writer_for
 from batchgen.kinds import kind_of
 from batchgen.log import logger
+from batchgen.lora.dataset import LoRAColumn, RowAdapters
 from batchgen.outputs import BeamSearchOutput, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -66,7 +67,8 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
                      chat_template_kwargs: dict[str, Any] | None = None,
                      schema_column: str | None = None, output_format: str = "parquet",
                      on_error: str = "fail", use_tqdm: bool = True,
-                     image_column: str | None = None) -> datasets.Dataset:
+                     image_column: str | None = None, lora_column: str | None = None,
+                     loras: dict[str, str] | None = None) -> datasets.Dataset:
     """Generate for every row of `data` (a Dataset, an IterableDataset, or a JSONL / JSON /
     Parquet / CSV path or `save_to_disk` folder) and return a Dataset of the input columns plus
     `row_id`, `num_prompt_tokens` and `outputs` (the n completions, or the beams for
@@ -95,26 +97,25 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
 
     `image_column` (a vision-language model): each row's image beside its text prompt, which
     holds the model's image placeholder: a path, an image file's bytes, or datasets' `Image`
-    (kept encoded in the output; a row whose image is None runs as text)."""
+    (kept encoded in the output; a row whose image is None runs as text). `lora_column`: each
+    row's LoRA adapter, by name in `loras` ({name: PEFT folder}; docs/lora.md)."""
     params = llm.get_default_sampling_params() if params is None else params
     spec = PromptSpec(None if messages_column else prompt_column, messages_column,
                       chat_template, add_generation_prompt, chat_template_kwargs, image_column)
     _check_args(params, rows_per_shard, shard_seconds, on_error, resume, output_dir, seed)
-    writer = writer_for(output_format)
-    _check_schema_column(params, schema_column)
-    source = undecoded_images(open_source(data), image_column)
-    _check_columns(source, spec, messages_column, schema_column)
-    seed = job_seed(params, seed)
-    skip = on_error == "skip"
+    writer = _checked_writer(params, output_format, schema_column)
+    source, adapters = _open(llm, data, spec, messages_column, schema_column,
+                             LoRAColumn.of(lora_column, loras))
+    seed, skip = job_seed(params, seed), on_error == "skip"
     schema = output_schema(source.schema, params, constraint_of(params, schema_column), skip)
     store = None
     if output_dir is not None:
-        fingerprint = _job(llm, params, seed, spec, source, schema_column, writer, on_error)
-        store = ShardStore(Path(output_dir).expanduser(), fingerprint, resume, writer)
+        job = _job(llm, params, seed, spec, source, schema_column, writer, on_error, adapters)
+        store = ShardStore(Path(output_dir).expanduser(), job, resume, writer)
         if resume:
-            _reconcile(store, source, skip, spec.image_column)
+            _reconcile(store, source, skip, spec.image_column, adapters)
     job = _Job(llm, source, params, spec, seed, schema, store,
-               _Closing(rows_per_shard, shard_seconds), schema_column, skip)
+               _Closing(rows_per_shard, shard_seconds), schema_column, skip, adapters)
     job.run(use_tqdm)
     return job.result()
 
@@ -131,8 +132,32 @@ def _check_columns(source: Source, spec: PromptSpec, messages_column: str | None
             raise ValueError(f"{name} {column!r} is not a column of data (columns: {names})")
 
 
+def _checked_writer(params: Any, output_format: Any, schema_column: Any) -> ShardWriter:
+    _check_schema_column(params, schema_column)
+    return writer_for(output_format)
+
+
+def _open(llm: LLM, data: Any, spec: PromptSpec, messages_column: str | None,
+          schema_column: str | None, lora: LoRAColumn) -> tuple[Source, RowAdapters]:
+    """The input, its columns checked; the job's adapters (each read and checked, then each
+    row's name); the input's fingerprint then includes the adapters' bytes."""
+    source = undecoded_images(open_source(data), spec.image_column)
+    _check_columns(source, spec, messages_column, schema_column)
+    adapters = RowAdapters(lora, llm)
+    lora.check_rows(source)
+    return adapters.source(source), adapters
+
+
+def _fingerprinter(adapters: RowAdapters, image_column: str | None) -> Any:
+    """A row's input fingerprint: its columns (an image path's file too) and its adapter's
+    bytes (a row under one: RowAdapters)."""
+    def fingerprint(row: dict[str, Any]) -> str:
+        return adapters.fingerprint(row, row_fingerprint(row, image_column))
+    return fingerprint
+
+
 def _reconcile(store: ShardStore, source: Source, errors: bool,
-               image_column: str | None = None) -> None:
+               image_column: str | None, adapters: RowAdapters) -> None:
     """On resume: keep only the listed rows whose input is unchanged (error rows are retried).
     The rows are read and fingerprinted only when the input's fingerprint differs from the
     one the manifest lists, or says nothing of the rows (an iterable)."""
@@ -141,10 +166,13 @@ def _reconcile(store: ShardStore, source: Source, errors: bool,
     unchanged = source.content_fingerprint and stored.get("input") == source.fingerprint \
         and image_column is None
     current = None
+    fingerprint = _fingerprinter(adapters, image_column)
     if not unchanged:  # (nothing to read when no row was kept)
-        current = {i: row_fingerprint(row, image_column) for i, row in source.rows()
+        current = {i: fingerprint(row) for i, row in source.rows()
                    if i in store.done_ids} if store.done_ids else {}
-    dropped = store.reconcile(current, errors, whole_shards=image_column is not None)
+    # an image path's file or a row's adapter may change under the same row: whole shards
+    dropped = store.reconcile(current, errors, whole_shards=image_column is not None
+                              or adapters.column is not None)
     if dropped:
         logger.info("resume: %d row(s) changed, left the input or failed: they are redone",
                     len(dropped))
@@ -169,7 +197,8 @@ class _Job:
     def __init__(self, llm: LLM, source: Source, params: SamplingParams | BeamSearchParams,
                  spec: PromptSpec, seed: int, schema: pa.Schema | None,
                  store: ShardStore | None, closing: _Closing,
-                 schema_column: str | None = None, skip: bool = False) -> None:
+                 schema_column: str | None = None, skip: bool = False,
+                 adapters: RowAdapters | None = None) -> None:
         self.llm, self.source, self.params, self.spec = llm, source, params, spec
         self.seed, self.schema, self.store, self.closing = seed, schema, store, closing
         self.kind = job_kind(params)
@@ -183,6 +212,9 @@ class _Job:
         self.opened = time.monotonic()  # when the shard being filled was opened
         self.rate: _Rate | None = None
         self.failure: ValueError | None = None  # on_error="fail": the row that stopped the job
+        self.adapters = adapters or RowAdapters(LoRAColumn(), llm)  # each row's adapter
+        self.fingerprint = _fingerprinter(self.adapters, spec.image_column)
+        self.loras: list[Any] = []  # the stream's lora_request, by stream index
 
     def run(self, use_tqdm: bool) -> None:
         """Stream every row not done yet; on any error or Ctrl-C, write what finished first."""
@@ -209,7 +241,8 @@ class _Job:
         pairs_a, pairs_b = tee(self._requests(done))
         prompts = (p for p, _ in pairs_a)
         params = (q for _, q in pairs_b)
-        return self.kind.stream(self.llm, prompts, params)
+        loras = self.loras if self.adapters.column is not None else None
+        return self.kind.stream(self.llm, prompts, params, loras)
 
     def _requests(self, done: set[int]) -> Iterator[tuple[Any, Any]]:
         """(prompt, params) of every row not done, checked one by one, recording which stream
@@ -221,22 +254,24 @@ class _Job:
             if row_id in done:
                 continue
             try:
-                prompt, params = self._prepare(row_id, row)
+                lora = self.adapters.request(row_id, row)
+                prompt, params = self._prepare(row_id, row, lora)
             except Exception as e:  # the row's own problem: its prompt, template or schema
                 if self._failed(row_id, row, e):
                     continue
                 return
-            self.inflight[index] = (row_id, row, row_fingerprint(row, self.spec.image_column))
+            self.inflight[index] = (row_id, row, self.fingerprint(row))
+            self.loras.append(lora)
             index += 1
             yield prompt, params
 
-    def _prepare(self, row_id: int, row: dict[str, Any]) -> tuple[Any, Any]:
+    def _prepare(self, row_id: int, row: dict[str, Any], lora: Any = None) -> tuple[Any, Any]:
         """The row's prompt (tokenized) and params, checked as the engine would check them."""
         params = row_params(self.params, self.seed, row_id)
         if self.schema_column is not None:
             params = dataclasses.replace(params, structured_outputs=row_constraint(
                 self.llm, row, self.schema_column))
-        prompt = self.spec.prompt(self.llm, row_id, row)
+        prompt = self.adapters.encode(self.spec.prompt(self.llm, row_id, row), lora)
         return self.llm.requests.check_one(prompt, params, self.engine_kind), params
 
     def _failed(self, row_id: int, row: dict[str, Any], error: Exception) -> bool:
@@ -251,8 +286,7 @@ class _Job:
             self.failure.__cause__ = error
             return False
         logger.warning("skipped %s", message)
-        self._file(error_row(row, row_id, message),
-                   row_fingerprint(row, self.spec.image_column))
+        self._file(error_row(row, row_id, message), self.fingerprint(row))
         return True
 
     def _finished(self, index: int, out: RequestOutput | BeamSearchOutput) -> None:
@@ -385,7 +419,7 @@ def _prompt_identity(spec: PromptSpec) -> dict[str, Any]:
 
 def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
          schema_column: str | None = None, writer: ShardWriter | None = None,
-         on_error: str = "fail") -> dict[str, Any]:
+         on_error: str = "fail", adapters: RowAdapters | None = None) -> dict[str, Any]:
     """What identifies a job for resume: model, params, seed, prompt source, the output format
     and what a failed row does; and the input it ran on (a resume checks the rows of an input
     that changed, see ShardStore.reconcile)."""
@@ -414,6 +448,8 @@ def _job(llm: LLM, params: Any, seed: int, spec: PromptSpec, source: Source,
         job["output_format"] = writer.name
     if on_error != "fail":  # (absent for "fail", as before: the outputs have no error column)
         job["on_error"] = on_error
+    if adapters is not None:  # lora_column and the adapters' names (absent without a column)
+        job.update(adapters.spec.identity())
     return job
 
 

@@ -18,6 +18,7 @@ from batchgen.checks import check_flag, check_int
 from batchgen.lora.adapter import Adapter, load_adapter
 from batchgen.lora.layers import LoRALayers
 from batchgen.lora.request import LoRARequest
+from batchgen.lora.tokenizers import AdapterTokenizers
 
 _PEFT_NAME = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 
@@ -38,7 +39,9 @@ class LoRASeam:
         self.slot_of: dict[int, int] = {}  # lora_int_id -> device slot
         self.pinned: set[int] = set()  # adapters given weights by load_weights: kept in host
         self.last_use: dict[int, int] = {}  # lora_int_id -> admission tick (the slots' LRU)
+        self.versions: dict[int, str] = {}  # lora_int_id -> its bytes' fingerprint (datasets)
         self._tick = 0
+        self.tokenizers = AdapterTokenizers()  # adapters' own tokenizers, by folder
 
     @classmethod
     def take(cls, engine_args: dict[str, Any], tensor_parallel_size: int) -> LoRASeam:
@@ -52,8 +55,12 @@ class LoRASeam:
         check_int(rank, "max_lora_rank", minimum=1)
         check_int(cpu, "max_cpu_loras", minimum=1, allow_none=True)
         if enabled and tensor_parallel_size > 1:
-            raise ValueError("enable_lora=True needs tensor_parallel_size=1 (LoRA under tensor "
-                             f"parallelism is not served), got {tensor_parallel_size}")
+            raise ValueError(
+                f"enable_lora=True needs tensor_parallel_size=1, got {tensor_parallel_size}: "
+                "adapters' A and B are not sharded along the base layers' tensor-parallel "
+                "plan yet (each rank holds a slice of every targeted projection, and an "
+                "unsharded delta would be added to the wrong rows); run LoRA on one device, or "
+                "merge the adapter into the weights (PEFT's merge_and_unload) for TP")
         return cls(bool(enabled), max_loras, rank, cpu)
 
     def attach(self, llm: Any) -> LoRASeam:
@@ -102,6 +109,19 @@ class LoRASeam:
         self.requests[aid] = req
         return adapter
 
+    def refresh(self, req: LoRARequest, version: str) -> bool:
+        """Serve `req` as its folder is now (`version`: a fingerprint of its bytes): an
+        adapter loaded under another version is dropped (host copy and device slot) and read
+        again. True when one was dropped (its K/V in the prefix cache is stale)."""
+        aid, stale = req.lora_int_id, False
+        if self.versions.get(aid) not in (None, version):
+            stale = self.host.pop(aid, None) is not None or aid in self.slot_of
+            self.held.pop(self.slot_of.pop(aid, -1), None)
+            self.pinned.discard(aid)
+        self.versions[aid] = version
+        self.resolve(req)
+        return stale
+
     def load_weights(self, req: Any, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """verl's LoRA sync: new values for a loaded adapter's A and B, by PEFT names
         (`base_model.model.` and an adapter name before `.weight` optional), copied in place
@@ -140,6 +160,26 @@ class LoRASeam:
             return [self.resolve(r) for r in lora_request]
         return self.resolve(lora_request)
 
+    def build(self, requests: Any, prompts: Any, params: Any, kind: Any, lora_request: Any
+              ) -> list:
+        """A batch call's groups (`RequestBuilder.build`), each tagged with its adapter; text
+        prompts under an adapter that ships a tokenizer are tokenized with it first."""
+        prompts = self.tokenizers.encode(prompts, lora_request) if self.enabled else prompts
+        return self.tag(requests.build(prompts, params, kind), lora_request)
+
+    def build_stream(self, requests: Any, prompts: Any, params: Any, kind: Any, chunk: int,
+                     lora_request: Any) -> Iterator:
+        """`build` for a stream call (`RequestBuilder.stream`, lazily)."""
+        prompts = self.tokenizers.encode(prompts, lora_request) if self.enabled else prompts
+        return self.tag_stream(requests.stream(prompts, params, kind, chunk), lora_request)
+
+    def tokenizer(self, lora_request: Any, base: Any) -> Any:
+        """vLLM's `get_tokenizer(lora_request)`: the adapter's own tokenizer when its folder
+        ships one, else `base`."""
+        if lora_request is not None:
+            self.resolve(lora_request)  # a bad request or folder: a ValueError naming it
+        return self.tokenizers.of(lora_request, base)
+
     def tag(self, groups: list, lora_request: Any) -> list:
         """Each group's adapter and prefix-cache key, before the call runs."""
         ids = self.per_prompt(lora_request, len(groups))
@@ -148,10 +188,12 @@ class LoRASeam:
         return groups
 
     def tag_stream(self, groups: Iterable, lora_request: Any) -> Iterator:
-        """`tag` for a stream's lazily built groups (a list: one per prompt, by index)."""
-        ids = self.per_prompt(lora_request, None)
+        """`tag` for a stream's lazily built groups (a list: one per prompt, by index, read
+        as each group is built: a dataset job appends a row's adapter as it yields its prompt)."""
+        each = isinstance(lora_request, (list, tuple))
+        one = None if each else self.resolve(lora_request)
         for g in groups:
-            self._set(g, ids if isinstance(ids, int) else ids[g.index])
+            self._set(g, self.resolve(lora_request[g.index]) if each else one)
             yield g
 
     def _set(self, group: Any, aid: int) -> None:

@@ -29,6 +29,7 @@ from batchgen.data.rows import (
     output_schema,
     row_params,
 )
+from batchgen.lora.dataset import LoRAColumn, RowAdapters
 from batchgen.params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class BatchgenProcessorConfig:
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     image_column: str | None = None  # a VLM's row image: a path, bytes, {"bytes", "path"}
+    lora_column: str | None = None  # each row's adapter, by name in loras (None: the base)
+    loras: dict[str, str] | None = None  # adapter name -> PEFT folder every node can read
     seed: int | None = None  # the job seed (params.seed first), as in generate_dataset
     batch_size: int = 64  # rows per map_batches call
     concurrency: int | tuple[int, int] = 1  # actors: a fixed number or (min, max)
@@ -69,6 +72,10 @@ class BatchgenProcessorConfig:
                           self.messages_column, self.chat_template, True,
                           self.chat_template_kwargs, self.image_column)
 
+    @property
+    def lora_spec(self) -> LoRAColumn:
+        return LoRAColumn.of(self.lora_column, self.loras)
+
 
 def _check(c: BatchgenProcessorConfig) -> None:
     """ValueErrors naming the field, before Ray starts anything."""
@@ -79,6 +86,8 @@ def _check(c: BatchgenProcessorConfig) -> None:
     check_type(c.engine_kwargs, "engine_kwargs", dict, "a dict of LLM arguments")
     _ = c.prompt_spec  # PromptSpec checks the prompt column and the chat fields
     check_seed(c.seed)  # the job seed: validated only, as in generate_dataset
+    if c.lora_spec.column is not None and not c.engine_kwargs.get("enable_lora"):
+        raise ValueError("lora_column needs engine_kwargs['enable_lora']=True")
     check_int(c.batch_size, "batch_size")
     sizes = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,)
     check(1 <= len(sizes) <= 2 and all(is_int(n) and n >= 1 for n in sizes)
@@ -112,6 +121,7 @@ class _Generate:
         self.config = config
         self.spec = config.prompt_spec
         self.llm = LLM(config.model_source, **config.engine_kwargs)
+        self.adapters = RowAdapters(config.lora_spec, self.llm)  # each read and checked
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
@@ -119,7 +129,9 @@ class _Generate:
         prompts = [self.spec.prompt(self.llm, i, r) for i, r in zip(ids, rows)]
         p = self.config.sampling_params
         kind, seed = job_kind(p), job_seed(p, self.config.seed)
-        outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids])
+        loras = [self.adapters.request(i, r) for i, r in zip(ids, rows)]
+        outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids],
+                        loras if self.adapters.column is not None else None)
         constraint = constraint_of(p)
         schema = output_schema(_without(batch.schema, ROW_ID), p, constraint)
         return pa.Table.from_pylist([output_row(r, i, o, kind, constraint)
@@ -151,9 +163,10 @@ class Processor:
             name = "messages_column" if c.messages_column else "prompt_column"
             raise ValueError(f"{name} {c.prompt_spec.column!r} is not a column of the dataset "
                              f"(columns: {ds.columns()})")
-        if c.image_column is not None and c.image_column not in ds.columns():
-            raise ValueError(f"image_column {c.image_column!r} is not a column of the dataset "
-                             f"(columns: {ds.columns()})")
+        for name, column in (("image_column", c.image_column), ("lora_column", c.lora_column)):
+            if column is not None and column not in ds.columns():
+                raise ValueError(f"{name} {column!r} is not a column of the dataset "
+                                 f"(columns: {ds.columns()})")
         size = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,) * 2
         compute = ray.data.ActorPoolStrategy(
             min_size=size[0], max_size=size[1],
