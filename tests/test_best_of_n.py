@@ -232,3 +232,34 @@ def test_cli_generate_score_select(folders, tmp_path, capsys):
     for r in table:
         s = [c["score"] for c in r["outputs"]]
         assert r["selected"] == [s.index(max(s))]
+
+
+def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
+    """A process reward model (a token-classification head, 2 labels) passed as a PoolingLLM:
+    each candidate's score is the "good" label's probability at its last token, as HF's own
+    forward gives it."""
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from batchgen.pooling.llm import PoolingLLM
+
+    gen, _ = folders
+    config = AutoConfig.from_pretrained(gen)
+    config.num_labels, config.architectures = 2, ["LlamaForTokenClassification"]
+    torch.manual_seed(5)
+    hf = AutoModelForTokenClassification.from_config(config).float().eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 1.0)
+    hf.save_pretrained(tmp_path / "prm")
+    for f in gen.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, tmp_path / "prm" / f.name)
+    llm = LLM(gen, seed=0, num_kv_blocks=32)
+    prm = PoolingLLM(tmp_path / "prm", num_kv_blocks=32, block_size=4)
+    ds = generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=4), score=prm,
+                          select="best", use_tqdm=False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "prm")
+    for r in ds:
+        for c in r["outputs"]:
+            with torch.no_grad():
+                logits = hf(**tok(r["prompt"] + c["text"], return_tensors="pt")).logits[0, -1]
+            assert abs(c["score"] - torch.softmax(logits, -1)[1].item()) < 1e-5

@@ -164,7 +164,7 @@ class _Stages:
                ) -> tuple[list[dict[str, Any]], dict[int, list[float]], pa.Schema]:
         """Generate (the scorer's pool asleep), then score (the generator's asleep)."""
         gen_dir = self._dir(r, "generate")
-        _sleep(getattr(self.scorer.model, "llm", None))
+        _sleep(_engine(self.scorer.model))
         _wake(self.llm)
         ds = runner.generate_dataset(self.llm, data, params, output_dir=gen_dir,
                                      resume=self.resume, seed=seed, **self.kwargs)
@@ -179,7 +179,7 @@ class _Stages:
         if self.scorer.is_model and (store is None or len(store.done_ids) < len(rows)):
             _sleep(self.llm)
             self.scorer.load()
-            _wake(self.scorer.model.llm)
+            _wake(_engine(self.scorer.model))
         scores = score_rows(rows, self._prompt_of, self.scorer, store, self.rows_per_shard)
         return rows, scores, ds.data.schema
 
@@ -239,6 +239,11 @@ class _Stages:
             return datasets.Dataset(pa.Table.from_pylist(kept, schema=schema))
         store.finish()
         return store.writer.load(store.files(), schema).sort(ROW_ID)
+
+
+def _engine(model: Any) -> Any:
+    """The LLM a scorer model runs on (a RewardModel's `llm`, a PoolingLLM itself)."""
+    return getattr(model, "llm", model)
 
 
 def _sleep(llm: Any) -> None:
