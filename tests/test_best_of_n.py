@@ -124,14 +124,25 @@ def test_best_of_n_stages_and_resume_per_stage(folders, tmp_path, monkeypatch):
     assert spy.generated == spy.scored == 9  # nothing generated or scored again
     assert [c["score"] for r in ds2 for c in r["outputs"]] == scores
     assert [len(r["selected"]) for r in ds2] == [2, 2, 2]
-    ds3 = generate_dataset(llm, ROWS, params, score=lambda p, t: float(len(t)),
-                           select="pairs", output_dir=out, resume=True, use_tqdm=False)
+    calls = []
+
+    def length(prompt, text):
+        calls.append(text)
+        return float(len(text))
+    ds3 = generate_dataset(llm, ROWS, params, score=length, select="pairs", output_dir=out,
+                           resume=True, use_tqdm=False)
     assert spy.generated == 9 and _files(out / "generate") == generated  # rescored only
+    assert len(calls) == 9 and spy.scored == 9
     assert [c["score"] for r in ds3 for c in r["outputs"]] == [len(t) - len(r["prompt"])
                                                                 for r in ds3 for t in
                                                                 [r["prompt"] + c["text"]
                                                                  for c in r["outputs"]]]
     assert all(len(r["rejected"]) <= 1 for r in ds3)
+    more = datasets.concatenate_datasets([ROWS, datasets.Dataset.from_list([{"prompt": "Hi"}])])
+    ds4 = generate_dataset(llm, more, params, score=length, select="pairs", output_dir=out,
+                           resume=True, use_tqdm=False)  # a row added: only it runs
+    assert spy.generated == 12 and len(calls) == 12 and len(ds4) == 4
+    assert ds4.select(range(3)).to_list() == ds3.to_list()
 
 
 def test_until_k_spends_fewer_candidates(folders, verifier):

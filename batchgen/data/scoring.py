@@ -25,7 +25,8 @@ from batchgen.log import logger
 HEADS = ("ForSequenceClassification", "ForTokenClassification")
 GENERATORS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SCORES = "scores"
-_SCORE_SCHEMA = pa.schema([pa.field(ROW_ID, pa.int64()),
+CANDIDATES = "candidates"  # a digest of what a row's scores were computed from
+_SCORE_SCHEMA = pa.schema([pa.field(ROW_ID, pa.int64()), pa.field(CANDIDATES, pa.string()),
                            pa.field(SCORES, pa.list_(pa.float64()))])
 
 
@@ -84,6 +85,8 @@ class Scorer:
     spec: Any
     workers: int = 4
     model: Any = field(default=None, init=False)
+    before: Callable[[], None] | None = field(default=None, init=False)  # runs before a model
+    # scores (the stages swap the models there)
     scored: int = field(default=0, init=False)  # candidates scored by this process
 
     @property
@@ -107,6 +110,8 @@ class Scorer:
         if not self.is_model:
             with ThreadPoolExecutor(max_workers=self.workers) as pool:
                 return [float(s) for s in pool.map(lambda pt: self.spec(*pt), pairs)]
+        if self.before is not None:
+            self.before()
         self.load()
         outs = self.model.classify([p + t for p, t in pairs])
         return [_model_score(o.outputs.probs) for o in outs]
@@ -153,24 +158,28 @@ def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]],
                scorer: Scorer, store: ShardStore | None, rows_per_shard: int
                ) -> dict[int, list[float]]:
     """Every candidate of `rows` (generated rows) scored, row id -> scores in candidate
-    order; with a store, in shards of `rows_per_shard` rows, those already listed kept."""
-    done: dict[int, list[float]] = {}
+    order; with a store, in shards of `rows_per_shard` rows. A row whose prompt and candidate
+    texts are those a listed shard scored keeps its scores (a resume after a kill, or after
+    rows were added or edited, scores only the rest; a later shard's row wins)."""
+    done: dict[int, tuple[str, list[float]]] = {}
     if store is not None:
         for f in store.files():
-            t = store.writer.read(f)
-            done.update(zip(t.column(ROW_ID).to_pylist(), t.column(SCORES).to_pylist()))
-    todo = [r for r in rows if r[ROW_ID] not in done]
+            t = store.writer.read(f).to_pylist()
+            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES])) for r in t)
+    prompts = {r[ROW_ID]: prompt_of(r) for r in rows}
+    keys = {r[ROW_ID]: digest([prompts[r[ROW_ID]], [c["text"] for c in r[OUTPUTS]]])
+            for r in rows}
+    todo = [r for r in rows if done.get(r[ROW_ID], ("",))[0] != keys[r[ROW_ID]]]
     for part in chunks(todo, rows_per_shard):
-        prompts = [prompt_of(r) for r in part]
-        pairs = [(p, c["text"]) for p, r in zip(prompts, part) for c in r[OUTPUTS]]
+        pairs = [(prompts[r[ROW_ID]], c["text"]) for r in part for c in r[OUTPUTS]]
         flat, i, new = scorer(pairs), 0, []
         for r in part:
             k = len(r[OUTPUTS])
-            new.append({ROW_ID: r[ROW_ID], SCORES: flat[i:i + k]})
+            new.append({ROW_ID: r[ROW_ID], CANDIDATES: keys[r[ROW_ID]], SCORES: flat[i:i + k]})
             i += k
         if store is not None:
             store.write(new, _SCORE_SCHEMA)
-        done.update((d[ROW_ID], d[SCORES]) for d in new)
+        done.update((d[ROW_ID], (d[CANDIDATES], d[SCORES])) for d in new)
     if store is not None:
         store.finish()
-    return done
+    return {r[ROW_ID]: done[r[ROW_ID]][1] for r in rows}

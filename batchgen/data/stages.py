@@ -174,14 +174,16 @@ class _Stages:
             score_dir = self._dir(r, "score")
             self.score_dirs.append(score_dir)  # type: ignore[arg-type]
             store = open_stage(score_dir, {"stage": "score",  # type: ignore[arg-type]
-                                           "candidates": stage_fingerprint(gen_dir),
                                            **scorer_identity(self.scorer.spec)})
-        if self.scorer.is_model and (store is None or len(store.done_ids) < len(rows)):
-            _sleep(self.llm)
-            self.scorer.load()
-            _wake(_engine(self.scorer.model))
+        self.scorer.before = self._to_scorer  # only if a candidate is left to score
         scores = score_rows(rows, self._prompt_of, self.scorer, store, self.rows_per_shard)
         return rows, scores, ds.data.schema
+
+    def _to_scorer(self) -> None:
+        """The generator to sleep, the scorer model loaded (or woken)."""
+        _sleep(self.llm)
+        self.scorer.load()
+        _wake(_engine(self.scorer.model))
 
     def _prompt_of(self, row: dict[str, Any]) -> str:
         """The prompt text a candidate is scored after (prompt + candidate)."""
