@@ -74,6 +74,7 @@ class Spy:
         from batchgen.pooling.scorer import RewardModel
 
         self.generated = self.scored = 0
+        self.generator_asleep = []  # at each scoring call: its pool released
         stream, classify = llm.generate_stream, RewardModel.classify
 
         def counted_stream(*a, **k):
@@ -83,6 +84,7 @@ class Spy:
 
         def counted_classify(rm, prompts, *a, **k):
             self.scored += len(prompts)
+            self.generator_asleep.append(llm.is_sleeping())
             return classify(rm, prompts, *a, **k)
         monkeypatch.setattr(llm, "generate_stream", counted_stream)
         monkeypatch.setattr(RewardModel, "classify", counted_classify)
@@ -111,6 +113,7 @@ def test_best_of_n_stages_and_resume_per_stage(folders, tmp_path, monkeypatch):
     ds = generate_dataset(llm, ROWS, params, score=rm, select="best", output_dir=out,
                           rows_per_shard=2, use_tqdm=False)
     assert spy.generated == spy.scored == 9 and not llm.is_sleeping()
+    assert spy.generator_asleep and all(spy.generator_asleep)
     texts = [r["prompt"] + c["text"] for r in ds for c in r["outputs"]]
     scores = [c["score"] for r in ds for c in r["outputs"]]
     assert torch.allclose(torch.tensor(scores, dtype=torch.float64),
