@@ -272,6 +272,8 @@ def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
     ds = generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=4), score=prm,
                           select="best", use_tqdm=False)
     tok = AutoTokenizer.from_pretrained(tmp_path / "prm")
+    shared = sum((len(tok(r["prompt"])["input_ids"]) - 1) // 4 * 4 for r in ds)  # blocks
+    assert prm.kv_stats().prefix_hit_tokens >= shared > 0  # a row's 2nd candidate hits them
     for r in ds:
         for c in r["outputs"]:
             with torch.no_grad():
