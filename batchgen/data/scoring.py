@@ -166,7 +166,7 @@ def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]],
         for f in store.files():
             t = store.writer.read(f).to_pylist()
             done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES])) for r in t)
-    prompts = {r[ROW_ID]: prompt_of(r) for r in rows}
+    prompts = {r[ROW_ID]: prompt_of(r) if r[OUTPUTS] else "" for r in rows}  # (error rows)
     keys = {r[ROW_ID]: digest([prompts[r[ROW_ID]], [c["text"] for c in r[OUTPUTS]]])
             for r in rows}
     todo = [r for r in rows if done.get(r[ROW_ID], ("",))[0] != keys[r[ROW_ID]]]

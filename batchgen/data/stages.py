@@ -191,7 +191,10 @@ class _Stages:
         value = row[messages or self.kwargs.get("prompt_column", "prompt")]
         tok = self.llm.get_tokenizer()
         if messages:
-            return tok.apply_chat_template(value, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(
+                value, tokenize=False, chat_template=self.kwargs.get("chat_template"),
+                add_generation_prompt=self.kwargs.get("add_generation_prompt", True),
+                **(self.kwargs.get("chat_template_kwargs") or {}))
         return value if isinstance(value, str) else tok.decode(value)
 
     def _more_rounds(self, rows: dict[int, dict[str, Any]], state: dict[int, Any]) -> None:
