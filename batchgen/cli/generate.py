@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     s.add_argument("--logprobs", type=int, default=None, help="top-k logprobs per token")
     s.add_argument("--ignore-eos", action="store_true")
+    _score_args(gen)
     gen.set_defaults(run=run, kind="generate")
 
     beam = sub.add_parser("beam", help="beam search for every row of a dataset",
@@ -115,6 +116,39 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
 
 
+def _score_args(p: argparse.ArgumentParser) -> None:
+    """The score and select stages (docs/best_of_n.md)."""
+    g = p.add_argument_group("score and select (best-of-n, rejection sampling, DPO pairs)")
+    g.add_argument("--score-model", default=None, metavar="RM",
+                   help="a reward (or process reward) model folder: every candidate scored")
+    g.add_argument("--select", default=None, help="best | top:K | threshold:X | pairs | "
+                   "until:K (rounds of --n until K candidates reach --threshold)")
+    g.add_argument("--threshold", type=float, default=None, help="the score until:K counts")
+    g.add_argument("--max-candidates", type=int, default=None,
+                   help="until:K's budget of candidates per row (default 4 x --n)")
+
+
+def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
+    """The score/select arguments of generate_dataset, checked before the weights load."""
+    if getattr(args, "score_model", None) is None and getattr(args, "select", None) is None:
+        return {}
+    from batchgen.data.scoring import check_scorer
+    from batchgen.data.stages import parse_policy
+
+    try:
+        parse_policy(args.select, args.threshold, args.max_candidates, params,
+                     args.score_model)
+        if args.score_model is not None:
+            check_scorer(args.score_model)
+    except ValueError as e:
+        raise CliError(str(e).replace("select ", "--select ", 1).replace(
+            "score ", "--score-model ", 1)) from None
+    if args.ray:
+        raise CliError("--score-model / --select are for local jobs (not --ray)")
+    return {"score": args.score_model, "select": args.select, "threshold": args.threshold,
+            "max_candidates": args.max_candidates}
+
+
 def _constraint_args(p: argparse.ArgumentParser) -> None:
     """Structured outputs (the batchgen[structured] extra): one constraint for every row, or
     each row's own JSON schema from a column."""
@@ -160,9 +194,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     """Check the output folder, the input and its columns, load the model, run the job."""
-    from batchgen.data.runner import generate_dataset
     from batchgen.data.shards import check_output_dir
     from batchgen.data.source import open_source
+    from batchgen.data.stages import generate_dataset
 
     if args.ray and args.schema_column:
         raise CliError("--schema-column is for local jobs; on Ray (--ray) pass one constraint "
@@ -176,6 +210,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
     if args.ray and args.on_error != "fail":
         raise CliError("--on-error skip is for local jobs: on Ray (--ray) a row that cannot "
                        "run fails the job")
+    stages = _stage_kwargs(args, params)
     check_output_dir(Path(args.output).expanduser(), args.resume)
     template = chat_template_arg(args.chat_template)
     source = open_source(args.input)
@@ -199,7 +234,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
         return run_on_ray(args, params, template, source, engine)
     from batchgen.llm import LLM
 
-    llm = LLM(args.model, **engine)
+    llm = LLM(args.model, **({"enable_sleep_mode": True, **engine} if stages else engine))
     start = time.perf_counter()
     try:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
@@ -210,7 +245,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
                               schema_column=args.schema_column, on_error=args.on_error,
                               output_format=args.output_format, use_tqdm=not args.quiet,
                               image_column=args.image_column,
-                              lora_column=args.lora_column, loras=args.loras or None)
+                              lora_column=args.lora_column, loras=args.loras or None, **stages)
     except KeyboardInterrupt:
         sys.stderr.write(f"batchgen: interrupted; the finished rows are in {args.output}: rerun "
                          "with --resume to finish the job\n")

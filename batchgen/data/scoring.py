@@ -1,0 +1,185 @@
+"""The score stage of a dataset job: a scorer (a reward or process reward model folder, a
+loaded `RewardModel` / `PoolingLLM`, or a Python callable) checked before any work, and every
+candidate of every generated row scored into its own resumable shards."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from batchgen.checks import ValidationError
+from batchgen.data.identity import digest, folder_fingerprint
+from batchgen.data.rows import OUTPUTS, ROW_ID
+from batchgen.data.shards import MANIFEST, ShardStore
+from batchgen.data.writers import WRITERS, ShardWriter
+from batchgen.log import logger
+
+HEADS = ("ForSequenceClassification", "ForTokenClassification")
+GENERATORS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+SCORES = "scores"
+CANDIDATES = "candidates"  # a digest of what a row's scores were computed from
+_SCORE_SCHEMA = pa.schema([pa.field(ROW_ID, pa.int64()), pa.field(CANDIDATES, pa.string()),
+                           pa.field(SCORES, pa.list_(pa.float64()))])
+
+
+def _bad(message: str, value: object) -> ValidationError:
+    return ValidationError(f"score must be a reward model folder (*ForSequenceClassification), "
+                           f"a process reward model folder (*ForTokenClassification), a "
+                           f"RewardModel / PoolingLLM, or a callable (prompt, text) -> float: "
+                           f"{message}", parameter="score", value=value)
+
+
+def check_scorer(score: object) -> None:
+    """Refuse, before any work: a generator (an LLM, a causal-LM folder), a folder without a
+    classification head, or anything that is none of the accepted kinds."""
+    from batchgen.llm import LLM
+
+    if isinstance(score, (str, os.PathLike)):
+        config = Path(score).expanduser() / "config.json"
+        if not config.is_file():
+            raise _bad(f"{str(score)!r} is not a model folder (no config.json)", score)
+        archs = json.loads(config.read_text()).get("architectures") or []
+        if any(a.endswith(HEADS) for a in archs):
+            return
+        if any(a.endswith(GENERATORS) for a in archs):
+            raise _bad(f"{str(score)!r} is a generator ({archs}), not a scorer", score)
+        raise _bad(f"{str(score)!r} has no classification head (architectures {archs})", score)
+    if hasattr(score, "reward") and hasattr(score, "classify"):
+        return
+    if isinstance(score, LLM):
+        raise _bad("got a generator LLM (build the scorer from a reward model folder)",
+                   type(score).__name__)
+    if not callable(score):
+        raise _bad(f"got {type(score).__name__}", type(score).__name__)
+
+
+def scorer_identity(score: Any) -> dict[str, Any]:
+    """What identifies a scorer in the score stage's fingerprint: a folder by its files, a
+    model object by its folder, a callable by its qualified name (rename it, or change
+    `score_version`, to rescore with changed code)."""
+    if isinstance(score, (str, os.PathLike)):
+        path = Path(score).expanduser().resolve()
+        return {"scorer": str(path), "scorer_files": folder_fingerprint(path)}
+    llm = getattr(score, "llm", score)
+    path = getattr(llm, "model_path", None)
+    if hasattr(score, "reward") and path is not None:
+        files = folder_fingerprint(path) if Path(str(path)).is_dir() else None
+        return {"scorer": str(path), "scorer_files": files}
+    name = getattr(score, "__qualname__", type(score).__qualname__)
+    return {"scorer": f"{getattr(score, '__module__', '')}.{name}"}
+
+
+@dataclass
+class Scorer:
+    """A checked scorer, loaded when the score stage first needs it (a folder's model is
+    built after the generator went to sleep). `workers`: the callable's thread pool."""
+
+    spec: Any
+    workers: int = 4
+    model: Any = field(default=None, init=False)
+    before: Callable[[], None] | None = field(default=None, init=False)  # runs before a model
+    # scores (the stages swap the models there)
+    scored: int = field(default=0, init=False)  # candidates scored by this process
+
+    @property
+    def is_model(self) -> bool:
+        return isinstance(self.spec, (str, os.PathLike)) or hasattr(self.spec, "reward")
+
+    def load(self) -> None:
+        if self.model is None and isinstance(self.spec, (str, os.PathLike)):
+            from batchgen.pooling.scorer import RewardModel
+
+            self.model = RewardModel(str(Path(self.spec).expanduser()), enable_sleep_mode=True)
+        elif self.model is None and hasattr(self.spec, "reward"):
+            self.model = self.spec
+
+    def __call__(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """Scores of (prompt, candidate text) pairs: a model's over prompt + text (one call:
+        a prompt's candidates share its blocks), or the callable's, in the thread pool."""
+        self.scored += len(pairs)
+        if not pairs:
+            return []
+        if not self.is_model:
+            with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                return [float(s) for s in pool.map(lambda pt: self.spec(*pt), pairs)]
+        if self.before is not None:
+            self.before()
+        self.load()
+        outs = self.model.classify([p + t for p, t in pairs])
+        return [_model_score(o.outputs.probs) for o in outs]
+
+
+def _model_score(values: list[float]) -> float:
+    """One label: the raw reward; several (a PRM's or a classifier's): the softmax
+    probability of the last label (Qwen2.5-Math-PRM's "good step") at the last token."""
+    if len(values) == 1:
+        return float(values[0])
+    top = max(values)
+    exps = [math.exp(v - top) for v in values]
+    return exps[-1] / sum(exps)
+
+
+def stage_fingerprint(store_dir: Path) -> str:
+    """A finished stage's output, by its manifest's job and its shards' hashes (what the
+    next stage's fingerprint builds on)."""
+    manifest = json.loads((store_dir / MANIFEST).read_text())
+    return digest([manifest["job"], [s["sha256"] for s in manifest["shards"]]])
+
+
+def open_stage(out: Path, job: dict[str, Any], writer: ShardWriter = WRITERS["parquet"]
+               ) -> ShardStore:
+    """A stage's store in `out`, resumed when it holds the same job; a different job's shards
+    (another scorer, another policy) are removed first: that stage alone is redone."""
+    manifest = out / MANIFEST
+    if manifest.is_file() and json.loads(manifest.read_text()).get("job") != job:
+        logger.info("%s: its job changed (scorer, policy or inputs): redoing this stage", out)
+        for p in out.iterdir():
+            if p.name == MANIFEST or p.name.startswith(("part-", ".part-")):
+                p.unlink()
+    store = ShardStore(out, job, resume=True, writer=writer)
+    store.reconcile(None, errors=False)  # (lists the job as it is: no stored input keys)
+    return store
+
+
+def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]], str],
+               scorer: Scorer, store: ShardStore | None, rows_per_shard: int
+               ) -> dict[int, list[float]]:
+    """Every candidate of `rows` (generated rows) scored, row id -> scores in candidate
+    order; with a store, in shards of `rows_per_shard` rows. A row whose prompt and candidate
+    texts are those a listed shard scored keeps its scores (a resume after a kill, or after
+    rows were added or edited, scores only the rest; a later shard's row wins)."""
+    done: dict[int, tuple[str, list[float]]] = {}
+    if store is not None:
+        for f in store.files():
+            t = store.writer.read(f).to_pylist()
+            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES])) for r in t)
+    prompts = {r[ROW_ID]: prompt_of(r) if r[OUTPUTS] else "" for r in rows}  # (error rows)
+    keys = {r[ROW_ID]: digest([prompts[r[ROW_ID]], [c["text"] for c in r[OUTPUTS]]])
+            for r in rows}
+    todo = [r for r in rows if done.get(r[ROW_ID], ("",))[0] != keys[r[ROW_ID]]]
+    for part in chunks(todo, rows_per_shard):
+        pairs = [(prompts[r[ROW_ID]], c["text"]) for r in part for c in r[OUTPUTS]]
+        flat, i, new = scorer(pairs), 0, []
+        for r in part:
+            k = len(r[OUTPUTS])
+            new.append({ROW_ID: r[ROW_ID], CANDIDATES: keys[r[ROW_ID]], SCORES: flat[i:i + k]})
+            i += k
+        if store is not None:
+            store.write(new, _SCORE_SCHEMA)
+        done.update((d[ROW_ID], (d[CANDIDATES], d[SCORES])) for d in new)
+    if store is not None:
+        store.finish()
+    return {r[ROW_ID]: done[r[ROW_ID]][1] for r in rows}

@@ -1,0 +1,281 @@
+"""The score and select stages of a dataset job (issue 42): every candidate's score equals HF's
+own sequence-classification forward; changing `select` reruns only the selection and changing
+the scorer only the scoring (counted: no token generated, no candidate scored); until:k spends
+fewer candidates than a fixed n for the same k; a SIGKILL in the score stage resumes
+bit-identically; bad input fails before any work; `batchgen generate --score-model --select`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from batchgen import LLM, SamplingParams
+from batchgen.data import generate_dataset
+
+ROWS = datasets.Dataset.from_list([{"prompt": "Tell me a story"}, {"prompt": "Q: 2+2? A:"},
+                                   {"prompt": "Hello"}])
+VERIFIER = '''
+import os, signal, zlib
+CALLS = [0]
+def verify(prompt, text):
+    """A deterministic verifier: 'easy' rows pass always, the others one text in three."""
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ.get("BON_KILL_AT", "0")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0 if prompt.startswith("easy") or zlib.crc32(text.encode()) % 3 == 0 else 0.0
+'''
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model_factory, tmp_path_factory):
+    """A tiny generator and a one-label reward model (the same body, a random score head)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    gen = tiny_model_factory("llama")
+    rm = tmp_path_factory.mktemp("bon-rm")
+    config = AutoConfig.from_pretrained(gen)
+    config.num_labels, config.pad_token_id = 1, config.pad_token_id or 0
+    torch.manual_seed(11)
+    model = AutoModelForSequenceClassification.from_config(config).float()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(rm)
+    for f in gen.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, rm / f.name)
+    return gen, rm
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    """The verifier as an importable module (the same qualified name in a subprocess)."""
+    root = tmp_path_factory.mktemp("bon-verifier")
+    (root / "bon_verify.py").write_text(VERIFIER)
+    sys.path.insert(0, str(root))
+    import bon_verify
+
+    yield root, bon_verify
+    sys.path.remove(str(root))
+
+
+class Spy:
+    """Counts candidates generated (through llm.generate_stream) and scored by a model."""
+
+    def __init__(self, llm, monkeypatch):
+        from batchgen.pooling.scorer import RewardModel
+
+        self.generated = self.scored = 0
+        self.generator_asleep = []  # at each scoring call: its pool released
+        stream, classify = llm.generate_stream, RewardModel.classify
+
+        def counted_stream(*a, **k):
+            for i, out in stream(*a, **k):
+                self.generated += len(out.outputs)
+                yield i, out
+
+        def counted_classify(rm, prompts, *a, **k):
+            self.scored += len(prompts)
+            self.generator_asleep.append(llm.is_sleeping())
+            return classify(rm, prompts, *a, **k)
+        monkeypatch.setattr(llm, "generate_stream", counted_stream)
+        monkeypatch.setattr(RewardModel, "classify", counted_classify)
+
+
+def _hf_rewards(folder, texts):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    hf = AutoModelForSequenceClassification.from_pretrained(folder, dtype="float32").eval()
+    with torch.no_grad():
+        return [hf(**tok(t, return_tensors="pt")).logits[0, 0].item() for t in texts]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+def test_best_of_n_stages_and_resume_per_stage(folders, tmp_path, monkeypatch):
+    gen, rm = folders
+    llm = LLM(gen, seed=0, enable_sleep_mode=True, num_kv_blocks=64)
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=5, logprobs=1)
+    out = tmp_path / "job"
+    spy = Spy(llm, monkeypatch)
+    ds = generate_dataset(llm, ROWS, params, score=rm, select="best", output_dir=out,
+                          rows_per_shard=2, use_tqdm=False)
+    assert spy.generated == spy.scored == 9 and not llm.is_sleeping()
+    assert spy.generator_asleep and all(spy.generator_asleep)
+    texts = [r["prompt"] + c["text"] for r in ds for c in r["outputs"]]
+    scores = [c["score"] for r in ds for c in r["outputs"]]
+    assert torch.allclose(torch.tensor(scores, dtype=torch.float64),
+                          torch.tensor(_hf_rewards(rm, texts), dtype=torch.float64), atol=1e-5)
+    for r in ds:  # candidates keep text, logprobs; the selection is the best one
+        s = [c["score"] for c in r["outputs"]]
+        assert r["selected"] == [s.index(max(s))] and all(c["logprobs"] for c in r["outputs"])
+    generated = _files(out / "generate")
+    ds2 = generate_dataset(llm, ROWS, params, score=rm, select="top:2", output_dir=out,
+                           resume=True, rows_per_shard=2, use_tqdm=False)
+    assert spy.generated == spy.scored == 9  # nothing generated or scored again
+    assert [c["score"] for r in ds2 for c in r["outputs"]] == scores
+    assert [len(r["selected"]) for r in ds2] == [2, 2, 2]
+    calls = []
+
+    def length(prompt, text):
+        calls.append(text)
+        return float(len(text))
+    ds3 = generate_dataset(llm, ROWS, params, score=length, select="pairs", output_dir=out,
+                           resume=True, use_tqdm=False)
+    assert spy.generated == 9 and _files(out / "generate") == generated  # rescored only
+    assert len(calls) == 9 and spy.scored == 9
+    assert [c["score"] for r in ds3 for c in r["outputs"]] == [len(t) - len(r["prompt"])
+                                                                for r in ds3 for t in
+                                                                [r["prompt"] + c["text"]
+                                                                 for c in r["outputs"]]]
+    assert all(len(r["rejected"]) <= 1 for r in ds3)
+    more = datasets.concatenate_datasets([ROWS, datasets.Dataset.from_list([{"prompt": "Hi"}])])
+    ds4 = generate_dataset(llm, more, params, score=length, select="pairs", output_dir=out,
+                           resume=True, use_tqdm=False)  # a row added: only it runs
+    assert spy.generated == 12 and len(calls) == 12 and len(ds4) == 4
+    assert ds4.select(range(3)).to_list() == ds3.to_list()
+
+
+def test_until_k_spends_fewer_candidates(folders, verifier):
+    _, bon = verifier
+    llm = LLM(folders[0], seed=0, num_kv_blocks=64)
+    rows = datasets.Dataset.from_list([{"prompt": p} for p in (
+        "easy: say hi", "easy: count", "hard: prove it", "hard: solve", "hard: why")])
+    fixed = generate_dataset(llm, rows, SamplingParams(n=8, temperature=1.0, max_tokens=4),
+                             score=bon.verify, select="threshold:1", use_tqdm=False)
+    until = generate_dataset(llm, rows, SamplingParams(n=2, temperature=1.0, max_tokens=4),
+                             score=bon.verify, select="until:1", threshold=1.0,
+                             max_candidates=8, use_tqdm=False)
+    spent = [len(r["outputs"]) for r in until]
+    assert spent[:2] == [2, 2] and all(2 <= s <= 8 and s % 2 == 0 for s in spent)
+    for r in until:  # a row stops at its first passing round, or at the budget
+        passed = [c["score"] >= 1 for c in r["outputs"]]
+        assert r["selected"] == [passed.index(True)] if any(passed) else r["selected"] == []
+        assert r["rounds"] == len(r["outputs"]) // 2
+        assert (not any(passed[:-2])) and (any(passed) or len(passed) == 8)
+    accepted_fixed = sum(bool(r["selected"]) for r in fixed)
+    assert sum(bool(r["selected"]) for r in until) == accepted_fixed
+    assert sum(spent) < 8 * len(rows)
+
+
+def test_kill_in_score_stage_resumes_bit_identically(folders, verifier, tmp_path):
+    gen, _ = folders
+    root, bon = verifier
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
+                            ("easy a", "hard b", "hard c", "easy d")))
+    kw = dict(select="until:1", threshold=1.0, max_candidates=4)
+    script = (f"import sys; sys.path.insert(0, {str(root)!r}); import bon_verify\n"
+              "from batchgen import LLM, SamplingParams\nfrom batchgen.data import "
+              f"generate_dataset\nllm = LLM({str(gen)!r}, seed=0, num_kv_blocks=64)\n"
+              f"generate_dataset(llm, {str(data)!r}, SamplingParams(n=2, max_tokens=4), "
+              f"score=bon_verify.verify, select='until:1', threshold=1.0, max_candidates=4, "
+              f"output_dir={str(tmp_path / 'killed')!r}, rows_per_shard=1, score_workers=1, "
+              "use_tqdm=False)\n")
+    env = {**os.environ, "BON_KILL_AT": "3", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert len(list((tmp_path / "killed" / "score").glob("part-*"))) == 1  # row 0 scored, then killed
+    llm = LLM(gen, seed=0, num_kv_blocks=64)
+    runs = {}
+    for name in ("killed", "whole"):
+        runs[name] = generate_dataset(llm, str(data), SamplingParams(n=2, max_tokens=4),
+                                      score=bon.verify, output_dir=tmp_path / name,
+                                      resume=name == "killed", rows_per_shard=1,
+                                      score_workers=1, use_tqdm=False, **kw)
+    assert runs["killed"].to_list() == runs["whole"].to_list()
+    assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
+    assert any(r["rounds"] == 2 for r in runs["whole"])  # a second round ran, and resumed
+
+
+def test_bad_input_before_any_work(folders, tmp_path):
+    gen, rm = folders
+    llm = LLM(gen, seed=0, num_kv_blocks=16)
+    headless = tmp_path / "headless"
+    headless.mkdir()
+    (headless / "config.json").write_text(json.dumps({"architectures": ["LlamaModel"]}))
+    out = tmp_path / "never"
+    cases = [(dict(select="best"), "select needs score"),
+             (dict(score=str(gen), select="best"), "is a generator"),
+             (dict(score=llm, select="best"), "a generator LLM"),
+             (dict(score=str(headless)), "no classification head"),
+             (dict(score=rm, select="threshold:high"), "select must be one of"),
+             (dict(score=rm, select="until:2", threshold="high"), "threshold must be a number"),
+             (dict(score=rm, select="until:2"), "threshold must be a number"),
+             (dict(score=rm, select="best", threshold=0.5), "threshold and max_candidates"),
+             (dict(score=rm, select="until:1", threshold=0.5, max_candidates=1),
+              "max_candidates must be"),
+             (dict(score=3), "score must be")]
+    for kw, message in cases:
+        with pytest.raises(ValueError, match=message):
+            generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=2), output_dir=out,
+                             **kw)
+        assert not out.exists()
+
+
+def test_cli_generate_score_select(folders, tmp_path, capsys):
+    from batchgen.cli import main
+
+    gen, rm = folders
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    base = ["generate", "--model", str(gen), "--input", str(rows), "--n", "2",
+            "--max-tokens", "3", "--quiet", "--num-kv-blocks", "32"]
+    assert main([*base, "--output", str(tmp_path / "a"), "--select", "best"]) != 0
+    assert "--select needs score" in capsys.readouterr().err
+    assert main([*base, "--output", str(tmp_path / "b"), "--score-model", str(gen)]) != 0
+    assert "is a generator" in capsys.readouterr().err and not (tmp_path / "b").exists()
+    assert main([*base, "--output", str(tmp_path / "c"), "--score-model", str(rm),
+                 "--select", "best"]) == 0
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(tmp_path / "c" / "selected").to_pylist()
+    assert [len(r["outputs"]) for r in table] == [2, 2, 2]
+    for r in table:
+        s = [c["score"] for c in r["outputs"]]
+        assert r["selected"] == [s.index(max(s))]
+
+
+def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
+    """A process reward model (a token-classification head, 2 labels) passed as a PoolingLLM:
+    each candidate's score is the "good" label's probability at its last token, as HF's own
+    forward gives it."""
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from batchgen.pooling.llm import PoolingLLM
+
+    gen, _ = folders
+    config = AutoConfig.from_pretrained(gen)
+    config.num_labels, config.architectures = 2, ["LlamaForTokenClassification"]
+    torch.manual_seed(5)
+    hf = AutoModelForTokenClassification.from_config(config).float().eval()
+    with torch.no_grad():
+        hf.score.weight.normal_(0, 1.0)
+    hf.save_pretrained(tmp_path / "prm")
+    for f in gen.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, tmp_path / "prm" / f.name)
+    llm = LLM(gen, seed=0, num_kv_blocks=32)
+    prm = PoolingLLM(tmp_path / "prm", num_kv_blocks=32, block_size=4)
+    ds = generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=4), score=prm,
+                          select="best", use_tqdm=False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "prm")
+    shared = sum((len(tok(r["prompt"])["input_ids"]) - 1) // 4 * 4 for r in ds)  # blocks
+    assert prm.kv_stats().prefix_hit_tokens >= shared > 0  # a row's 2nd candidate hits them
+    for r in ds:
+        for c in r["outputs"]:
+            with torch.no_grad():
+                logits = hf(**tok(r["prompt"] + c["text"], return_tensors="pt")).logits[0, -1]
+            assert abs(c["score"] - torch.softmax(logits, -1)[1].item()) < 1e-5
