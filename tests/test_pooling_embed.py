@@ -207,3 +207,14 @@ def test_cli_embed_and_run_batch_embeddings(embed_model, hf_states, tmp_path, ca
                           _want(hf_states[PROMPTS[3]], "LAST", None, True), atol=1e-5)
     assert got["c"]["error"]["code"] == "invalid_request" and "encoding_format" in \
         got["c"]["error"]["message"]
+
+
+def test_api_docs_tables():
+    """docs/api.md's PoolingLLM and PoolingParams tables list exactly their parameters."""
+    from batchgen.pooling.llm import PoolingLLM
+    from tests.test_api_docs import dataclass_defaults, sections, signature_defaults
+
+    tables = sections()
+    assert tables["`batchgen.pooling.llm.PoolingLLM(model, **kwargs)`"] == \
+        signature_defaults(PoolingLLM.__init__)
+    assert tables["`batchgen.pooling.PoolingParams(...)`"] == dataclass_defaults(PoolingParams)

@@ -59,7 +59,8 @@ class Embedder:
         every = self.kind != "LAST"
         sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.hidden,
                             prompt_logprobs=self.hidden if every else None,
-                            truncate_prompt_tokens=params.truncate_prompt_tokens)
+                            truncate_prompt_tokens=params.truncate_prompt_tokens,
+                            flat_logprobs=True, detokenize=False)
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         vecs = []
         for out in outs:
