@@ -207,6 +207,10 @@ def test_cli_embed_and_run_batch_embeddings(embed_model, hf_states, tmp_path, ca
                           _want(hf_states[PROMPTS[3]], "LAST", None, True), atol=1e-5)
     assert got["c"]["error"]["code"] == "invalid_request" and "encoding_format" in \
         got["c"]["error"]["message"]
+    capsys.readouterr()
+    assert main(["run-batch", "-i", str(batch), "-o", str(answers), "--model",
+                 str(embed_model), "--quiet", "--resume"]) == 0
+    assert "0 answered, 2 reused" in capsys.readouterr().out  # unchanged lines: not embedded
 
 
 def test_api_docs_tables():
