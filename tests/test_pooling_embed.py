@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,19 @@ def embed_model(tiny_model_factory, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_states(embed_model):
+def hf_model(embed_model):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(embed_model, dtype="float32").eval()
+
+
+@pytest.fixture(scope="module")
+def hf_states(embed_model, hf_model):
     """HF's own final-norm hidden states [T, H] of each prompt (one at a time: no padding)."""
-    from transformers import AutoModel, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(embed_model)
-    hf = AutoModel.from_pretrained(embed_model, dtype="float32").eval()
+    hf = hf_model
     with torch.no_grad():
         return {p: hf(**tok(p, return_tensors="pt")).last_hidden_state[0]
                 for p in PROMPTS + ["query: moon"]}
@@ -60,7 +68,7 @@ def _want(states: torch.Tensor, kind: str, dims: int | None, normalize: bool) ->
     ("LAST", dict(block_size=2, num_kv_blocks=16, max_num_batched_tokens=6),
      PoolingParams(dimensions=8, normalize=False)),
 ], ids=["last", "mean-bs1-chunked-matryoshka", "cls-raw", "last-small-pool"])
-def test_embed_equals_hf(embed_model, hf_states, kind, engine, params):
+def test_embed_equals_hf(embed_model, hf_model, hf_states, kind, engine, params):
     from batchgen.pooling.llm import PoolingLLM
 
     llm = PoolingLLM(embed_model, pooler_config={"pooling_type": kind}, seed=0, **engine)
@@ -75,6 +83,13 @@ def test_embed_equals_hf(embed_model, hf_states, kind, engine, params):
         assert stats.peak_blocks_in_use <= engine["num_kv_blocks"] < need
     enc = llm.encode(PROMPTS[:1], params, pooling_task="embed")[0].outputs.data
     assert torch.allclose(enc, torch.tensor(outs[0].outputs.embedding), atol=1e-6)
+    cut = llm.embed(PROMPTS[1:2], replace(params, truncate_prompt_tokens=5))[0]
+    ids = cut.prompt_token_ids
+    assert len(ids) == 5 and ids == outs[1].prompt_token_ids[-5:]
+    with torch.no_grad():
+        states = hf_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    want = _want(states, kind, params.dimensions, params.normalize is not False)
+    assert torch.allclose(torch.tensor(cut.outputs.embedding), want, atol=1e-5)
 
 
 def test_embed_prefix_hits_and_cosine_score(embed_model, hf_states):

@@ -104,23 +104,18 @@ def _sentence_transformers_pooling(folder: Path) -> str | None:
 
 
 def hidden_rows(out: Any, hidden: int, every: bool) -> torch.Tensor:
-    """One request's hidden states from its raw-logit logprobs (flat: `flat_logprobs=True`):
-    the last prompt position's [1, H], or (`every`) every prompt position's [T, H] in order.
-    A position's entries are its top-H (the hidden state's columns) and, for a prompt
-    position, its own token's (-1e30 when outside them: dropped)."""
+    """One request's hidden states from its raw logits: the last prompt position's [1, H]
+    (the first sampled position's top-H, flat logprobs), or (`every`) every prompt
+    position's [T, H] in order (positions before the last: `prompt_token_id_logprobs`,
+    the H columns named at every scored prompt row)."""
     import numpy as np
 
-    parts = ([out.prompt_logprobs] if every else []) + [out.outputs[0].logprobs]
-    rows = []
-    for flat in parts:  # the prompt's position 0 has no entries: its row is dropped below
-        ids = np.asarray(flat.token_ids, np.int64)
-        vals = np.asarray(flat.logprobs, np.float32)
-        pos = np.repeat(np.arange(len(flat.start_indices)),
-                        np.subtract(flat.end_indices, flat.start_indices))
-        keep = ids < hidden
-        block = np.zeros((len(flat.start_indices), hidden), np.float32)
-        block[pos[keep], ids[keep]] = vals[keep]
-        rows.append(block)
-    if every:
-        rows[0] = rows[0][1:]
-    return torch.from_numpy(np.concatenate(rows))
+    flat = out.outputs[0].logprobs
+    ids = np.asarray(flat.token_ids[flat.start_indices[0]:flat.end_indices[0]], np.int64)
+    vals = np.asarray(flat.logprobs[flat.start_indices[0]:flat.end_indices[0]], np.float32)
+    last = np.zeros((1, hidden), np.float32)
+    keep = ids < hidden
+    last[0, ids[keep]] = vals[keep]
+    table = out.prompt_token_id_logprobs if every else None
+    rows = last if table is None else np.concatenate([np.asarray(table, np.float32), last])
+    return torch.from_numpy(rows)

@@ -4,6 +4,7 @@ as cosine similarity) over an LLM built on `as_embedding_lm` (batchgen.pooling.e
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -58,9 +59,10 @@ class Embedder:
                                   value=dims)
         every = self.kind != "LAST"
         sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.hidden,
-                            prompt_logprobs=self.hidden if every else None,
                             truncate_prompt_tokens=params.truncate_prompt_tokens,
                             flat_logprobs=True, detokenize=False)
+        if every:  # every prompt position's row: named prompt ids, one array per request
+            prompts, sp = self._every_position(prompts, sp)
         outs = self.llm.generate(prompts, sp, use_tqdm=False)
         vecs = []
         for out in outs:
@@ -70,6 +72,33 @@ class Embedder:
             vecs.append(pool("embed", rows, params, method="mean" if self.kind == "MEAN"
                              else "last"))
         return vecs, outs
+
+    def _every_position(self, prompts: Any, sp: Any) -> tuple[list[Any], list[Any]]:
+        """Token-id prompts (tokenized and truncated as `generate` would) and, per prompt,
+        params naming the H hidden columns at every scored prompt row
+        (`prompt_logprob_token_ids`: the raw rows come back as one float32 array)."""
+        import numpy as np
+
+        from batchgen.prompts import TokensPrompt
+
+        items = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        texts = [p if isinstance(p, str) else p.get("prompt") for p in items]
+        todo = [i for i, p in enumerate(items) if isinstance(p, str)
+                or "prompt_token_ids" not in p]
+        enc = self.llm.get_tokenizer()([texts[i] for i in todo])["input_ids"] if todo else []
+        ids = [None if i in todo else list(p["prompt_token_ids"]) for i, p in enumerate(items)]
+        for i, e in zip(todo, enc):
+            ids[i] = list(e)
+        k, limit = sp.truncate_prompt_tokens, self.llm.requests.limits.max_model_len
+        cols = np.arange(self.hidden, dtype=np.int32)
+        out_prompts, out_params = [], []
+        for tok in ids:
+            tok = tok if k is None else tok[-(limit - 1 if k == -1 else k):]
+            out_prompts.append(TokensPrompt(prompt_token_ids=tok))
+            table = np.broadcast_to(cols, (len(tok) - 1, self.hidden)) if len(tok) > 1 else None
+            out_params.append(replace(sp, truncate_prompt_tokens=None,
+                                      prompt_logprob_token_ids=table))
+        return out_prompts, out_params
 
     def embed(self, prompts: Any, params: PoolingParams | None = None
               ) -> list[EmbeddingRequestOutput]:
