@@ -237,3 +237,23 @@ def test_api_docs_tables():
     assert tables["`batchgen.pooling.llm.PoolingLLM(model, **kwargs)`"] == \
         signature_defaults(PoolingLLM.__init__)
     assert tables["`batchgen.pooling.PoolingParams(...)`"] == dataclass_defaults(PoolingParams)
+
+
+def test_vllm_llm_serves_embedding_folders(embed_model, tiny_model_factory):
+    """vLLM's way: `vllm.LLM(folder)` on a bare `*Model` folder (runner="auto") and
+    `vllm.LLM(causal_lm_folder, runner="pooling")` (Qwen3-Embedding's case: its config names
+    a causal LM) are embedding PoolingLLMs; the latter embeds with the causal LM's backbone."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from batchgen.pooling.llm import PoolingLLM
+    from batchgen.vllm_compat import CompatLLM
+
+    assert CompatLLM(embed_model, seed=0).embedder is not None
+    src = tiny_model_factory("qwen3")
+    llm = CompatLLM(src, runner="pooling", seed=0)
+    assert isinstance(llm, PoolingLLM)
+    got = torch.tensor(llm.embed(PROMPTS[:1])[0].outputs.embedding)
+    with torch.no_grad():
+        hf = AutoModel.from_pretrained(src, dtype="float32").eval()
+        states = hf(**AutoTokenizer.from_pretrained(src)(PROMPTS[0], return_tensors="pt"))
+    assert torch.allclose(got, NORM(states.last_hidden_state[0, -1], dim=-1), atol=1e-5)

@@ -32,9 +32,12 @@ class HiddenHead(torch.nn.Module):
     def __init__(self, hidden: int, vocab: int) -> None:
         super().__init__()
         self.hidden, self.vocab = hidden, vocab
-        # the engine reads an lm_head's [vocab, hidden] shape and dtype: a stride-0 view
-        self.register_buffer("weight", torch.zeros(1, hidden).expand(vocab, hidden),
-                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The [vocab, hidden] shape the engine reads from an lm_head: a stride-0 view of one
+        zero (no memory, no parameter or buffer to move, load or save)."""
+        return torch.zeros(()).expand(self.vocab, self.hidden)
 
     def forward(self, states: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.pad(states, (0, self.vocab - self.hidden), value=FILL)
