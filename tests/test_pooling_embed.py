@@ -182,6 +182,9 @@ def test_embedding_errors(embed_model, tiny_model_factory):
             PoolingLLM(src, hf_overrides=over)
     with pytest.raises(ValueError, match="sequence-classification"):  # a generator, "auto"
         PoolingLLM(src, runner="auto")
+    with pytest.raises(ValueError, match="pooler_config must be None"):
+        PoolingLLM(src, hf_overrides={"classifier_from_token": ["a"]},
+                   pooler_config={"pooling_type": "MEAN"})
 
 
 def test_cli_embed_and_run_batch_embeddings(embed_model, hf_states, tmp_path, capsys):
@@ -205,7 +208,9 @@ def test_cli_embed_and_run_batch_embeddings(embed_model, hf_states, tmp_path, ca
              {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
               "body": {"input": PROMPTS[3]}},
              {"custom_id": "c", "method": "POST", "url": "/v1/embeddings",
-              "body": {"input": "x", "encoding_format": "base64"}}]
+              "body": {"input": "x", "encoding_format": "base64"}},
+             {"custom_id": "d", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "x"}}]
     batch = tmp_path / "b.jsonl"
     batch.write_text("".join(json.dumps(x) + "\n" for x in lines))
     answers = tmp_path / "a.jsonl"
@@ -222,6 +227,7 @@ def test_cli_embed_and_run_batch_embeddings(embed_model, hf_states, tmp_path, ca
                           _want(hf_states[PROMPTS[3]], "LAST", None, True), atol=1e-5)
     assert got["c"]["error"]["code"] == "invalid_request" and "encoding_format" in \
         got["c"]["error"]["message"]
+    assert got["d"]["error"]["code"] == "invalid_url"  # an embedding model does not generate
     capsys.readouterr()
     assert main(["run-batch", "-i", str(batch), "-o", str(answers), "--model",
                  str(embed_model), "--quiet", "--resume"]) == 0

@@ -32,6 +32,7 @@ from batchgen.checks import check_flag
 from batchgen.data.identity import digest, model_identity
 from batchgen.data.writers import atomic_write, jsonl_text, read_jsonl, write_jsonl
 from batchgen.kinds import SAMPLES
+from batchgen.pooling.llm import PoolingLLM
 
 if TYPE_CHECKING:
     from batchgen.llm import LLM
@@ -139,6 +140,9 @@ def _render(llm: LLM, req: BatchRequest, defaults: dict[str, Any],
     if req.url == EMBEDDINGS_URL:
         render_embedding(llm, req)
         return
+    if isinstance(llm, PoolingLLM):
+        raise LineError("invalid_url", f"{req.url} needs a generative model (this is a pooling "
+                        f"model: {EMBEDDINGS_URL} with an embedding model)", "url")
     req.params = sampling_params(req, defaults)
     try:
         if req.is_chat:

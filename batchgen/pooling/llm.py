@@ -85,6 +85,11 @@ class PoolingLLM(LLM):
                              **engine_args)
             self.embedder = Embedder(self, hidden, kind)
             return
+        if pooler_config is not None:
+            raise ValidationError("pooler_config must be None for a classification, reward or "
+                                  "reranker model (it sets an embedding model's pooling), got "
+                                  f"{pooler_config!r}", parameter="pooler_config",
+                                  value=pooler_config)
         super().__init__(as_causal_lm(hf), tokenizer=tok, logprobs_mode="raw_logits",
                          **engine_args)
         self.scores = RewardModel.over(hf, self)
