@@ -156,6 +156,12 @@ def test_yes_no_reranker_score_equals_hf(tiny_model_factory):
             logits = hf(**enc).logits[0, -1, ids]
             assert abs(s.outputs.score - float(torch.softmax(logits, -1)[1])) < 1e-5
             assert abs(r.outputs.score - float(logits[1] - logits[0])) < 1e-5
+        cut = llm.score("Query: ", docs[1:2], PoolingParams(truncate_prompt_tokens=4))[0]
+        assert len(cut.prompt_token_ids) == 4  # the pair's last 4 tokens, as HF scores them
+        logits = hf(input_ids=torch.tensor([cut.prompt_token_ids])).logits[0, -1, ids]
+        assert abs(cut.outputs.score - float(torch.softmax(logits, -1)[1])) < 1e-5
+        full = tok("Query: " + docs[1])["input_ids"]
+        assert cut.prompt_token_ids == full[-4:]
     two = PoolingLLM(src, hf_overrides={"classifier_from_token": [no, yes]}, seed=0)
     with torch.no_grad():
         ref = hf(**tok(docs[0], return_tensors="pt")).logits[0, -1, ids]

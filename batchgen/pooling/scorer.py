@@ -74,7 +74,8 @@ class RewardModel:
 
         params = pooling_params or PoolingParams()
         check_type(params, "pooling_params", PoolingParams)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
+                            truncate_prompt_tokens=params.truncate_prompt_tokens)
         outs = self.llm.generate(prompts, sp)
         result = []
         for out in outs:
@@ -99,7 +100,8 @@ class RewardModel:
         check_type(params, "pooling_params", PoolingParams)
         labels = range(self.num_labels)
         sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
-                            prompt_logprobs=self.num_labels)
+                            prompt_logprobs=self.num_labels,
+                            truncate_prompt_tokens=params.truncate_prompt_tokens)
         result = []
         for out in self.llm.generate(prompts, sp):
             rows = [[d[i].logprob for i in labels] for d in out.prompt_logprobs[1:]]
