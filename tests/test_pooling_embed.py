@@ -261,6 +261,14 @@ def test_vllm_llm_serves_embedding_folders(embed_model, tiny_model_factory):
     from batchgen.vllm_compat import CompatLLM
 
     assert CompatLLM(embed_model, seed=0).embedder is not None
+    from batchgen.pooling.outputs import EmbeddingRequestOutput
+    from batchgen.vllm_compat.compat_llm import CompatLLM as Cls
+    from batchgen.vllm_compat.modules import build_modules
+
+    mods = build_modules(Cls)  # vLLM's names of the pooling classes
+    assert mods["vllm"].PoolingParams is PoolingParams
+    assert mods["vllm.pooling_params"].PoolingParams is PoolingParams
+    assert mods["vllm.outputs"].EmbeddingRequestOutput is EmbeddingRequestOutput
     src = tiny_model_factory("qwen3")
     llm = CompatLLM(src, runner="pooling", seed=0)
     assert isinstance(llm, PoolingLLM)
