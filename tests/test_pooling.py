@@ -62,7 +62,7 @@ def test_reward_equals_hf_head(reward_model, engine):
     assert [len(o.outputs.probs) for o in outs] == [len(w) for w in want]
     for out, ref in zip(outs, want):
         assert torch.allclose(torch.tensor(out.outputs.probs), torch.tensor(ref), atol=1e-5)
-    pairs = rm.score("Query: ", PROMPTS[:2])  # a cross-encoder's pairs, the first label
+    pairs = rm.score("Query: ", PROMPTS[:2], PoolingParams(use_activation=False))  # raw
     ref = _hf_rewards(reward_model, ["Query: " + t for t in PROMPTS[:2]])
     assert torch.allclose(torch.tensor([p.outputs.score for p in pairs]),
                           torch.tensor([r[0] for r in ref]), atol=1e-5)
@@ -228,8 +228,8 @@ def test_vllm_pooling_runner_is_an_llm(reward_model):
                               atol=1e-5)
     assert llm.kv_stats().prompt_tokens_computed > 0  # an LLM's own accounting
     with pytest.raises(ValueError, match="pooling_task must be one of"):
-        llm.encode(PROMPTS[:1], pooling_task="embed")
-    with pytest.raises(ValueError, match="embedding models are not served"):
+        llm.encode(PROMPTS[:1], pooling_task="reward")
+    with pytest.raises(ValueError, match="embed needs an embedding model"):
         llm.embed(PROMPTS[:1])
     assert wants_pooling(reward_model) and wants_pooling("anything", "pooling")
     assert not wants_pooling(reward_model, "generate")

@@ -14,7 +14,8 @@ from batchgen.params import SamplingParams
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-URLS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"  # served by an embedding model (batch_api/embeddings.py)
+URLS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
 
 # Body fields that map one to one onto SamplingParams (OpenAI's, then vLLM's extras).
 _SAME_NAME = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "stop",

@@ -23,6 +23,13 @@ def answer_line(req: BatchRequest, out: RequestOutput, model: str) -> dict[str, 
             "error": None}
 
 
+def embedding_line(req: BatchRequest, body: dict[str, Any]) -> dict[str, Any]:
+    """The output line of a served /v1/embeddings request (status 200)."""
+    return {"id": _new_id("batch_req"), "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": _new_id("req"), "body": body},
+            "error": None}
+
+
 def error_line(custom_id: str | None, err: LineError) -> dict[str, Any]:
     """The output line of a line that could not be served: a top-level `error` {code,
     message}, and the 400 response the API would have given (none for a line that is not

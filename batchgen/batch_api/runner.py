@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from batchgen.batch_api.embeddings import embedding_answers, render_embedding
 from batchgen.batch_api.paths import check_paths, fingerprints_path, progress_path
 from batchgen.batch_api.requests import (
+    EMBEDDINGS_URL,
     BatchRequest,
     LineError,
     chat_messages,
@@ -25,11 +27,12 @@ from batchgen.batch_api.requests import (
     parse_line,
     sampling_params,
 )
-from batchgen.batch_api.responses import answer_line, error_line
+from batchgen.batch_api.responses import answer_line, embedding_line, error_line
 from batchgen.checks import check_flag
 from batchgen.data.identity import digest, model_identity
 from batchgen.data.writers import atomic_write, jsonl_text, read_jsonl, write_jsonl
 from batchgen.kinds import SAMPLES
+from batchgen.pooling.llm import PoolingLLM
 
 if TYPE_CHECKING:
     from batchgen.llm import LLM
@@ -134,6 +137,12 @@ def _prepare(llm: LLM, raw: list[str], done: dict[str, tuple[dict[str, Any], str
 def _render(llm: LLM, req: BatchRequest, defaults: dict[str, Any],
             chat_template: str | None) -> None:
     """Set the request's prompt and params, and check it as `generate` would (LineError)."""
+    if req.url == EMBEDDINGS_URL:
+        render_embedding(llm, req)
+        return
+    if isinstance(llm, PoolingLLM):
+        raise LineError("invalid_url", f"{req.url} needs a generative model (this is a pooling "
+                        f"model: {EMBEDDINGS_URL} with an embedding model)", "url")
     req.params = sampling_params(req, defaults)
     try:
         if req.is_chat:
@@ -157,22 +166,30 @@ def _render(llm: LLM, req: BatchRequest, defaults: dict[str, Any],
 def _serve(llm: LLM, plan: _Plan, model: str, log: Any, use_tqdm: bool) -> None:
     """Run every request in one streamed call; each answer replaces its placeholder and is
     appended to the progress log, with its request's fingerprint, as it finishes."""
-    todo = plan.todo
+    embeds = [r for r in plan.todo if r.url == EMBEDDINGS_URL]
+    if embeds:
+        for req, body in zip(embeds, embedding_answers(llm, embeds, model)):
+            _answer(plan, log, req, embedding_line(req, body))
+    todo = [r for r in plan.todo if r.url != EMBEDDINGS_URL]
     if not todo:
         return
     stream = llm.generate_stream([r.prompt for r in todo], [r.params for r in todo],
                                  use_tqdm=use_tqdm)
     try:
         for index, out in stream:
-            req = todo[index]
-            answer = answer_line(req, out, model)
-            plan.lines[req.line] = answer
-            log.write(jsonl_text([{"fingerprint": plan.fingerprints[req.custom_id],
-                                   "answer": answer}]))
-            log.flush()
+            _answer(plan, log, todo[index], answer_line(todo[index], out, model))
     finally:
         log.flush()
         os.fsync(log.fileno())
+
+
+def _answer(plan: _Plan, log: Any, req: BatchRequest, answer: dict[str, Any]) -> None:
+    """An answer replaces its placeholder and is appended to the progress log with its
+    request's fingerprint."""
+    plan.lines[req.line] = answer
+    log.write(jsonl_text([{"fingerprint": plan.fingerprints[req.custom_id],
+                           "answer": answer}]))
+    log.flush()
 
 
 def _write_fingerprints(out: Path, plan: _Plan) -> None:

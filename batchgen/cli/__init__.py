@@ -17,12 +17,12 @@ __all__ = ["EXIT_INTERRUPTED", "EXIT_USAGE", "CliError", "Parser", "build_parser
 
 def build_parser() -> Parser:
     """The full command line: every subcommand registered."""
-    from batchgen.cli import bench, evaluate, generate, kv_plan, run_batch, score
+    from batchgen.cli import bench, embed, evaluate, generate, kv_plan, run_batch, score
 
     parser = Parser(prog="batchgen", description="Offline batch inference on a paged KV cache.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser,
-                                metavar="{generate,beam,kv-plan,bench,run-batch,eval,score}")
-    for module in (generate, kv_plan, bench, run_batch, evaluate, score):
+                                metavar="{generate,beam,kv-plan,bench,run-batch,eval,score,embed}")
+    for module in (generate, kv_plan, bench, run_batch, evaluate, score, embed):
         module.register(sub)
     return parser
 

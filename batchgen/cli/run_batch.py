@@ -17,7 +17,8 @@ from batchgen.cli.engine import engine_args, engine_kwargs
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run-batch", help="answer an OpenAI Batch API .jsonl file",
                        description="Answer every line of an OpenAI Batch API file "
-                                   "(/v1/chat/completions, /v1/completions) into one output "
+                                   "(/v1/chat/completions, /v1/completions; /v1/embeddings with an "
+                                   "embedding model) into one output "
                                    "line each, same custom_id.")
     io = p.add_argument_group("input and output")
     io.add_argument("-i", "--input-file", required=True, help="the batch file (.jsonl)")
@@ -53,8 +54,14 @@ def run(args: argparse.Namespace) -> int:
     template = chat_template_arg(args.chat_template)
     from batchgen.batch_api import run_batch
     from batchgen.llm import LLM
+    from batchgen.pooling.llm import PoolingLLM, wants_pooling
 
-    llm = LLM(args.model, **engine_kwargs(args, memory))
+    kw = engine_kwargs(args, memory)
+    if wants_pooling(args.model):  # an embedding model's folder: /v1/embeddings lines
+        kw.pop("logprobs_mode")
+        llm: LLM = PoolingLLM(args.model, **kw)
+    else:
+        llm = LLM(args.model, **kw)
     start = time.perf_counter()
     try:
         s = run_batch(llm, args.input_file, args.output_file, resume=args.resume,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from batchgen.checks import ValidationError, check_type
+from batchgen.pooling.embedder import pair_lists
 from batchgen.pooling.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -72,7 +74,8 @@ class RewardModel:
 
         params = pooling_params or PoolingParams()
         check_type(params, "pooling_params", PoolingParams)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels)
+        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
+                            truncate_prompt_tokens=params.truncate_prompt_tokens)
         outs = self.llm.generate(prompts, sp)
         result = []
         for out in outs:
@@ -97,7 +100,8 @@ class RewardModel:
         check_type(params, "pooling_params", PoolingParams)
         labels = range(self.num_labels)
         sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
-                            prompt_logprobs=self.num_labels)
+                            prompt_logprobs=self.num_labels,
+                            truncate_prompt_tokens=params.truncate_prompt_tokens)
         result = []
         for out in self.llm.generate(prompts, sp):
             rows = [[d[i].logprob for i in labels] for d in out.prompt_logprobs[1:]]
@@ -114,16 +118,14 @@ class RewardModel:
 
     def score(self, queries: str | Sequence[str], documents: str | Sequence[str],
               pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
-        """Cross-encoder scores of (query, document) pairs, each text pair joined as one
-        prompt (query + document): one label's output per pair."""
-        qs = [queries] if isinstance(queries, str) else list(queries)
-        ds = [documents] if isinstance(documents, str) else list(documents)
-        if len(qs) == 1:
-            qs = qs * len(ds)
-        if len(qs) != len(ds):
-            raise ValidationError(f"queries must be one text or as many as documents "
-                                  f"({len(ds)}), got {len(qs)}", parameter="queries",
-                                  value=len(qs))
-        outs = self.classify([q + d for q, d in zip(qs, ds)], pooling_params)
+        """vLLM's `score` for a cross-encoder or reranker: each text pair joined as one prompt
+        (query + document), the first label's output after the head's activation (sigmoid
+        for one label, as vLLM's score applies by default; raw under `use_activation=False`)."""
+        params = pooling_params or PoolingParams()
+        check_type(params, "pooling_params", PoolingParams)
+        if params.use_activation is None:
+            params = replace(params, use_activation=True)
+        qs, ds = pair_lists(queries, documents)
+        outs = self.classify([q + d for q, d in zip(qs, ds)], params)
         return [ScoringRequestOutput(o.request_id, ScoringOutput(o.outputs.probs[0]),
                                      o.prompt_token_ids) for o in outs]

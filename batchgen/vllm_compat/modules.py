@@ -13,10 +13,16 @@ from typing import Any
 from batchgen import outputs, params, prompts, stats
 from batchgen.checks import ValidationError
 from batchgen.lora.request import LoRARequest
+from batchgen.pooling import PoolingParams
+from batchgen.pooling import outputs as pooled
 
 # A vLLM version inside the range TRL 1.16 accepts (0.22.0 to 0.31.0), at or above the ones its
 # code paths test for (0.26.0, 0.28.0).
 VERSION = "0.30.0"
+# vLLM's pooling output classes (vllm.outputs), batchgen.pooling's
+_POOLED_OUTPUTS = ("PoolingOutput", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput",
+                   "PoolingRequestOutput", "EmbeddingRequestOutput",
+                   "ClassificationRequestOutput", "ScoringRequestOutput")
 
 
 def get_ip() -> str:
@@ -64,7 +70,13 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
                         BeamSearchParams=params.BeamSearchParams,
                         RequestOutput=outputs.RequestOutput,
                         CompletionOutput=outputs.CompletionOutput,
-                        TextPrompt=prompts.TextPrompt, TokensPrompt=prompts.TokensPrompt),
+                        TextPrompt=prompts.TextPrompt, TokensPrompt=prompts.TokensPrompt,
+                        PoolingParams=PoolingParams,
+                        PoolingRequestOutput=pooled.PoolingRequestOutput,
+                        EmbeddingRequestOutput=pooled.EmbeddingRequestOutput,
+                        ClassificationRequestOutput=pooled.ClassificationRequestOutput,
+                        ScoringRequestOutput=pooled.ScoringRequestOutput),
+        "vllm.pooling_params": _module("vllm.pooling_params", PoolingParams=PoolingParams),
         "vllm.sampling_params": _module(
             "vllm.sampling_params", SamplingParams=params.SamplingParams,
             BeamSearchParams=params.BeamSearchParams,
@@ -83,7 +95,8 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
         "vllm.lora.request": _module("vllm.lora.request", LoRARequest=LoRARequest),
         "vllm.outputs": _module("vllm.outputs", RequestOutput=outputs.RequestOutput,
                                 CompletionOutput=outputs.CompletionOutput,
-                                RequestMetrics=outputs.RequestMetrics),
+                                RequestMetrics=outputs.RequestMetrics,
+                                **{n: getattr(pooled, n) for n in _POOLED_OUTPUTS}),
         "vllm.logprobs": _module("vllm.logprobs", Logprob=outputs.Logprob,
                                  FlatLogprobs=outputs.FlatLogprobs,
                                  SampleLogprobs=outputs.SampleLogprobs,
