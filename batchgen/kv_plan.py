@@ -80,6 +80,7 @@ class KvPlan:
     state_bytes_per_seq: int = 0  # state mixers: per sequence, whatever its length
     quantization: str | None = None  # the checkpoint's method (vLLM's name), from its config
     weight_bytes: int | None = None  # the checkpoint's weights as stored (None: not counted)
+    weights_as: str = "as stored in the checkpoint"  # how weight_bytes was counted
     device_memory: int | None = None  # the device's bytes the KV budget was derived from
     encoder_cache_bytes: int = 0  # a vision-language model's image features beside the pool
 

@@ -339,3 +339,25 @@ def test_a_loaded_model_is_not_quantized_online(sources):
     model = AutoModelForCausalLM.from_pretrained(sources[0])
     with pytest.raises(ValueError, match="a loaded model is used as it is"):
         LLM(model, quantization="torchao", num_kv_blocks=8)
+
+
+def test_kv_plan_reads_a_gguf_file(sources, capsys):
+    """`batchgen kv-plan --model x.gguf`: the file's config, its weights as loaded (dequantized:
+    every tensor's elements x the model dtype), and the capacity LLM logs for the same file."""
+    pytest.importorskip("gguf")
+    from batchgen.cli import main
+    from batchgen.quantization import weight_bytes
+
+    src, root = sources[0], sources[2]
+    folder = quant_models.gguf_folder(src, root / "kvplan-gguf", "Q8_0")
+    file = next(folder.glob("*.gguf"))
+    assert main(["kv-plan", "--model", str(file), "--block-size", "4",
+                 "--device-memory", "64MiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    llm = LLM(file, tokenizer=src, block_size=4, kv_cache_memory=plan["memory_bytes"])
+    # fp32 as loaded, not the file's bytes (LLM also counts the rotary buffers)
+    assert plan["weight_bytes"] == pytest.approx(weight_bytes(llm.model), rel=1e-3)
+    assert plan["weight_bytes"] > file.stat().st_size
+    assert llm.cache_config.capacity_line(llm.max_model_len) == plan["capacity_line"]
+    assert main(["kv-plan", "--model", str(file)]) == 0
+    assert "as loaded: dequantized from the" in capsys.readouterr().out

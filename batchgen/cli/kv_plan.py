@@ -1,16 +1,18 @@
 """`batchgen kv-plan`: how many tokens and sequences a KV budget holds, from config.json alone.
 
-No weights are read: the folder needs only its config.json. The figures are the ones `LLM`
+No weights are read: the folder needs only its config.json (a .gguf file: its metadata and
+tensor headers). The figures are the ones `LLM`
 sizes its pool with (see `batchgen.kv_plan`), down to the capacity line it logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from decimal import Decimal
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from batchgen.cli.common import CliError
 from batchgen.defaults import DEFAULT_CPU_KV_BYTES, KV_CACHE_DTYPES, MODEL_DTYPES, format_bytes
@@ -31,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "kv-plan", help="KV-cache capacity of a model for a memory budget (config.json only)",
         description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, metavar="DIR",
-                   help="model folder (only config.json is read) or a cached hub id")
+                   help="model folder (only config.json is read), a .gguf file (its metadata "
+                        "and tensor headers) or a cached hub id")
     p.add_argument("--max-model-len", type=int, default=None, metavar="N",
                    help="longest sequence (default: the model's max_position_embeddings, "
                         "capped by the pool)")
@@ -41,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device-memory", default=None, metavar="BYTES",
                    help="the device's memory (e.g. 80GiB): without --memory, the KV budget is "
                         "0.9 of it less the checkpoint's weights as stored (quantized ones "
-                        "at their packed size)")
+                        "at their packed size; a GGUF file's as loaded: dequantized)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--block-size", type=int, default=16, metavar="B")
     p.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
@@ -72,21 +75,48 @@ def run(args: argparse.Namespace) -> int:
     device = (None if args.device_memory is None
               else parse_memory(args.device_memory, "--device-memory"))
     from batchgen.kv_plan import plan_kv
-    from batchgen.model import loader
-    from batchgen.quantization import checkpoint_bytes
 
-    path = loader.resolve_model_dir(args.model, "--model")
-    config = loader.load_config(path, args.trust_remote_code)
+    path, config, weights, weights_as = _checkpoint(args)
     plan = plan_kv(config, memory=memory, block_size=args.block_size,
                    max_model_len=args.max_model_len, kv_cache_dtype=args.kv_cache_dtype,
                    dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                   swap_space=args.swap_space, weight_bytes=checkpoint_bytes(path) or None,
+                   swap_space=args.swap_space, weight_bytes=weights,
                    device_memory=device)
+    if weights_as:
+        plan = dataclasses.replace(plan, weights_as=weights_as, quantization="gguf")
     if args.json:
         print(json.dumps({"model": str(path), **plan.to_dict()}, indent=2))
     else:
         print("\n".join(report_lines(plan, str(path))))
     return 0
+
+
+def _checkpoint(args: argparse.Namespace) -> tuple[Any, Any, int | None, str | None]:
+    """(path, config, weight bytes, how they were counted) of a model folder or a .gguf file
+    (its metadata's config; its weights as transformers loads them: dequantized)."""
+    import torch
+
+    from batchgen.model import loader
+    from batchgen.quantization import (
+        checkpoint_bytes,
+        gguf_parameters,
+        gguf_source,
+        load_gguf_config,
+    )
+
+    try:
+        gguf = gguf_source(args.model)
+        if gguf is None:
+            path = loader.resolve_model_dir(args.model, "--model")
+            return path, loader.load_config(path, args.trust_remote_code), (
+                checkpoint_bytes(path) or None), None
+        config = load_gguf_config(*gguf, args.trust_remote_code)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    file = gguf[0] / gguf[1]
+    size = torch.empty((), dtype=loader.resolve_dtype(args.dtype, config)).element_size()
+    return file, config, gguf_parameters(file) * size, (
+        f"as loaded: dequantized from the {format_bytes(file.stat().st_size)} GGUF file")
 
 
 def report_lines(plan: KvPlan, model: str) -> list[str]:
@@ -172,7 +202,7 @@ def _weight_lines(plan: KvPlan) -> list[str]:
         quant = (f", quantized: {plan.quantization}" if plan.quantization
                  else ", not quantized")
         lines.append(f"weights: {format_bytes(plan.weight_bytes)} ({plan.weight_bytes:,} bytes "
-                     f"as stored in the checkpoint{quant})")
+                     f"{plan.weights_as}{quant})")
     derived = (plan.device_memory is not None and plan.memory_bytes == int(
         plan.device_memory * 0.9) - (plan.weight_bytes or 0))
     if derived:

@@ -10,7 +10,7 @@ from batchgen.quantization.gguf import (
     load_gguf_tokenizer,
 )
 from batchgen.quantization.kv_scales import KVScales, checkpoint_kv_scales, fp8_scales
-from batchgen.quantization.memory import checkpoint_bytes, weight_bytes
+from batchgen.quantization.memory import checkpoint_bytes, gguf_parameters, weight_bytes
 from batchgen.quantization.methods import METHODS, NAMES, method_for_checkpoint
 from batchgen.quantization.plan import (
     QuantPlan,
@@ -21,5 +21,5 @@ from batchgen.quantization.plan import (
 )
 
 __all__ = ["METHODS", "NAMES", "KVScales", "QuantPlan", "check_gguf", "checkpoint_bytes",
-           "checkpoint_kv_scales", "checkpoint_method", "check_tensor_parallel", "fp8_scales", "gguf_source",
+           "checkpoint_kv_scales", "checkpoint_method", "check_tensor_parallel", "fp8_scales", "gguf_parameters", "gguf_source",
            "load_gguf_config", "load_gguf_tokenizer", "method_for_checkpoint", "load_kwargs", "plan_quantization", "weight_bytes"]

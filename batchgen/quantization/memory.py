@@ -43,6 +43,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def gguf_parameters(path: Path) -> int:
+    """How many weights a .gguf file holds (its tensor headers' shapes; no data read): what
+    transformers dequantizes it into at load."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(str(path)).tensors)
+
+
 def checkpoint_bytes(path: Path) -> int:
     """Bytes of the weights a folder (its *.safetensors: each header's tensor extents) or a
     .gguf file holds: what quantized weights cost once loaded as stored."""
