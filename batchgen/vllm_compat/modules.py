@@ -13,6 +13,7 @@ from typing import Any
 from batchgen import outputs, params, prompts, stats
 from batchgen.checks import ValidationError
 from batchgen.lora.request import LoRARequest
+from batchgen.vllm_compat.engine_shims import InputProcessor, LogprobsProcessor
 
 # A vLLM version inside the range TRL 1.16 accepts (0.22.0 to 0.31.0), at or above the ones its
 # code paths test for (0.26.0, 0.28.0).
@@ -76,6 +77,11 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
         "vllm.exceptions": _module("vllm.exceptions", VLLMValidationError=ValidationError),
         "vllm.v1": _module("vllm.v1"),
         "vllm.v1.metrics": _module("vllm.v1.metrics"),
+        "vllm.v1.engine": _module("vllm.v1.engine"),
+        "vllm.v1.engine.logprobs": _module("vllm.v1.engine.logprobs",
+                                           LogprobsProcessor=LogprobsProcessor),
+        "vllm.v1.engine.input_processor": _module("vllm.v1.engine.input_processor",
+                                                  InputProcessor=InputProcessor),
         "vllm.v1.metrics.reader": _module(
             "vllm.v1.metrics.reader", Metric=stats.Metric, Counter=stats.Counter,
             Gauge=stats.Gauge, Histogram=stats.Histogram),
