@@ -10,6 +10,7 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from batchgen import BeamSearchParams, SamplingParams
 from batchgen.checks import ValidationError
@@ -140,3 +141,16 @@ def test_an_aborted_step_ends_its_prompt_and_the_others_go_on(llm, monkeypatch):
     tok = llm.get_tokenizer()
     assert aborted.sequences[0].text == tok.decode(aborted.sequences[0].tokens,
                                                    skip_special_tokens=True)
+
+
+def test_a_tensor_image_is_refused_as_embeddings_before_any_work(llm):
+    """vLLM reads a torch.Tensor image as image embeddings (only with enable_mm_embeds):
+    vllm_compat's LLM refuses it naming --enable-mm-embeds, before any request is queued;
+    the same call with no tensor runs."""
+    bad = [{"prompt_token_ids": [5, 6]},
+           {"prompt": "<image>", "multi_modal_data": {"image": [torch.empty(1, 1, 1)]}}]
+    with pytest.raises(ValidationError, match="--enable-mm-embeds") as err:
+        llm.generate(bad, SamplingParams(max_tokens=1), use_tqdm=False)
+    assert "prompts[1]" in str(err.value)
+    assert llm.llm_engine.get_num_unfinished_requests() == 0
+    assert len(llm.generate(bad[:1], SamplingParams(max_tokens=1), use_tqdm=False)) == 1

@@ -5,14 +5,15 @@ cache and scheduler fields)."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from batchgen.checks import check, is_int
+from batchgen.checks import ValidationError, check, is_int
 from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput
 from batchgen.params import BeamSearchParams
@@ -53,6 +54,11 @@ class CompatLLM(LLM):
         self.renderer = SimpleNamespace(get_tokenizer=self.get_tokenizer)
         self.results.cumulative_without_logprobs = False
 
+    @functools.wraps(LLM.generate)
+    def generate(self, prompts: Any, *args: Any, **kwargs: Any) -> Any:
+        refuse_image_embeds(prompts)
+        return super().generate(prompts, *args, **kwargs)
+
     def beam_search(self, prompts: Any, params: BeamSearchParams | Any,
                     use_tqdm: Any = True, *, lora_request: Any = None,
                     concurrency_limit: int | None = None, priority: Any = None
@@ -92,6 +98,24 @@ class CompatLLM(LLM):
         return self.generate(batch, list(params), use_tqdm,
                              lora_request=loras if loras and any(loras) else None,
                              priority=list(priorities) if priorities is not None else None)
+
+
+def refuse_image_embeds(prompts: Any) -> None:
+    """vLLM reads a torch.Tensor in `multi_modal_data["image"]` as image embeddings, taken
+    only with `enable_mm_embeds=True` (batchgen's own LLM reads it as pixels): a
+    ValidationError before any work (batchgen takes no image embeddings)."""
+    items = [prompts] if isinstance(prompts, (str, Mapping)) else prompts
+    for i, p in enumerate(items if isinstance(items, (list, tuple)) else []):
+        data = p.get("multi_modal_data") if isinstance(p, Mapping) else None
+        images = data.get("image") if isinstance(data, Mapping) else None
+        images = images if isinstance(images, (list, tuple)) else [images]
+        if any(isinstance(x, torch.Tensor) for x in images):
+            raise ValidationError(
+                f"prompts[{i}]['multi_modal_data']['image'] holds a torch.Tensor, which vLLM "
+                "reads as image embeddings: they need --enable-mm-embeds "
+                "(LLM(enable_mm_embeds=True)), which batchgen does not implement; pass the "
+                "image itself (a PIL image, a numpy array, a path or a URL)",
+                parameter="prompts")
 
 
 class _Model:
