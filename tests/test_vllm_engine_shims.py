@@ -154,3 +154,22 @@ def test_a_tensor_image_is_refused_as_embeddings_before_any_work(llm):
     assert "prompts[1]" in str(err.value)
     assert llm.llm_engine.get_num_unfinished_requests() == 0
     assert len(llm.generate(bad[:1], SamplingParams(max_tokens=1), use_tqdm=False)) == 1
+
+
+def test_installed_stand_in_has_package_metadata():
+    """While installed, importlib.metadata finds a `vllm` distribution at VERSION (what
+    lm-eval's and TRL's version checks read); after uninstall it is gone again."""
+    import importlib.metadata
+
+    import batchgen.vllm_compat as compat
+
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
+    compat.install()
+    try:
+        assert importlib.metadata.version("vllm") == compat.VERSION
+        assert importlib.metadata.metadata("vllm")["Name"] == "vllm"
+    finally:
+        compat.uninstall()
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("vllm")
