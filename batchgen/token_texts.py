@@ -19,9 +19,9 @@ MAX_CONTEXT = 4  # preceding tokens tried: a UTF-8 character has at most 4 bytes
 class TokenTexts:
     """The decoded_token texts of one tokenizer; single-token texts memoised."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, restore_spaces: bool = True) -> None:
         self.tokenizer = tokenizer
-        self.marker = space_marker(tokenizer)
+        self.marker = space_marker(tokenizer) if restore_spaces else None
         self._memo: dict[int, str] = {}
 
     def piece(self, token: int) -> str:
@@ -39,10 +39,11 @@ class TokenTexts:
     def text(self, token: int, context: list[int]) -> str:
         """`token`'s text where it follows the chosen tokens `context` (oldest first)."""
         text = self.piece(token)
-        return text if not text.endswith(REPLACEMENT) else self._completed(token, context)
+        return text if not text.endswith(REPLACEMENT) else self.completion(token, context)
 
-    def _completed(self, token: int, context: list[int]) -> str:
-        """The text `token` completes after the last 1..4 context tokens, or ""."""
+    def completion(self, token: int, context: list[int]) -> str:
+        """The text `token` completes after the last 1..4 context tokens (those that end an
+        unfinished UTF-8 sequence themselves count as part of it), or "" when none does."""
         for n in range(1, min(len(context), MAX_CONTEXT) + 1):
             before = context[-n:]
             full = self.tokenizer.decode(before + [token])

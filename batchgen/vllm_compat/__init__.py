@@ -6,8 +6,9 @@ registers batchgen's API under vLLM's module names.
     batchgen.vllm_compat.share(model)       # optional: generate from the trainer's own module
 
 After `install()`, `importlib.util.find_spec("vllm")` finds it, `vllm.__version__` is one TRL
-accepts (`VERSION`), and `from vllm import LLM, SamplingParams, RequestOutput`,
-`vllm.sampling_params.StructuredOutputsParams`, `from vllm.entrypoints.llm import LLM`,
+accepts (`VERSION`), and so is `importlib.metadata.version("vllm")` (metadata.py), and
+`from vllm import LLM, SamplingParams, RequestOutput`, `vllm.sampling_params
+.StructuredOutputsParams`, `from vllm.entrypoints.llm import LLM`,
 `vllm.exceptions.VLLMValidationError` (batchgen's ValidationError, a ValueError),
 `vllm.v1.metrics.reader`'s records, `llm.llm_engine.model_executor.driver_worker
 .model_runner.model.load_weights(...)` and `llm.llm_engine.model_config.max_model_len` are
@@ -25,6 +26,7 @@ import sys
 import torch
 
 from batchgen.vllm_compat.compat_llm import SHARED, CompatLLM
+from batchgen.vllm_compat.metadata import FINDER
 from batchgen.vllm_compat.modules import VERSION, build_modules
 
 __all__ = ["VERSION", "CompatLLM", "install", "installed", "share", "uninstall", "unshare"]
@@ -49,6 +51,7 @@ def install() -> None:
     modules = build_modules(CompatLLM)
     setattr(modules["vllm"], _MARK, True)
     sys.modules.update(modules)
+    sys.meta_path.append(FINDER)  # importlib.metadata.version("vllm") == VERSION
 
 
 def uninstall() -> None:
@@ -56,6 +59,8 @@ def uninstall() -> None:
     if installed():
         for name in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
             del sys.modules[name]
+    if FINDER in sys.meta_path:
+        sys.meta_path.remove(FINDER)
     SHARED.clear()
 
 

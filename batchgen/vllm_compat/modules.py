@@ -15,6 +15,7 @@ from batchgen.checks import ValidationError
 from batchgen.lora.request import LoRARequest
 from batchgen.pooling import PoolingParams
 from batchgen.pooling import outputs as pooled
+from batchgen.vllm_compat.engine_shims import InputProcessor, LogprobsProcessor
 
 # A vLLM version inside the range TRL 1.16 accepts (0.22.0 to 0.31.0), at or above the ones its
 # code paths test for (0.26.0, 0.28.0).
@@ -88,6 +89,11 @@ def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
         "vllm.exceptions": _module("vllm.exceptions", VLLMValidationError=ValidationError),
         "vllm.v1": _module("vllm.v1"),
         "vllm.v1.metrics": _module("vllm.v1.metrics"),
+        "vllm.v1.engine": _module("vllm.v1.engine"),
+        "vllm.v1.engine.logprobs": _module("vllm.v1.engine.logprobs",
+                                           LogprobsProcessor=LogprobsProcessor),
+        "vllm.v1.engine.input_processor": _module("vllm.v1.engine.input_processor",
+                                                  InputProcessor=InputProcessor),
         "vllm.v1.metrics.reader": _module(
             "vllm.v1.metrics.reader", Metric=stats.Metric, Counter=stats.Counter,
             Gauge=stats.Gauge, Histogram=stats.Histogram),

@@ -16,6 +16,8 @@ acceptance run by scripts/vllm_acceptance.py; vLLM's own conftest is not used).
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import shutil
 import tempfile
@@ -33,6 +35,7 @@ import vllm_stand_ins  # noqa: E402
 
 import batchgen.vllm_compat  # noqa: E402
 from batchgen.tools.make_tiny_model import make_tiny_model  # noqa: E402
+from batchgen.tools.make_tiny_vlm import make_tiny_vlm  # noqa: E402
 
 # hub id -> the tiny family standing for it
 MODELS = {
@@ -41,6 +44,7 @@ MODELS = {
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0": "llama",
     "vllm-project/tiny-random-LlamaForCausalLM": "llama", "vllm-project/llama-7b": "llama",
     "Qwen/Qwen3-0.6B": "qwen3", "facebook/opt-125m": "opt",
+    "llava-hf/llava-1.5-7b-hf": "llava",  # a vision-language model: batchgen/tools/make_tiny_vlm
 }
 REV = "0" * 40
 # stand-ins whose tests name token ids past 512: Qwen3's prompt_logprob_token_ids tests score
@@ -48,13 +52,66 @@ REV = "0" * 40
 VOCAB = {"Qwen/Qwen3-0.6B": 16384}
 
 
+# vllm-project/tiny-random-LlamaForCausalLM is itself a random model, with Llama's 32000-id
+# vocabulary of word pieces: its stand-in has as many ids, the ones past the tiny BPE's as
+# plain word tokens, each word mid-text (" w<i>") and opening a text ("w<i>", as
+# SentencePiece's pieces tokenize a word alone), so its random text is words, as the real
+# one's is
+WORD_VOCAB = {"vllm-project/tiny-random-LlamaForCausalLM": 32000}
+BPE = 512
+# GPT-2's tokenizer adds no BOS (the tiny one adds <s>): an empty prompt stays empty
+NO_BOS = {"distilbert/distilgpt2", "openai-community/gpt2", "gpt2"}
+# Qwen3's thinking tokens and its template's `enable_thinking` (False: an empty think block
+# opens the assistant turn), written here, for chat_template_kwargs
+THINKING = {"Qwen/Qwen3-0.6B"}
+QWEN3_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def _tokenizer(repo_id: str, vocab: int, folder: Path) -> None:
+    """The stand-in's tokenizer, where the checkpoint's differs from the tiny BPE's."""
+    from tokenizers import AddedToken, processors
+
+    from batchgen.tools.make_tiny_model import build_tokenizer
+
+    if repo_id in WORD_VOCAB:
+        tok = copy.deepcopy(build_tokenizer(BPE))
+        half = (vocab - BPE) // 2  # each word mid-text (" w<i>") and opening a text
+        tok.add_tokens([AddedToken(f"{sp}w{i}", normalized=False)
+                        for i in range(half) for sp in (" ", "")])
+    elif repo_id in THINKING:
+        tok = copy.deepcopy(build_tokenizer(vocab - 2))
+        tok.add_tokens(["<think>", "</think>"])
+        tok.chat_template = QWEN3_TEMPLATE
+    elif repo_id in NO_BOS:
+        tok = copy.deepcopy(build_tokenizer(vocab))
+        tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A",
+                                                                            pair="$A $B")
+    else:
+        return
+    tok.save_pretrained(folder)
+    path = folder / "tokenizer_config.json"  # as make_tiny_model saves it (no unk token)
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("unk_token", None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
 def _hub_entry(repo_id: str, family: str, seed: int) -> None:
     """A tiny model under `repo_id` in the HF cache's layout (refs/main -> snapshots/REV)."""
     repo = HUB / ("models--" + repo_id.replace("/", "--"))
     # rotary families get a real checkpoint's context (scripts ask for max_model_len=4096)
     longer = {"max_position_embeddings": 8192} if family in ("llama", "qwen3") else {}
-    made = make_tiny_model(HUB / "_made" / repo.name, family=family,
-                           vocab_size=VOCAB.get(repo_id, 512), seed=seed, **longer)
+    vocab = WORD_VOCAB.get(repo_id) or VOCAB.get(repo_id, BPE)
+    if family == "llava":
+        made = make_tiny_vlm(HUB / "_made" / repo.name, family=family, seed=seed)
+    else:
+        made = make_tiny_model(HUB / "_made" / repo.name, family=family, vocab_size=vocab,
+                               seed=seed, with_tokenizer=repo_id not in WORD_VOCAB, **longer)
+        _tokenizer(repo_id, vocab, made)
     shutil.copytree(made, repo / "snapshots" / REV)
     (repo / "refs").mkdir(parents=True, exist_ok=True)
     (repo / "refs" / "main").write_text(REV)

@@ -35,13 +35,6 @@ class _Platform:
 LogprobsMode = Literal["raw_logits", "raw_logprobs", "processed_logits", "processed_logprobs"]
 
 
-class _EngineInternal:
-    """A vLLM engine class a test patches or builds: batchgen has no such object."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError("a vLLM engine internal: not part of batchgen")
-
-
 class AudioAsset:
     """vLLM's audio fixtures: batchgen serves no audio model."""
 
@@ -63,13 +56,8 @@ def install() -> None:
         "vllm.distributed": sys.modules.get("vllm.distributed") or _module("vllm.distributed"),
         "vllm.config": _module("vllm.config"),
         "vllm.config.model": _module("vllm.config.model", LogprobsMode=LogprobsMode),
-        "vllm.v1.engine": _module("vllm.v1.engine"),
-        "vllm.lora": _module("vllm.lora"),
-        "vllm.lora.request": _module("vllm.lora.request", LoRARequest=_EngineInternal),
         "vllm.assets": _module("vllm.assets"),
         "vllm.assets.audio": _module("vllm.assets.audio", AudioAsset=AudioAsset),
-        "vllm.v1.engine.input_processor": _module("vllm.v1.engine.input_processor",
-                                                  InputProcessor=_EngineInternal),
     }
     mods["vllm.distributed"].cleanup_dist_env_and_memory = lambda *a, **k: None
     inputs = sys.modules["vllm.inputs"]
