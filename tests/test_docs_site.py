@@ -1,8 +1,9 @@
 """The docs site (`mkdocs.yml`, `docs/`): `mkdocs build --strict` passes (a broken link, an
 anchor that is gone, a page outside the nav or an API reference object that no longer imports
 fails it) within the issue's 30 s, every public parameter has its text on its reference page,
-the guide's code blocks marked ```python title="runnable"``` run on a tiny random model, and
-the notebooks' exported plots are current and shown on the How it works page."""
+the guide's code blocks marked ```python title="runnable"``` run on a tiny random model, the
+README's benchmark tables are RESULTS.md's newest, rendered from the JSON the benchmarks wrote,
+and the notebooks' exported plots are current and shown on the How it works page."""
 
 from __future__ import annotations
 
@@ -129,6 +130,18 @@ def _script(name: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_readme_benchmark_table_is_results_newest() -> None:
+    """The README's tables are the newest ones in benchmarks/RESULTS.md, and those are what the
+    benchmarks wrote to benchmarks/figures/*.json (scripts/readme_figures.py renders both)."""
+    figures = _script("readme_figures")
+    block = figures.render()
+    results, readme = figures.RESULTS.read_text(), figures.README.read_text()
+    newest = results[results.index(figures.BEGIN):results.index(figures.END) + len(figures.END)]
+    assert newest == block, "benchmarks/RESULTS.md's newest table is not benchmarks/figures/'s"
+    assert block in readme.split("## Benchmarks", 1)[1], "README's table is not RESULTS.md's"
+    assert len(re.findall(r"\d\.\d\dx", block)) >= 6, block  # the ratios were rendered
 
 
 def test_notebook_figures_are_exported_and_shown() -> None:
