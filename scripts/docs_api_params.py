@@ -19,6 +19,8 @@ ROW = re.compile(r"\| `(\w+)` \| (.+?) \| (.+) \|$")
 
 # docs/api.md heading -> the objects (griffe paths) whose reference entries show its rows: all of
 # them, or the named ones where one table serves several functions
+OUTPUTS = ("RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSequence",
+           "KVStats")
 LOAD = "`LLM.load_weights(weights, lora_request=None)`, `LLM.sleep(level=1)`, `LLM.wake_up(tags=None)`, `LLM.is_sleeping()`"  # noqa: E501
 TARGETS: dict[str, list[tuple[str, set[str] | None]]] = {
     "`LLM(model, **kwargs)`": [("llm.LLM", None)],
@@ -31,6 +33,7 @@ TARGETS: dict[str, list[tuple[str, set[str] | None]]] = {
     "`LLM.chat(messages, sampling_params=None, ...)`": [("llm.LLM.chat", None)],
     LOAD: [("llm.LLM.load_weights", {"weights", "lora_request"}), ("llm.LLM.sleep", {"level"}),
            ("llm.LLM.wake_up", {"tags"})],
+    **{f"Outputs: `{name}(...)`": [(f"outputs.{name}", None)] for name in OUTPUTS},
     "`SamplingParams(...)`": [("params.SamplingParams", None)],
     "`BeamSearchParams(...)`": [("params.BeamSearchParams", None)],
     "`StructuredOutputsParams(...)`": [("params.StructuredOutputsParams", None)],

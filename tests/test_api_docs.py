@@ -68,6 +68,9 @@ def documented() -> list[tuple[str, dict[str, str]]]:
         ("`LLM.beam_search_stream(prompts, params, use_tqdm=True)`",
          signature_defaults(LLM.beam_search_stream)),
         ("`LLM.chat(messages, sampling_params=None, ...)`", signature_defaults(LLM.chat)),
+        *[(f"Outputs: `{name}(...)`", dataclass_defaults(getattr(batchgen, name)))
+          for name in ("RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput",
+                       "BeamSequence", "KVStats")],
         ("`SamplingParams(...)`", dataclass_defaults(SamplingParams)),
         ("`BeamSearchParams(...)`", dataclass_defaults(BeamSearchParams)),
         ("`StructuredOutputsParams(...)`", dataclass_defaults(StructuredOutputsParams)),

@@ -64,8 +64,9 @@ def test_site_builds_strictly(site: Path) -> None:
 
 def _public_callables() -> list[tuple[str, str, Any]]:
     """(reference page, the object's id there, the object) for everything a user calls with
-    arguments: `LLM` and its public methods, the params classes, batchgen.data's and
-    batchgen.ray's public names."""
+    arguments or reads fields of: `LLM` and its public methods, the params classes, the output
+    classes of `batchgen.__all__`, batchgen.data's and batchgen.ray's public names."""
+    import batchgen
     import batchgen.data as bg_data
     import batchgen.ray as bg_ray
     from batchgen import LLM, BeamSearchParams, SamplingParams, StructuredOutputsParams
@@ -75,6 +76,9 @@ def _public_callables() -> list[tuple[str, str, Any]]:
             if not n.startswith("_") and inspect.isfunction(m)]
     out += [("params", f"batchgen.params.{c.__name__}", c)
             for c in (SamplingParams, BeamSearchParams, StructuredOutputsParams)]
+    out += [("outputs", f"batchgen.outputs.{n}", getattr(batchgen, n)) for n in batchgen.__all__
+            if inspect.isclass(getattr(batchgen, n))
+            and getattr(batchgen, n).__module__ == "batchgen.outputs"]
     out += [("data", f"batchgen.data.{n}", getattr(bg_data, n)) for n in bg_data.__all__]
     out += [("ray", f"batchgen.ray.{n}", getattr(bg_ray, n)) for n in bg_ray.__all__]
     return out
