@@ -68,14 +68,28 @@ def documented() -> list[tuple[str, dict[str, str]]]:
         ("`LLM.beam_search_stream(prompts, params, use_tqdm=True)`",
          signature_defaults(LLM.beam_search_stream)),
         ("`LLM.chat(messages, sampling_params=None, ...)`", signature_defaults(LLM.chat)),
+        *[(f"Outputs: `{name}(...)`", dataclass_defaults(getattr(batchgen, name)))
+          for name in ("RequestOutput", "CompletionOutput", "Logprob", "BeamSearchOutput",
+                       "BeamSequence", "KVStats")],
         ("`SamplingParams(...)`", dataclass_defaults(SamplingParams)),
         ("`BeamSearchParams(...)`", dataclass_defaults(BeamSearchParams)),
         ("`StructuredOutputsParams(...)`", dataclass_defaults(StructuredOutputsParams)),
         ("`batchgen.data.generate_dataset(llm, data, params=None, **kwargs)`",
          signature_defaults(generate_dataset)),
+        ("`batchgen.data.row_params(params, seed, row_id)`, `batchgen.data.row_seed(seed, row_id)`",
+         {**signature_defaults(bg_data.row_params), **signature_defaults(bg_data.row_seed)}),
+        ("`LLM.load_weights(weights, lora_request=None)`, `LLM.sleep(level=1)`, "
+         "`LLM.wake_up(tags=None)`, `LLM.is_sleeping()`",
+         {**signature_defaults(LLM.load_weights), **signature_defaults(LLM.sleep),
+          **signature_defaults(LLM.wake_up)}),
     ]
     try:  # batchgen.ray imports without Ray; only running it needs Ray
-        from batchgen.ray import BatchgenProcessorConfig, build_processor
+        from batchgen.ray import (
+            BatchgenProcessorConfig,
+            build_processor,
+            numbered_blocks,
+            with_row_ids,
+        )
     except ImportError:  # pragma: no cover - batchgen.ray never imports ray at module level
         return cases
     return cases + [
@@ -83,6 +97,8 @@ def documented() -> list[tuple[str, dict[str, str]]]:
          dataclass_defaults(BatchgenProcessorConfig)),
         ("`batchgen.ray.build_processor(config, preprocess=None, postprocess=None)`",
          signature_defaults(build_processor)),
+        ("`batchgen.ray.numbered_blocks(data, size)`, `batchgen.ray.with_row_ids(ds)`",
+         {**signature_defaults(numbered_blocks), **signature_defaults(with_row_ids)}),
     ]
 
 
