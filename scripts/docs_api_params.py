@@ -31,6 +31,7 @@ TARGETS: dict[str, list[tuple[str, set[str] | None]]] = {
     "`LLM.beam_search_stream(prompts, params, use_tqdm=True)`":
         [("llm.LLM.beam_search_stream", None)],
     "`LLM.chat(messages, sampling_params=None, ...)`": [("llm.LLM.chat", None)],
+    "`LLM.get_tokenizer(lora_request=None)`": [("llm.LLM.get_tokenizer", None)],
     LOAD: [("llm.LLM.load_weights", {"weights", "lora_request"}), ("llm.LLM.sleep", {"level"}),
            ("llm.LLM.wake_up", {"tags"})],
     **{f"Outputs: `{name}(...)`": [(f"outputs.{name}", None)] for name in OUTPUTS},
@@ -38,7 +39,7 @@ TARGETS: dict[str, list[tuple[str, set[str] | None]]] = {
     "`BeamSearchParams(...)`": [("params.BeamSearchParams", None)],
     "`StructuredOutputsParams(...)`": [("params.StructuredOutputsParams", None)],
     "`batchgen.data.generate_dataset(llm, data, params=None, **kwargs)`":
-        [("data.runner.generate_dataset", None)],
+        [("data.stages.generate_dataset", None)],
     "`batchgen.data.row_params(params, seed, row_id)`, `batchgen.data.row_seed(seed, row_id)`":
         [("data.rows.row_params", None), ("data.rows.row_seed", {"seed", "row_id"})],
     "`batchgen.ray.BatchgenProcessorConfig(...)` (the `[ray]` extra)":

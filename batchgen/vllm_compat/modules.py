@@ -62,21 +62,26 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
     return mod
 
 
+def _top(llm_class: type) -> types.ModuleType:
+    """The `vllm` package itself: its top-level names."""
+    return _module("vllm", __version__=VERSION, LLM=llm_class,
+                   SamplingParams=params.SamplingParams,
+                   BeamSearchParams=params.BeamSearchParams,
+                   RequestOutput=outputs.RequestOutput,
+                   CompletionOutput=outputs.CompletionOutput,
+                   TextPrompt=prompts.TextPrompt, TokensPrompt=prompts.TokensPrompt,
+                   PoolingParams=PoolingParams,
+                   PoolingRequestOutput=pooled.PoolingRequestOutput,
+                   EmbeddingRequestOutput=pooled.EmbeddingRequestOutput,
+                   ClassificationRequestOutput=pooled.ClassificationRequestOutput,
+                   ScoringRequestOutput=pooled.ScoringRequestOutput)
+
+
 def build_modules(llm_class: type) -> dict[str, types.ModuleType]:
     """Every stand-in module by dotted name, parents holding their children."""
     wt = "distributed.weight_transfer"
     mods = {
-        "vllm": _module("vllm", __version__=VERSION, LLM=llm_class,
-                        SamplingParams=params.SamplingParams,
-                        BeamSearchParams=params.BeamSearchParams,
-                        RequestOutput=outputs.RequestOutput,
-                        CompletionOutput=outputs.CompletionOutput,
-                        TextPrompt=prompts.TextPrompt, TokensPrompt=prompts.TokensPrompt,
-                        PoolingParams=PoolingParams,
-                        PoolingRequestOutput=pooled.PoolingRequestOutput,
-                        EmbeddingRequestOutput=pooled.EmbeddingRequestOutput,
-                        ClassificationRequestOutput=pooled.ClassificationRequestOutput,
-                        ScoringRequestOutput=pooled.ScoringRequestOutput),
+        "vllm": _top(llm_class),
         "vllm.pooling_params": _module("vllm.pooling_params", PoolingParams=PoolingParams),
         "vllm.sampling_params": _module(
             "vllm.sampling_params", SamplingParams=params.SamplingParams,
