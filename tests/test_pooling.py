@@ -167,6 +167,11 @@ def test_cli_score(reward_model, tmp_path, capsys):
     assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
                  str(out), "--text-column", "none"]) == 2  # a missing column, before loading
     assert "no text column 'none'" in capsys.readouterr().err
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "a"}\n{"text": \n')
+    assert main(["score", "--model", str(reward_model), "--input", str(broken), "--output",
+                 str(out)]) == 2  # a line that is not JSON, named, before loading
+    assert "line 2 is not JSON" in capsys.readouterr().err and not out.exists()
     assert main(["score", "--model", str(reward_model), "--input", str(src), "--output",
                  str(out), "--prompt-column", "prompt", "--response-column", "response",
                  "--block-size", "1"]) == 0

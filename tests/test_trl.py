@@ -11,6 +11,7 @@ the training forward does (else the gap is that kernel's bf16 rounding, ~2e-2)."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -24,18 +25,22 @@ pytest.importorskip("trl")
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = {"t1.0": ["--temperature", "1.0"], "t0.7": ["--temperature", "0.7"],
         "t0.7-sleep": ["--temperature", "0.7", "--sleep-mode"],
-        "t0.7-shared-sleep": ["--temperature", "0.7", "--sleep-mode", "--share-weights"],
-        "qlora": ["--temperature", "1.0", "--qlora"]}
+        "t0.7-shared-sleep": ["--temperature", "0.7", "--sleep-mode", "--share-weights"]}
+if importlib.util.find_spec("bitsandbytes") and importlib.util.find_spec("peft"):
+    RUNS["qlora"] = ["--temperature", "1.0", "--qlora"]
 
 
 DRIVER = """
 import runpy, sys
-import bitsandbytes.nn.modules as bnb  # the generator's 4-bit matmul = the training one's
-init = bnb.Linear4bit.__init__
-def same_kernel(self, *args, **kw):
-    init(self, *args, **kw)
-    self.support_avx512bf16_for_cpu = False
-bnb.Linear4bit.__init__ = same_kernel
+try:  # the generator's 4-bit matmul = the training one's (the qlora run)
+    import bitsandbytes.nn.modules as bnb
+    init = bnb.Linear4bit.__init__
+    def same_kernel(self, *args, **kw):
+        init(self, *args, **kw)
+        self.support_avx512bf16_for_cpu = False
+    bnb.Linear4bit.__init__ = same_kernel
+except ImportError:
+    pass
 example = runpy.run_path(sys.argv[1])  # installs batchgen.vllm_compat, then imports TRL
 for key, args in {runs!r}.items():
     print("=== run", key, flush=True)

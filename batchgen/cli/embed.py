@@ -6,10 +6,6 @@ last-token, mean or CLS pooling as the folder's sentence-transformers files or
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
-
-from batchgen.cli.common import CliError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,12 +28,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags and the input before the model loads, embed, write, print a summary."""
-    from batchgen.cli.score import read_texts
+    from batchgen.cli.score import output_path, read_texts, write_lines
     from batchgen.pooling.params import PoolingParams
 
-    out = Path(args.output).expanduser()
-    if out.exists() and not args.overwrite:
-        raise CliError(f"--output {args.output!r} exists: pass --overwrite to replace it")
+    out = output_path(args)
     params = PoolingParams(dimensions=args.dimensions,
                            normalize=False if args.no_normalize else None)
     rows, texts = read_texts(args)
@@ -46,11 +40,7 @@ def run(args: argparse.Namespace) -> int:
     pooler = None if args.pooling_type is None else {"pooling_type": args.pooling_type}
     llm = PoolingLLM(args.model, pooler_config=pooler, block_size=args.block_size)
     outs = llm.embed(texts, params)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        for row, o in zip(rows, outs):
-            f.write(json.dumps({**row, "embedding": o.outputs.embedding}) + "\n")
-    tmp.replace(out)
+    write_lines(out, rows, [{"embedding": o.outputs.embedding} for o in outs])
     print(f"batchgen: {len(rows)} lines embedded into {args.output} "
           f"(prefix hit tokens {llm.kv_stats().prefix_hit_tokens})")
     return 0

@@ -28,6 +28,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def output_path(args: argparse.Namespace) -> Path:
+    """--output, refused (CliError) when it exists without --overwrite."""
+    out = Path(args.output).expanduser()
+    if out.exists() and not args.overwrite:
+        raise CliError(f"--output {args.output!r} exists: pass --overwrite to replace it")
+    return out
+
+
+def write_lines(out: Path, rows: list[dict], added: list[dict]) -> None:
+    """Each row with its added fields, as JSON Lines, replacing `out` only once all are written."""
+    tmp = out.with_name(out.name + ".tmp")
+    with tmp.open("w") as f:
+        for row, extra in zip(rows, added):
+            f.write(json.dumps({**row, **extra}) + "\n")
+    tmp.replace(out)
+
+
 def read_texts(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     """The input's rows and their texts, or a CliError naming the file, line and column."""
     path = Path(args.input).expanduser()
@@ -41,7 +58,10 @@ def read_texts(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        row = json.loads(line)
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CliError(f"{args.input} line {n} is not JSON: {e}") from None
         missing = [c for c in cols if not isinstance(row.get(c), str)]
         if missing:
             raise CliError(f"{args.input} line {n} has no text column {missing[0]!r}")
@@ -52,20 +72,14 @@ def read_texts(args: argparse.Namespace) -> tuple[list[dict], list[str]]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags and the input before the model loads, score, write, print a summary."""
-    out = Path(args.output).expanduser()
-    if out.exists() and not args.overwrite:
-        raise CliError(f"--output {args.output!r} exists: pass --overwrite to replace it")
+    out = output_path(args)
     rows, texts = read_texts(args)
     from batchgen.pooling.scorer import RewardModel
 
     rm = RewardModel(args.model, block_size=args.block_size)
     outs = rm.reward(texts)
-    tmp = out.with_name(out.name + ".tmp")
-    with tmp.open("w") as f:
-        for row, o in zip(rows, outs):
-            f.write(json.dumps({**row, "score": o.outputs.probs[0],
-                                "scores": o.outputs.probs}) + "\n")
-    tmp.replace(out)
+    write_lines(out, rows, [{"score": o.outputs.probs[0], "scores": o.outputs.probs}
+                            for o in outs])
     print(f"batchgen: {len(rows)} lines scored into {args.output} "
           f"(prefix hit tokens {rm.llm.kv_stats().prefix_hit_tokens})")
     return 0

@@ -59,6 +59,7 @@ class KVCache:
         self.k_scales = [1.0] * num_layers
         self.v_scales = [1.0] * num_layers
         self.quantized = dtype in FP8_DTYPES
+        self.fp8_max = torch.finfo(dtype).max if self.quantized else None  # saturation bound
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
@@ -146,8 +147,7 @@ class KVCache:
         plain cast would turn outliers into NaN or inf)."""
         if scale != 1.0:
             x = x / scale
-        largest = torch.finfo(self.dtype).max
-        return x.clamp(-largest, largest)
+        return x.clamp(-self.fp8_max, self.fp8_max)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src → dst for every (src, dst), in every layer, K and V, in one
