@@ -186,16 +186,7 @@ class _Stages:
         _wake(_engine(self.scorer.model))
 
     def _prompt_of(self, row: dict[str, Any]) -> str:
-        """The prompt text a candidate is scored after (prompt + candidate)."""
-        messages = self.kwargs.get("messages_column")
-        value = row[messages or self.kwargs.get("prompt_column", "prompt")]
-        tok = self.llm.get_tokenizer()
-        if messages:
-            return tok.apply_chat_template(
-                value, tokenize=False, chat_template=self.kwargs.get("chat_template"),
-                add_generation_prompt=self.kwargs.get("add_generation_prompt", True),
-                **(self.kwargs.get("chat_template_kwargs") or {}))
-        return value if isinstance(value, str) else tok.decode(value)
+        return prompt_text(self.llm.get_tokenizer(), row, self.kwargs)
 
     def _more_rounds(self, rows: dict[int, dict[str, Any]], state: dict[int, Any]) -> None:
         """until:k: rounds of n for the rows still open (fewer than k passed, budget left),
@@ -226,7 +217,7 @@ class _Stages:
         stage (only the rows its shards lack) and read back ordered by row_id."""
         import datasets
 
-        schema = _final_schema(schema, self.policy)
+        schema = final_schema(schema, self.policy)
         store = None
         if self.out is not None:
             job = {"stage": "select", "policy": repr(self.policy),
@@ -235,7 +226,7 @@ class _Stages:
         ids = sorted(i for i in rows if store is None or i not in store.done_ids)
         kept = []
         for part in chunks(ids, self.rows_per_shard):
-            built = [_final_row(rows[i], *state[i], self.policy) for i in part]
+            built = [final_row(rows[i], *state[i], self.policy) for i in part]
             if store is None:
                 kept += built
             else:
@@ -244,6 +235,20 @@ class _Stages:
             return datasets.Dataset(pa.Table.from_pylist(kept, schema=schema))
         store.finish()
         return store.writer.load(store.files(), schema).sort(ROW_ID)
+
+
+def prompt_text(tok: Any, row: dict[str, Any], kwargs: dict[str, Any]) -> str:
+    """The prompt text a candidate is scored after (prompt + candidate): the row's prompt
+    column, its messages rendered through the chat template, or its token ids decoded
+    (`kwargs`: the job's prompt_column / messages_column / chat template arguments)."""
+    messages = kwargs.get("messages_column")
+    value = row[messages or kwargs.get("prompt_column", "prompt")]
+    if messages:
+        return tok.apply_chat_template(
+            value, tokenize=False, chat_template=kwargs.get("chat_template"),
+            add_generation_prompt=kwargs.get("add_generation_prompt", True),
+            **(kwargs.get("chat_template_kwargs") or {}))
+    return value if isinstance(value, str) else tok.decode(value)
 
 
 def _engine(model: Any) -> Any:
@@ -269,7 +274,7 @@ def _inputs(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in ADDED_COLUMNS and k != ERROR}
 
 
-def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
+def final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
                rounds: int, policy: Select | Until | None) -> dict[str, Any]:
     """A result row: every candidate with its score (renumbered in order across rounds)."""
     cands = [{**c, "index": j, SCORE: s} if "index" in c else {**c, SCORE: s}
@@ -285,7 +290,7 @@ def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[flo
     return out
 
 
-def _final_schema(schema: pa.Schema, policy: Select | Until | None) -> pa.Schema:
+def final_schema(schema: pa.Schema, policy: Select | Until | None) -> pa.Schema:
     """The generate stage's schema, each candidate with a `score`, and the selection."""
     fields = []
     for f in schema:
