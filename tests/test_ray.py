@@ -307,3 +307,30 @@ def test_best_of_n_pipeline_equals_the_local_job(local_ray, model: Path,
     cfg = config(model, concurrency=1, batch_size=5, score=verify_length, select="top:2")
     got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
     assert got == local and all(len(r["selected"]) == 2 for r in got)
+
+
+def test_cli_ray_score_select_equals_local_cli(local_ray, model: Path, tmp_path: Path,
+                                              capsys) -> None:
+    """`batchgen generate --ray --score-model RM --select best` writes the local job's
+    result rows (its selected/ stage); until:k and a shared GPU without pool sizes are
+    refused before Ray runs anything."""
+    rm = reward_model(model, tmp_path / "rm")
+    data = tmp_path / "in.jsonl"
+    datasets.Dataset.from_list(rows(10)).to_json(data)
+    common = ["generate", "--model", str(model), "--input", str(data), "--n", "3",
+              "--max-tokens", "5", "--seed", "7", "--quiet", "--score-model", str(rm)]
+    assert main([*common, "--output", str(tmp_path / "local"), "--select", "best"]) == 0
+    assert main([*common, "--output", str(tmp_path / "ray"), "--select", "best", "--ray",
+                 "--batch-size", "4"]) == 0
+    assert "batchgen: 10 rows, 30 samples in" in capsys.readouterr().out
+    got = by_id(pq.read_table(tmp_path / "ray").to_pylist())
+    assert got == by_id(pq.read_table(tmp_path / "local" / "selected").to_pylist())
+    assert all(len(r["selected"]) == 1 and "score" in r["outputs"][0] for r in got)
+    code = main([*common, "--output", str(tmp_path / "o"), "--ray", "--select", "until:2",
+                 "--threshold", "0.5"])
+    assert code == 2 and "--select until:2 is for local jobs" in capsys.readouterr().err
+    code = main([*common, "--output", str(tmp_path / "o"), "--ray", "--select", "best",
+                 "--gpus-per-actor", "0.5", "--kv-cache-memory", "1GiB",
+                 "--score-gpus-per-actor", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "give the scorer's KV pool a size (--score-kv-cache-memory)" in err

@@ -99,3 +99,18 @@ def test_a_generator_folder_is_no_scorer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is a generator"):
         config(score=str(tmp_path), select="best")
     config(score=verify, select="pairs", score_num_gpus=0.5, score_concurrency=(1, 2))
+
+
+def test_a_shared_gpu_needs_each_pool_sized(tmp_path: Path) -> None:
+    """Fractional GPUs (the generator and the scorer on one device): each model's KV pool
+    sized in its kwargs, else refused naming the field before Ray starts."""
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    with pytest.raises(ValueError, match=r"num_gpus=0.5 shares a GPU .* in engine_kwargs"):
+        config(num_gpus=0.5)
+    with pytest.raises(ValueError, match=r"score_num_gpus=0.5 shares .* in score_engine_kw"):
+        config(score=str(rm), score_num_gpus=0.5)
+    config(num_gpus=0.5, engine_kwargs={"kv_cache_memory": 2 << 30}, score=str(rm),
+           select="best", score_num_gpus=0.5, score_engine_kwargs={"num_kv_blocks": 512})
+    config(score=verify, score_num_gpus=0.5)  # a callable holds no pool

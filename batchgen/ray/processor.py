@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     import ray.data
 
 Row = dict[str, Any]
+POOL_SIZES = ("kv_cache_memory", "kv_cache_memory_bytes", "num_kv_blocks")  # a KV pool's size
 
 
 @dataclass(frozen=True)
@@ -105,11 +106,15 @@ def _check(c: BatchgenProcessorConfig) -> None:
     for name in ("num_gpus", "num_cpus", "score_num_gpus", "score_num_cpus"):
         check_number(getattr(c, name), name)
     _check_gpus_for_ranks(c.num_gpus, c.engine_kwargs.get("tensor_parallel_size", 1))
+    _check_shared_gpu(c.num_gpus, c.engine_kwargs, "num_gpus", "engine_kwargs")
     check_int(c.max_tasks_in_flight_per_actor, "max_tasks_in_flight_per_actor",
               allow_none=True)
     if c.runtime_env is not None:
         check_type(c.runtime_env, "runtime_env", dict, "None or a Ray runtime_env dict")
     check_stages(c)
+    if isinstance(c.score, (str, os.PathLike)):  # a scorer model's actors hold a pool too
+        _check_shared_gpu(c.score_num_gpus, c.score_engine_kwargs, "score_num_gpus",
+                          "score_engine_kwargs")
 
 
 def _check_pool_size(value: Any, name: str) -> None:
@@ -118,6 +123,18 @@ def _check_pool_size(value: Any, name: str) -> None:
     check(1 <= len(sizes) <= 2 and all(is_int(n) and n >= 1 for n in sizes)
           and sizes == tuple(sorted(sizes)), name,
           "an integer >= 1 or a (min, max) pair of them with min <= max", value)
+
+
+def _check_shared_gpu(num_gpus: float, kwargs: dict[str, Any], name: str, kwargs_name: str
+                      ) -> None:
+    """An actor with a fraction of a GPU shares it (the generator and the scorer, or two
+    actors of one pool): its KV pool needs a size of its own, since gpu_memory_utilization
+    counts the other process's memory as used (the second actor to start would get none)."""
+    if 0 < num_gpus < 1 and not any(kwargs.get(k) for k in POOL_SIZES):
+        raise ValueError(
+            f"{name}={num_gpus} shares a GPU with another actor: give this actor's KV pool "
+            f"its own size in {kwargs_name} ('kv_cache_memory': bytes, or 'num_kv_blocks'), "
+            f"so that the models' pools fit side by side")
 
 
 def _check_gpus_for_ranks(num_gpus: float, tp: Any) -> None:
