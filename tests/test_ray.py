@@ -293,7 +293,7 @@ def test_best_of_n_pipeline_equals_the_local_job(local_ray, model: Path,
     local = generate_dataset(llm, data, PARAMS, seed=3, score=str(rm), select="pairs",
                              use_tqdm=False).to_list()
     cfg = config(model, concurrency=1, batch_size=5, score=str(rm), select="pairs",
-                 score_engine_kwargs={"device": "cpu"})
+                 score_engine_kwargs={"device": "cpu"}, num_cpus=0.5, score_num_cpus=0.5)
     got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
     assert got == local  # every candidate's text, logprobs and score; selected and rejected
     assert len({o["score"] for r in got for o in r["outputs"]}) == 48  # real, distinct scores
@@ -304,7 +304,8 @@ def test_best_of_n_pipeline_equals_the_local_job(local_ray, model: Path,
 
     local = generate_dataset(llm, data, PARAMS, seed=3, score=verify_length, select="top:2",
                              use_tqdm=False).to_list()
-    cfg = config(model, concurrency=1, batch_size=5, score=verify_length, select="top:2")
+    cfg = config(model, concurrency=1, batch_size=5, score=verify_length, select="top:2",
+                 num_cpus=0.5, score_num_cpus=0.5)  # CPUs left for the select tasks
     got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
     assert got == local and all(len(r["selected"]) == 2 for r in got)
 
