@@ -204,8 +204,20 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--lora NAME=PATH and --lora-column COL go together (the adapters, and "
                        "the column naming each row's)")
     LoRAColumn.of(args.lora_column, args.loras)
+    _check_scorer_actor_flags(args)
     params = _params(args)
     return _run_job(args, params, memory)
+
+
+def _check_scorer_actor_flags(args: argparse.Namespace) -> None:
+    """The scorer's actor flags go with a Ray job that scores (ignored otherwise: refused)."""
+    given = [flag for flag, value, default in (
+        ("--score-actors", args.score_actors, 1),
+        ("--score-gpus-per-actor", args.score_gpus_per_actor, 0.0),
+        ("--score-kv-cache-memory", args.score_kv_cache_memory, None)) if value != default]
+    if given and not (args.ray and getattr(args, "score_model", None) is not None):
+        raise CliError(f"{', '.join(given)} go with --ray and --score-model (the scorer's "
+                       f"actors on Ray)")
 
 
 def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
