@@ -21,7 +21,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model", "batchgen.quantization",
      "batchgen.multimodal"),  # loading (quantized too), runner, inputs; images
-    ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
+    ("batchgen.engine",
+     "batchgen.speculative"),  # scheduler, KV manager, layout, output processor, the loop; drafts
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
      "batchgen.config",
      "batchgen.kv_plan", "batchgen.calls"),  # requests in and results out; settings and sizing
