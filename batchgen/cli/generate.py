@@ -149,6 +149,19 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
             "max_candidates": args.max_candidates}
 
 
+def check_generator(model: str) -> None:
+    """Refuse a pooling model's folder as --model (a reward, classifier or embedding model has
+    no tokens to generate), pointing to the commands that run it; read from its config.json."""
+    from batchgen.runners import folder_architectures, resolve_runner
+
+    archs = folder_architectures(model)
+    if archs and resolve_runner("auto", archs) == "pooling":
+        raise CliError(f"--model {model!r} is a pooling model ({', '.join(archs)}): `batchgen "
+                       "generate` runs generators (runner='generate'); score with `batchgen "
+                       "score --model` (or pass it as --score-model), embed with `batchgen "
+                       "embed --model`")
+
+
 def _constraint_args(p: argparse.ArgumentParser) -> None:
     """Structured outputs (the batchgen[structured] extra): one constraint for every row, or
     each row's own JSON schema from a column."""
@@ -179,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
           args.shard_seconds)
     check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
           args.tensor_parallel_size)
+    check_generator(args.model)
     if args.kind == "beam":
         check_beam_mode(args.logprobs_mode, "--logprobs-mode")
     from batchgen.lora.dataset import LoRAColumn, parse_lora_flags
@@ -234,7 +248,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
         return run_on_ray(args, params, template, source, engine)
     from batchgen.llm import LLM
 
-    llm = LLM(args.model, **({"enable_sleep_mode": True, **engine} if stages else engine))
+    llm = LLM(args.model, runner="generate", **engine | {"enable_sleep_mode": bool(stages)})
     start = time.perf_counter()
     try:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
