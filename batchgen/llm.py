@@ -31,6 +31,7 @@ from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
 from batchgen.prompts import Conversation, PromptType
+from batchgen.runners import RunnerDispatch
 from batchgen.sampling.logprobs_mode import check_beam_mode
 from batchgen.speculative.seam import SpecSeam
 from batchgen.stats import Metric, StatsRecorder
@@ -38,16 +39,15 @@ from batchgen.vllm_args import check_call_args
 
 logger = logging.getLogger("batchgen")
 
-# A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
-# requests finish, few enough that a dataset of any size needs bounded memory.
+# A stream holds this x max_num_seqs sequences waiting: the batch refills, memory stays bounded.
 STREAM_WINDOW = 2
 
 
-class LLM:
-    """A local HF model folder (or a loaded transformers model, as it is) on one paged KV pool.
+class LLM(metaclass=RunnerDispatch):
+    """A local HF model folder (or a loaded transformers model, as it is) on one paged KV pool;
+    a pooling model's folder (`runner="pooling"`, or "auto" on one) gives a PoolingLLM.
 
-    >>> llm = LLM("path/to/model")
-    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> LLM("path/to/model").generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, *,

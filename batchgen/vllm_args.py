@@ -51,8 +51,7 @@ ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {
 # vLLM names of batchgen parameters that batchgen spells otherwise.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 # Where a refused value is served by another class.
-ELSEWHERE = {"runner": "; its pooling runner is batchgen.pooling.llm.PoolingLLM (vllm_compat's "
-                       "vllm.LLM(runner='pooling') returns one)"}
+ELSEWHERE = {"runner": "; runner='pooling' builds a batchgen.pooling.llm.PoolingLLM"}
 
 
 @functools.cache

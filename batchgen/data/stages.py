@@ -28,13 +28,14 @@ from batchgen.checks import ValidationError, check_int, is_number
 from batchgen.data import runner
 from batchgen.data.rows import ADDED_COLUMNS, ERROR, OUTPUTS, ROW_ID, job_seed, row_seed
 from batchgen.data.scoring import (
+    STEP_SCORES,
     Scorer,
     check_scorer,
     chunks,
     open_stage,
     score_rows,
-    scorer_identity,
     stage_fingerprint,
+    step_scoring,
 )
 from batchgen.data.writers import writer_for
 from batchgen.params import SamplingParams
@@ -101,17 +102,24 @@ def parse_policy(select: object, threshold: object, max_candidates: object, para
 def generate_dataset(llm: LLM, data: Any, params: Any = None, *, score: Any = None,
                      select: str | None = None, threshold: float | None = None,
                      max_candidates: int | None = None, score_workers: int = 4,
-                     **kwargs: Any) -> datasets.Dataset:
+                     prm_step_tag: str | None = None, prm_aggregate: str | None = None,
+                     prm_step_separator: str | None = None, **kwargs: Any) -> datasets.Dataset:
     """`batchgen.data.runner.generate_dataset` (every argument of it in `kwargs`), then, with
-    `score`, every candidate scored, and with `select` a selection column. See
+    `score`, every candidate scored, and with `select` a selection column. A process reward
+    model scorer scores each response's steps (split at `prm_step_separator`, default
+    "\\n\\n"; `prm_step_tag` after each, default "<extra_0>"), kept as `step_scores`, and
+    `prm_aggregate` (min, last, mean or prod; default min) makes the score. See
     docs/best_of_n.md."""
-    if score is None and select is None and threshold is None and max_candidates is None:
+    prm = (prm_step_tag, prm_aggregate, prm_step_separator)
+    if score is None and select is None and threshold is None and max_candidates is None \
+            and prm == (None, None, None):
         return runner.generate_dataset(llm, data, params, **kwargs)
     params = llm.get_default_sampling_params() if params is None else params
     policy = parse_policy(select, threshold, max_candidates, params, score)
     check_scorer(score)
     check_int(score_workers, "score_workers")
-    return _Stages(llm, data, params, policy, Scorer(score, score_workers), kwargs).run()
+    scorer = Scorer(score, score_workers, step_scoring(score, *prm))
+    return _Stages(llm, data, params, policy, scorer, kwargs).run()
 
 
 def _signature() -> inspect.Signature:
@@ -174,7 +182,7 @@ class _Stages:
             score_dir = self._dir(r, "score")
             self.score_dirs.append(score_dir)  # type: ignore[arg-type]
             store = open_stage(score_dir, {"stage": "score",  # type: ignore[arg-type]
-                                           **scorer_identity(self.scorer.spec)})
+                                           **self.scorer.identity()})
         self.scorer.before = self._to_scorer  # only if a candidate is left to score
         scores = score_rows(rows, self._prompt_of, self.scorer, store, self.rows_per_shard)
         return rows, scores, ds.data.schema
@@ -226,7 +234,7 @@ class _Stages:
         stage (only the rows its shards lack) and read back ordered by row_id."""
         import datasets
 
-        schema = _final_schema(schema, self.policy)
+        schema = _final_schema(schema, self.policy, self.scorer.steps is not None)
         store = None
         if self.out is not None:
             job = {"stage": "select", "policy": repr(self.policy),
@@ -285,13 +293,17 @@ def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[flo
     return out
 
 
-def _final_schema(schema: pa.Schema, policy: Select | Until | None) -> pa.Schema:
-    """The generate stage's schema, each candidate with a `score`, and the selection."""
+def _final_schema(schema: pa.Schema, policy: Select | Until | None, steps: bool = False
+                  ) -> pa.Schema:
+    """The generate stage's schema, each candidate with a `score` (and a PRM's
+    `step_scores`), and the selection."""
     fields = []
+    added = [pa.field(SCORE, pa.float64())]
+    if steps:
+        added.append(pa.field(STEP_SCORES, pa.list_(pa.float64())))
     for f in schema:
         if f.name == OUTPUTS:
-            item = f.type.value_type
-            f = pa.field(OUTPUTS, pa.list_(pa.struct([*item, pa.field(SCORE, pa.float64())])))
+            f = pa.field(OUTPUTS, pa.list_(pa.struct([*f.type.value_type, *added])))
         fields.append(f)
     if policy is not None:
         fields.append(pa.field(SELECTED, pa.list_(pa.int32())))
