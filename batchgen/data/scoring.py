@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,8 +176,8 @@ def stage_fingerprint(store_dir: Path) -> str:
     return digest([manifest["job"], [s["sha256"] for s in manifest["shards"]]])
 
 
-def open_stage(out: Path, job: dict[str, Any], writer: ShardWriter = WRITERS["parquet"]
-               ) -> ShardStore:
+def open_stage(out: Path, job: dict[str, Any], writer: ShardWriter = WRITERS["parquet"],
+               rows_per_shard: int = 256) -> ShardStore:
     """A stage's store in `out`, resumed when it holds the same job; a different job's shards
     (another scorer, another policy) are removed first: that stage alone is redone."""
     manifest = out / MANIFEST
@@ -186,48 +186,61 @@ def open_stage(out: Path, job: dict[str, Any], writer: ShardWriter = WRITERS["pa
         for p in out.iterdir():
             if p.name == MANIFEST or p.name.startswith(("part-", ".part-")):
                 p.unlink()
-    store = ShardStore(out, job, resume=True, writer=writer)
+    store = ShardStore(out, job, resume=True, writer=writer, rows_per_shard=rows_per_shard)
     store.reconcile(None, errors=False)  # (lists the job as it is: no stored input keys)
     return store
 
 
-def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
+def by_shard(ids: Iterable[int], size: int) -> dict[int, list[int]]:
+    """Row ids grouped by the shard that holds them (shard k: ids [k*size, (k+1)*size))."""
+    groups: dict[int, list[int]] = {}
+    for i in sorted(ids):
+        groups.setdefault(i // size, []).append(i)
+    return groups
 
 
 def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]], str],
                scorer: Scorer, store: ShardStore | None, rows_per_shard: int
                ) -> dict[int, list[float]]:
     """Every candidate of `rows` (generated rows) scored, row id -> scores in candidate
-    order; with a store, in shards of `rows_per_shard` rows. A row whose prompt and candidate
-    texts are those a listed shard scored keeps its scores (a resume after a kill, or after
-    rows were added or edited, scores only the rest; a later shard's row wins). A PRM's
-    step scores go into each candidate of `rows` as `step_scores`."""
+    order; with a store, into shards by row id. A row whose prompt and candidate texts are
+    those its shard scored keeps its scores (a resume after a kill, or after rows were added
+    or edited, scores only the rest, and writes again only the shards that held others). A
+    PRM's step scores go into each candidate of `rows` as `step_scores`."""
     done: dict[int, tuple[str, list[float], Any]] = {}
     if store is not None:
+        rows_per_shard = store.rows_per_shard
         for f in store.files():
-            t = store.writer.read(f).to_pylist()
-            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES], r.get(STEP_SCORES))) for r in t)
-    prompts = {r[ROW_ID]: prompt_of(r) if r[OUTPUTS] else "" for r in rows}  # (error rows)
-    keys = {r[ROW_ID]: digest([prompts[r[ROW_ID]], [c["text"] for c in r[OUTPUTS]]])
-            for r in rows}
-    todo = [r for r in rows if done.get(r[ROW_ID], ("",))[0] != keys[r[ROW_ID]]]
-    for part in chunks(todo, rows_per_shard):
-        pairs = [(prompts[r[ROW_ID]], c["text"]) for r in part for c in r[OUTPUTS]]
-        (flat, steps), i, new = scorer(pairs), 0, []
-        for r in part:
-            k = len(r[OUTPUTS])
-            new.append({ROW_ID: r[ROW_ID], CANDIDATES: keys[r[ROW_ID]], SCORES: flat[i:i + k]}
-                       | ({} if steps is None else {STEP_SCORES: steps[i:i + k]}))
-            i += k
+            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES], r.get(STEP_SCORES)))
+                        for r in store.writer.rows(f))
+    by_id = {r[ROW_ID]: r for r in rows}
+    prompts = {i: prompt_of(r) if r[OUTPUTS] else "" for i, r in by_id.items()}  # (error rows)
+    keys = {i: digest([prompts[i], [c["text"] for c in r[OUTPUTS]]]) for i, r in by_id.items()}
+    groups = by_shard(by_id, rows_per_shard)
+    for k, ids in groups.items():
+        todo = [i for i in ids if done.get(i, ("",))[0] != keys[i]]
+        if not todo and (store is None or store.ids_in(k) == ids):
+            continue
+        pairs = [(prompts[i], c["text"]) for i in todo for c in by_id[i][OUTPUTS]]
+        (flat, steps), at = scorer(pairs), 0
+        for i in todo:
+            n = len(by_id[i][OUTPUTS])
+            done[i] = (keys[i], flat[at:at + n], None if steps is None else steps[at:at + n])
+            at += n
         if store is not None:
-            store.write(new, _SCORE_SCHEMA if scorer.steps is None else _STEP_SCHEMA)
-        done.update((d[ROW_ID], (d[CANDIDATES], d[SCORES], d.get(STEP_SCORES))) for d in new)
+            store.put(k, [_score_row(i, done[i], scorer.steps is not None) for i in ids],
+                      _SCORE_SCHEMA if scorer.steps is None else _STEP_SCHEMA)
     if store is not None:
+        store.keep_only(set(groups))
         store.finish()
     if scorer.steps is not None:
-        for r in rows:
-            for c, s in zip(r[OUTPUTS], done[r[ROW_ID]][2] or []):
+        for i, r in by_id.items():
+            for c, s in zip(r[OUTPUTS], done[i][2] or []):
                 c[STEP_SCORES] = s
-    return {r[ROW_ID]: done[r[ROW_ID]][1] for r in rows}
+    return {i: done[i][1] for i in by_id}
+
+
+def _score_row(row_id: int, done: tuple[str, list[float], Any], steps: bool) -> dict[str, Any]:
+    """One row of a score shard: its candidates' digest, scores and (a PRM's) step scores."""
+    row = {ROW_ID: row_id, CANDIDATES: done[0], SCORES: done[1]}
+    return row | ({STEP_SCORES: done[2]} if steps else {})

@@ -30,8 +30,8 @@ from batchgen.data.rows import ADDED_COLUMNS, ERROR, OUTPUTS, ROW_ID, job_seed, 
 from batchgen.data.scoring import (
     STEP_SCORES,
     Scorer,
+    by_shard,
     check_scorer,
-    chunks,
     open_stage,
     score_rows,
     stage_fingerprint,
@@ -182,7 +182,8 @@ class _Stages:
             score_dir = self._dir(r, "score")
             self.score_dirs.append(score_dir)  # type: ignore[arg-type]
             store = open_stage(score_dir, {"stage": "score",  # type: ignore[arg-type]
-                                           **self.scorer.identity()})
+                                           **self.scorer.identity()},
+                               rows_per_shard=self.rows_per_shard)
         self.scorer.before = self._to_scorer  # only if a candidate is left to score
         scores = score_rows(rows, self._prompt_of, self.scorer, store, self.rows_per_shard)
         return rows, scores, ds.data.schema
@@ -239,17 +240,15 @@ class _Stages:
         if self.out is not None:
             job = {"stage": "select", "policy": repr(self.policy),
                    "scores": [stage_fingerprint(d) for d in self.score_dirs]}
-            store = open_stage(self.out / SELECTED, job, self.writer)
-        ids = sorted(i for i in rows if store is None or i not in store.done_ids)
-        kept = []
-        for part in chunks(ids, self.rows_per_shard):
-            built = [_final_row(rows[i], *state[i], self.policy) for i in part]
-            if store is None:
-                kept += built
-            else:
-                store.write(built, schema)
+            store = open_stage(self.out / SELECTED, job, self.writer, self.rows_per_shard)
         if store is None:
+            kept = [_final_row(rows[i], *state[i], self.policy) for i in sorted(rows)]
             return datasets.Dataset(pa.Table.from_pylist(kept, schema=schema))
+        groups = by_shard(rows, store.rows_per_shard)
+        for k, ids in groups.items():  # a shard written whole, unless it is already
+            if store.ids_in(k) != ids:
+                store.put(k, [_final_row(rows[i], *state[i], self.policy) for i in ids], schema)
+        store.keep_only(set(groups))
         store.finish()
         return store.writer.load(store.files(), schema).sort(ROW_ID)
 
