@@ -103,6 +103,11 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     _constraint_args(p)
     engine_args(p)
+    _ray_args(p)
+
+
+def _ray_args(p: argparse.ArgumentParser) -> None:
+    """The --ray job's flags: the cluster, the generator's actors and the scorer's."""
     r = p.add_argument_group("Ray Data (the batchgen[ray] extra)")
     r.add_argument("--ray", action="store_true",
                    help="run the job on Ray Data: one LLM per actor, output written by Ray")
@@ -114,6 +119,14 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                         "(default 0: CPU actors)")
     r.add_argument("--cpus-per-actor", type=float, default=1.0)
     r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
+    r.add_argument("--score-actors", type=int, default=1,
+                   help="with --score-model: scorer actors (default 1)")
+    r.add_argument("--score-gpus-per-actor", type=float, default=0.0,
+                   help="with --score-model: GPUs per scorer actor (0.5 with "
+                        "--gpus-per-actor 0.5: both models on one GPU; default 0)")
+    r.add_argument("--score-kv-cache-memory", default=None,
+                   help="with --score-model: the scorer's KV pool bytes, e.g. 4GiB (needed "
+                        "on a shared GPU, with --kv-cache-memory for the generator)")
 
 
 def _score_args(p: argparse.ArgumentParser) -> None:
@@ -154,8 +167,14 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         raise CliError(str(e).replace("select ", "--select ", 1).replace(
             "score ", "--score-model ", 1).replace("prm_step_tag", "--prm-step-tag").replace(
             "prm_aggregate", "--prm-aggregate")) from None
-    if args.ray:
-        raise CliError("--score-model / --select are for local jobs (not --ray)")
+    if args.ray and any(v is not None for v in prm.values()):
+        raise CliError("--prm-step-tag / --prm-aggregate are for local jobs (not --ray): on Ray "
+                       "a process reward model scores each candidate at its last token")
+    if args.ray and args.select is not None and args.select.startswith("until:"):
+        raise CliError(f"--select {args.select} is for local jobs (not --ray): until:k samples "
+                       f"each row in rounds, a round only for the rows the last round's scores "
+                       f"left open, and a Ray Data pipeline runs each stage once per row; on "
+                       f"Ray use a fixed --n with --select threshold:X or top:K")
     return {"score": args.score_model, "select": args.select, "threshold": args.threshold,
             "max_candidates": args.max_candidates, **prm}
 

@@ -195,16 +195,7 @@ class _Stages:
         _wake(_engine(self.scorer.model))
 
     def _prompt_of(self, row: dict[str, Any]) -> str:
-        """The prompt text a candidate is scored after (prompt + candidate)."""
-        messages = self.kwargs.get("messages_column")
-        value = row[messages or self.kwargs.get("prompt_column", "prompt")]
-        tok = self.llm.get_tokenizer()
-        if messages:
-            return tok.apply_chat_template(
-                value, tokenize=False, chat_template=self.kwargs.get("chat_template"),
-                add_generation_prompt=self.kwargs.get("add_generation_prompt", True),
-                **(self.kwargs.get("chat_template_kwargs") or {}))
-        return value if isinstance(value, str) else tok.decode(value)
+        return prompt_text(self.llm.get_tokenizer(), row, self.kwargs)
 
     def _more_rounds(self, rows: dict[int, dict[str, Any]], state: dict[int, Any]) -> None:
         """until:k: rounds of n for the rows still open (fewer than k passed, budget left),
@@ -235,22 +226,36 @@ class _Stages:
         stage (only the rows its shards lack) and read back ordered by row_id."""
         import datasets
 
-        schema = _final_schema(schema, self.policy, self.scorer.steps is not None)
+        schema = final_schema(schema, self.policy, self.scorer.steps is not None)
         store = None
         if self.out is not None:
             job = {"stage": "select", "policy": repr(self.policy),
                    "scores": [stage_fingerprint(d) for d in self.score_dirs]}
             store = open_stage(self.out / SELECTED, job, self.writer, self.rows_per_shard)
         if store is None:
-            kept = [_final_row(rows[i], *state[i], self.policy) for i in sorted(rows)]
+            kept = [final_row(rows[i], *state[i], self.policy) for i in sorted(rows)]
             return datasets.Dataset(pa.Table.from_pylist(kept, schema=schema))
         groups = by_shard(rows, store.rows_per_shard)
         for k, ids in groups.items():  # a shard written whole, unless it is already
             if store.ids_in(k) != ids:
-                store.put(k, [_final_row(rows[i], *state[i], self.policy) for i in ids], schema)
+                store.put(k, [final_row(rows[i], *state[i], self.policy) for i in ids], schema)
         store.keep_only(set(groups))
         store.finish()
         return store.writer.load(store.files(), schema).sort(ROW_ID)
+
+
+def prompt_text(tok: Any, row: dict[str, Any], kwargs: dict[str, Any]) -> str:
+    """The prompt text a candidate is scored after (prompt + candidate): the row's prompt
+    column, its messages rendered through the chat template, or its token ids decoded
+    (`kwargs`: the job's prompt_column / messages_column / chat template arguments)."""
+    messages = kwargs.get("messages_column")
+    value = row[messages or kwargs.get("prompt_column", "prompt")]
+    if messages:
+        return tok.apply_chat_template(
+            value, tokenize=False, chat_template=kwargs.get("chat_template"),
+            add_generation_prompt=kwargs.get("add_generation_prompt", True),
+            **(kwargs.get("chat_template_kwargs") or {}))
+    return value if isinstance(value, str) else tok.decode(value)
 
 
 def _engine(model: Any) -> Any:
@@ -276,7 +281,7 @@ def _inputs(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in ADDED_COLUMNS and k != ERROR}
 
 
-def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
+def final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
                rounds: int, policy: Select | Until | None) -> dict[str, Any]:
     """A result row: every candidate with its score (renumbered in order across rounds)."""
     cands = [{**c, "index": j, SCORE: s} if "index" in c else {**c, SCORE: s}
@@ -292,7 +297,7 @@ def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[flo
     return out
 
 
-def _final_schema(schema: pa.Schema, policy: Select | Until | None, steps: bool = False
+def final_schema(schema: pa.Schema, policy: Select | Until | None, steps: bool = False
                   ) -> pa.Schema:
     """The generate stage's schema, each candidate with a `score` (and a PRM's
     `step_scores`), and the selection."""
