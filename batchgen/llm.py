@@ -169,14 +169,14 @@ class LLM:
              tokenization_kwargs: dict[str, Any] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's `chat` (its parameters in its order): each conversation (or the one given)
-        through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
-        then `generate`. `chat_template_content_format` is accepted for vLLM's signature
-        (content is passed to the template as given)."""
+        through the chat template (`chat_template`, else the LLM's, else its tokenizer's: an
+        adapter's own under `lora_request`), then `generate` (content passed as given)."""
         check_call_args("chat", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
+        tokenizers = self._lora.chat_tokenizers(lora_request, self.tokenizer)
         prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
                                             add_generation_prompt, continue_final_message, tools,
-                                            chat_template_kwargs)
+                                            chat_template_kwargs, tokenizers)
         return self.generate(prompts, sampling_params, use_tqdm, priority=priority,
                              lora_request=lora_request)
 

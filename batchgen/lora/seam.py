@@ -75,6 +75,7 @@ class LoRASeam:
         self.scheduler = llm.engine.scheduler
         self.scheduler.lora_gate = self.admits
         self._device, self._dtype = llm.device, llm.dtype
+        self._eos = list(llm.requests.eos_token_ids)
         return self
 
     # ---- per call ----------------------------------------------------------------------------
@@ -173,6 +174,20 @@ class LoRASeam:
         prompts = self.tokenizers.encode(prompts, lora_request) if self.enabled else prompts
         return self.tag_stream(requests.stream(prompts, params, kind, chunk), lora_request)
 
+    def chat_tokenizers(self, lora_request: Any, base: Any) -> Any:
+        """For `chat`: None when every conversation renders with `base`, else the tokenizer
+        of conversation i (its adapter's own, else `base`), one request or a list by index."""
+        if not self.enabled or lora_request is None:
+            return None
+        each = isinstance(lora_request, (list, tuple))
+        for r in lora_request if each else [lora_request]:
+            self.resolve(r)  # a bad request or folder: a ValueError naming it, before any work
+        if each:
+            return lambda i: self.tokenizers.of(
+                lora_request[i] if i < len(lora_request) else None, base)
+        tok = self.tokenizers.of(lora_request, base)
+        return None if tok is base else (lambda i: tok)
+
     def tokenizer(self, lora_request: Any, base: Any) -> Any:
         """vLLM's `get_tokenizer(lora_request)`: the adapter's own tokenizer when its folder
         ships one, else `base`."""
@@ -197,10 +212,18 @@ class LoRASeam:
             yield g
 
     def _set(self, group: Any, aid: int) -> None:
+        """The group's adapter, prefix-cache key and, when the adapter ships a tokenizer, its
+        text side (its sequences' stop checkers made again under that tokenizer)."""
         group.lora_id, group.lora = aid, 0
-        if aid:
-            req = self.requests[aid]
-            group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
+        if not aid:
+            return
+        req = self.requests[aid]
+        group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
+        side = self.tokenizers.side(req, self._eos)
+        group.text_side = side
+        if side is not None and group.params.stop_strings:
+            for seq in group.seqs:
+                seq.stop = side.stops(group.params, group.prompt_token_ids, group.max_tokens)
 
     # ---- the scheduler's gate: max_loras device slots --------------------------------------
     def admits(self, group: Any, running: list) -> bool:
