@@ -71,7 +71,7 @@ class LLM:
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
         configure_logging()  # LoRA's args: batchgen/lora; vLLM's others: default or refused
-        lora = LoRASeam.take(engine_args, tensor_parallel_size)
+        lora = LoRASeam.take(engine_args)
         cfg = EngineConfig.from_llm_args(locals(), engine_args)
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
@@ -192,7 +192,7 @@ class LLM:
         """New values for the model's parameters by HF names (wrappers' prefixes stripped, cast
         to the model's dtype), or with `lora_request` for that loaded adapter's A and B by PEFT
         names, copied in place; the prefix cache is reset. Returns the names loaded."""
-        self._check_idle("load_weights", 1)
+        self._check_idle("load_weights", 1 if lora_request is None else None)  # adapters: any TP
         self._sleep.check_awake(weights_only=True)
         loaded = (load_weights(self.model, weights) if lora_request is None
                   else self._lora.load_weights(lora_request, weights))
