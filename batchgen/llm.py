@@ -72,7 +72,7 @@ class LLM(metaclass=RunnerDispatch):
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
         configure_logging()  # seams' args: batchgen/lora, /speculative; vLLM's others: default or refused
-        lora, spec = (seam.take(engine_args, tensor_parallel_size) for seam in (LoRASeam, SpecSeam))
+        lora, spec = LoRASeam.take(engine_args), SpecSeam.take(engine_args, tensor_parallel_size)
         cfg = EngineConfig.from_llm_args(locals(), engine_args)
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
@@ -170,14 +170,14 @@ class LLM(metaclass=RunnerDispatch):
              tokenization_kwargs: dict[str, Any] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's `chat` (its parameters in its order): each conversation (or the one given)
-        through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
-        then `generate`. `chat_template_content_format` is accepted for vLLM's signature
-        (content is passed to the template as given)."""
+        through the chat template (`chat_template`, else the LLM's, else its tokenizer's: an
+        adapter's own under `lora_request`), then `generate` (content passed as given)."""
         check_call_args("chat", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
+        tokenizers = self._lora.chat_tokenizers(lora_request, self.tokenizer)
         prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
                                             add_generation_prompt, continue_final_message, tools,
-                                            chat_template_kwargs)
+                                            chat_template_kwargs, tokenizers)
         return self.generate(prompts, sampling_params, use_tqdm, priority=priority,
                              lora_request=lora_request)
 
@@ -193,7 +193,7 @@ class LLM(metaclass=RunnerDispatch):
         """New values for the model's parameters by HF names (wrappers' prefixes stripped, cast
         to the model's dtype), or with `lora_request` for that loaded adapter's A and B by PEFT
         names, copied in place; the prefix cache is reset. Returns the names loaded."""
-        self._check_idle("load_weights", 1)
+        self._check_idle("load_weights", 1 if lora_request is None else None)  # adapters: any TP
         self._sleep.check_awake(weights_only=True)
         loaded = (load_weights(self.model, weights) if lora_request is None
                   else self._lora.load_weights(lora_request, weights))
