@@ -139,13 +139,22 @@ def _score_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=None, help="the score until:K counts")
     g.add_argument("--max-candidates", type=int, default=None,
                    help="until:K's budget of candidates per row (default 4 x --n)")
+    g.add_argument("--prm-step-tag", default=None, metavar="TAG",
+                   help="a process reward model's step tag, one token of its tokenizer, put "
+                        "after each step (steps: the response split at blank lines; default "
+                        "<extra_0>, Qwen2.5-Math-PRM's)")
+    g.add_argument("--prm-aggregate", default=None, choices=("min", "last", "mean", "prod"),
+                   help="a PRM candidate's score from its step scores (default min)")
 
 
 def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     """The score/select arguments of generate_dataset, checked before the weights load."""
-    if getattr(args, "score_model", None) is None and getattr(args, "select", None) is None:
+    prm = {"prm_step_tag": getattr(args, "prm_step_tag", None),
+           "prm_aggregate": getattr(args, "prm_aggregate", None)}
+    if getattr(args, "score_model", None) is None and getattr(args, "select", None) is None \
+            and prm == {"prm_step_tag": None, "prm_aggregate": None}:
         return {}
-    from batchgen.data.scoring import check_scorer
+    from batchgen.data.scoring import check_scorer, step_scoring
     from batchgen.data.stages import parse_policy
 
     try:
@@ -153,16 +162,34 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
                      args.score_model)
         if args.score_model is not None:
             check_scorer(args.score_model)
+        step_scoring(args.score_model, prm["prm_step_tag"], prm["prm_aggregate"], None)
     except ValueError as e:
         raise CliError(str(e).replace("select ", "--select ", 1).replace(
-            "score ", "--score-model ", 1)) from None
+            "score ", "--score-model ", 1).replace("prm_step_tag", "--prm-step-tag").replace(
+            "prm_aggregate", "--prm-aggregate")) from None
+    if args.ray and any(v is not None for v in prm.values()):
+        raise CliError("--prm-step-tag / --prm-aggregate are for local jobs (not --ray): on Ray "
+                       "a process reward model scores each candidate at its last token")
     if args.ray and args.select is not None and args.select.startswith("until:"):
         raise CliError(f"--select {args.select} is for local jobs (not --ray): until:k samples "
                        f"each row in rounds, a round only for the rows the last round's scores "
                        f"left open, and a Ray Data pipeline runs each stage once per row; on "
                        f"Ray use a fixed --n with --select threshold:X or top:K")
     return {"score": args.score_model, "select": args.select, "threshold": args.threshold,
-            "max_candidates": args.max_candidates}
+            "max_candidates": args.max_candidates, **prm}
+
+
+def check_generator(model: str) -> None:
+    """Refuse a pooling model's folder as --model (a reward, classifier or embedding model has
+    no tokens to generate), pointing to the commands that run it; read from its config.json."""
+    from batchgen.runners import folder_architectures, resolve_runner
+
+    archs = folder_architectures(model)
+    if archs and resolve_runner("auto", archs) == "pooling":
+        raise CliError(f"--model {model!r} is a pooling model ({', '.join(archs)}): `batchgen "
+                       "generate` runs generators (runner='generate'); score with `batchgen "
+                       "score --model` (or pass it as --score-model), embed with `batchgen "
+                       "embed --model`")
 
 
 def _constraint_args(p: argparse.ArgumentParser) -> None:
@@ -195,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
           args.shard_seconds)
     check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
           args.tensor_parallel_size)
+    check_generator(args.model)
     if args.kind == "beam":
         check_beam_mode(args.logprobs_mode, "--logprobs-mode")
     from batchgen.lora.dataset import LoRAColumn, parse_lora_flags
@@ -262,7 +290,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
         return run_on_ray(args, params, template, source, engine)
     from batchgen.llm import LLM
 
-    llm = LLM(args.model, **({"enable_sleep_mode": True, **engine} if stages else engine))
+    llm = LLM(args.model, runner="generate", **engine | {"enable_sleep_mode": bool(stages)})
     start = time.perf_counter()
     try:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",
