@@ -167,9 +167,6 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         raise CliError(str(e).replace("select ", "--select ", 1).replace(
             "score ", "--score-model ", 1).replace("prm_step_tag", "--prm-step-tag").replace(
             "prm_aggregate", "--prm-aggregate")) from None
-    if args.ray and any(v is not None for v in prm.values()):
-        raise CliError("--prm-step-tag / --prm-aggregate are for local jobs (not --ray): on Ray "
-                       "a process reward model scores each candidate at its last token")
     if args.ray and args.select is not None and args.select.startswith("until:"):
         raise CliError(f"--select {args.select} is for local jobs (not --ray): until:k samples "
                        f"each row in rounds, a round only for the rows the last round's scores "
