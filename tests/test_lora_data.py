@@ -208,9 +208,9 @@ def test_an_adapters_own_tokenizer_encodes_its_prompts(setup, tmp_path):
 
 def test_an_adapters_own_tokenizer_drives_its_output_text(setup, tmp_path):
     """vLLM's semantics: a request under an adapter that ships a tokenizer gets its output
-    text, stop strings, each Logprob.decoded_token and chat template from that tokenizer (its
-    added token '<sql>', id 500, decodes as '<sql>'); a base request in the same batch, with
-    the same tokens, keeps the base tokenizer's texts."""
+    text, stop strings, each Logprob.decoded_token and chat template (chat and a dataset's
+    messages rows) from that tokenizer (its added token '<sql>', id 500, decodes as '<sql>'); a
+    base request in the same batch, with the same tokens, keeps the base tokenizer's texts."""
     _, root, llm, _ = setup
     folder = _own_tokenizer(root, tmp_path / "a_tok",
                             "{% for m in messages %}<sql>{{ m['content'] }}{% endfor %}")
@@ -238,3 +238,8 @@ def test_an_adapters_own_tokenizer_drives_its_output_text(setup, tmp_path):
     assert out.prompt_token_ids == tok.apply_chat_template(conv, tokenize=True,
                                                            return_dict=False)
     assert out.prompt_token_ids[0] == 500 and out.prompt == "<sql>the cat"
+    ds = generate_dataset(llm, Dataset.from_list([{"messages": conv, "adapter": "t"}]), GREEDY,
+                          messages_column="messages", lora_column="adapter",
+                          loras={"t": str(folder)}, use_tqdm=False)  # a chat row likewise
+    assert ds["outputs"][0][0]["token_ids"] == list(out.outputs[0].token_ids)
+    assert ds["num_prompt_tokens"] == [len(out.prompt_token_ids)]
