@@ -279,16 +279,7 @@ class RequestBuilder:
             self.grammars.compile(p.structured_outputs)
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """vLLM's rule: each word's ids, and those of " word" when that is as long but starts
-        with another token."""
-        out: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            out.append(plain)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
+        return bad_word_ids(self.tokenizer, words)
 
     @property
     def vocab_size(self) -> int:
@@ -378,3 +369,16 @@ def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     for i, p in enumerate(sp):
         check_type(p, f"{name}[{i}]", cls)
     return sp
+
+
+def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's ids, and those of " word" when that is as long but starts with
+    another token."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
