@@ -46,6 +46,7 @@ class Limits:
     num_blocks: int
     max_num_batched_tokens: int
     max_logprobs: int = 20  # vLLM's: the most (prompt) logprobs a request may ask; -1: any
+    trace_replay: bool = False  # vLLM's enable_trace_replay: trace_decode_token_ids allowed
 
 
 class RequestBuilder:
@@ -258,6 +259,7 @@ class RequestBuilder:
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
+        t = _trace_limit(p, t, lim.trace_replay)
         arg = kind.width_arg
         kind.check(p, lim.max_num_batched_tokens)
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
@@ -369,6 +371,20 @@ def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     for i, p in enumerate(sp):
         check_type(p, f"{name}[{i}]", cls)
     return sp
+
+
+def _trace_limit(p: Params, max_tokens: int, enabled: bool) -> int:
+    """vLLM's trace replay: a request's trace needs the engine's flag, and its length (what
+    fits the context) bounds max_tokens."""
+    trace = getattr(p, "trace_decode_token_ids", None)
+    if not trace:
+        return max_tokens
+    if not enabled:
+        raise ValidationError("trace_decode_token_ids is set but trace replay is not enabled. "
+                              "Start the engine with --enable-trace-replay (LLM(enable_trace_"
+                              "replay=True)) to use it.", parameter="trace_decode_token_ids",
+                              value=len(trace))
+    return min(len(trace), max_tokens)
 
 
 def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:

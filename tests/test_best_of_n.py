@@ -1,8 +1,9 @@
 """The score and select stages of a dataset job (issue 42): every candidate's score equals HF's
 own sequence-classification forward; changing `select` reruns only the selection and changing
 the scorer only the scoring (counted: no token generated, no candidate scored); until:k spends
-fewer candidates than a fixed n for the same k; a SIGKILL in the score stage resumes
-bit-identically; bad input fails before any work; `batchgen generate --score-model --select`."""
+fewer candidates than a fixed n for the same k; a SIGKILL in each stage (generate, score,
+select) resumes bit-identically; bad input fails before any work; `batchgen generate
+--score-model --select`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -172,32 +173,82 @@ def test_until_k_spends_fewer_candidates(folders, verifier):
 
 def test_kill_in_score_stage_resumes_bit_identically(folders, verifier, tmp_path):
     gen, _ = folders
-    root, bon = verifier
+    _, bon = verifier
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in
                             ("easy a", "hard b", "hard c", "easy d")))
-    kw = dict(select="until:1", threshold=1.0, max_candidates=4)
-    script = (f"import sys; sys.path.insert(0, {str(root)!r}); import bon_verify\n"
-              "from batchgen import LLM, SamplingParams\nfrom batchgen.data import "
-              f"generate_dataset\nllm = LLM({str(gen)!r}, seed=0, num_kv_blocks=64)\n"
-              f"generate_dataset(llm, {str(data)!r}, SamplingParams(n=2, max_tokens=4), "
-              f"score=bon_verify.verify, select='until:1', threshold=1.0, max_candidates=4, "
-              f"output_dir={str(tmp_path / 'killed')!r}, rows_per_shard=1, score_workers=1, "
-              "use_tqdm=False)\n")
-    env = {**os.environ, "BON_KILL_AT": "3", "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert len(list((tmp_path / "killed" / "score").glob("part-*"))) == 1  # row 0 scored, then killed
     llm = LLM(gen, seed=0, num_kv_blocks=64)
-    runs = {}
-    for name in ("killed", "whole"):
-        runs[name] = generate_dataset(llm, str(data), SamplingParams(n=2, max_tokens=4),
-                                      score=bon.verify, output_dir=tmp_path / name,
-                                      resume=name == "killed", rows_per_shard=1,
-                                      score_workers=1, use_tqdm=False, **kw)
+
+    def run(name, resume=True):
+        return generate_dataset(llm, str(data), SamplingParams(n=2, max_tokens=4),
+                                score=bon.verify, select="until:1", threshold=1.0,
+                                max_candidates=4, output_dir=tmp_path / name, resume=resume,
+                                rows_per_shard=1, score_workers=1, use_tqdm=False)
+
+    def killed_by_the_verifier():  # at its third call from now
+        os.environ["BON_KILL_AT"] = str(bon.CALLS[0] + 3)
+        run("killed", resume=False)
+    _killed_in("", 0, killed_by_the_verifier)
+    assert len(list((tmp_path / "killed" / "score").glob("part-*"))) == 1  # row 0 scored, then killed
+    runs = {"killed": run("killed"), "whole": run("whole", resume=False)}
     assert runs["killed"].to_list() == runs["whole"].to_list()
     assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
     assert any(r["rounds"] == 2 for r in runs["whole"])  # a second round ran, and resumed
+
+
+def _killed_in(stage: str, at: int, job) -> None:
+    """Run `job()` in a forked child that SIGKILLs itself just before the `at`-th manifest
+    write of the `stage` folder (a shard renamed into place, not listed yet; 0: never, the
+    job kills itself)."""
+    from batchgen.data import shards
+
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's modules and models, no interpreter start-up
+        try:
+            listed, seen = shards.ShardStore._write_manifest, [0]
+
+            def dying(store, complete):
+                seen[0] += store.dir.name == stage
+                if at and seen[0] == at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return listed(store, complete)
+            shards.ShardStore._write_manifest = dying
+            job()
+        finally:
+            os._exit(1)
+    deadline = time.monotonic() + 120
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] and os.WIFSIGNALED(done[1]) and os.WTERMSIG(done[1]) == signal.SIGKILL, stage
+
+
+def test_kill_in_each_stage_resumes_bit_identically(folders, verifier, tmp_path):
+    """A process SIGKILLed in the generate stage (shards closed early by time, one renamed
+    but not listed), resumed and killed in the score stage, then in the select stage, then
+    resumed to the end: every file equals an uninterrupted run's, byte for byte."""
+    gen, _ = folders
+    _, bon = verifier
+    data = datasets.Dataset.from_list([{"prompt": p} for p in
+                                       ("easy a", "hard b", "hard c", "easy d", "hard e")])
+    llm = LLM(gen, seed=0, num_kv_blocks=64)
+
+    def run(name, resume=True, shard_seconds=None):
+        return generate_dataset(llm, data, SamplingParams(n=2, temperature=1.0, max_tokens=4),
+                                score=bon.verify, select="best", rows_per_shard=2,
+                                score_workers=1, use_tqdm=False, output_dir=tmp_path / name,
+                                resume=resume, shard_seconds=shard_seconds)
+    for stage, at, resume in (("generate", 3, False), ("score", 4, True), ("selected", 4, True)):
+        _killed_in(stage, at, lambda r=resume: run("killed", r, shard_seconds=1e-9))
+        manifest = json.loads((tmp_path / "killed" / stage / "_manifest.json").read_text())
+        assert not manifest["complete"] and manifest["shards"], stage  # killed part-way
+    killed, whole = run("killed"), run("whole", resume=False)
+    assert killed.to_list() == whole.to_list()
+    assert {"generate/part-00002.parquet", "selected/part-00002.parquet"} <= set(
+        _files(tmp_path / "whole"))
+    assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
 
 
 def test_bad_input_before_any_work(folders, tmp_path):
@@ -250,11 +301,12 @@ def test_cli_generate_score_select(folders, tmp_path, capsys):
 
 def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
     """A process reward model (a token-classification head, 2 labels) passed as a PoolingLLM:
-    each candidate's score is the "good" label's probability at its last token, as HF's own
-    forward gives it."""
+    under prm_aggregate="last" each candidate's score is the "good" label's probability at its
+    last step tag, as HF's own forward gives it."""
     from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
     from batchgen.pooling.llm import PoolingLLM
+    from batchgen.pooling.steps import StepScoring
 
     gen, _ = folders
     config = AutoConfig.from_pretrained(gen)
@@ -270,12 +322,14 @@ def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
     llm = LLM(gen, seed=0, num_kv_blocks=32)
     prm = PoolingLLM(tmp_path / "prm", num_kv_blocks=32, block_size=4)
     ds = generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=4), score=prm,
-                          select="best", use_tqdm=False)
+                          select="best", use_tqdm=False, prm_step_tag="</s>",
+                          prm_aggregate="last")  # (test_prm_steps.py: every step's score)
     tok = AutoTokenizer.from_pretrained(tmp_path / "prm")
     shared = sum((len(tok(r["prompt"])["input_ids"]) - 1) // 4 * 4 for r in ds)  # blocks
     assert prm.kv_stats().prefix_hit_tokens >= shared > 0  # a row's 2nd candidate hits them
     for r in ds:
         for c in r["outputs"]:
             with torch.no_grad():
-                logits = hf(**tok(r["prompt"] + c["text"], return_tensors="pt")).logits[0, -1]
+                text = StepScoring(tag="</s>").text(r["prompt"], c["text"])
+                logits = hf(**tok(text, return_tensors="pt")).logits[0, -1]  # the last tag
             assert abs(c["score"] - torch.softmax(logits, -1)[1].item()) < 1e-5

@@ -374,7 +374,7 @@ def test_skip_writes_the_bad_row_with_its_error_and_a_fixed_row_is_all_a_resume_
                                                                for i in good]
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["complete"] and sum((s["errors"] for s in manifest["shards"]), []) == [7]
-    before = {p.name for p in out.glob("part-*")}
+    before = {p.name: p.read_bytes() for p in out.glob("part-*")}
 
     items[7]["prompt"] = rows(23)[7]["prompt"]  # the row fixed: the file changed
     write_rows(src, items)
@@ -384,9 +384,14 @@ def test_skip_writes_the_bad_row_with_its_error_and_a_fixed_row_is_all_a_resume_
     assert counting.pulled == 1  # only the fixed row
     assert fixed["row_id"] == list(range(23)) and fixed["error"] == [None] * 23
     assert [table_samples(o) for o in fixed["outputs"]] == [samples(o) for o in reference]
-    after = {p.name for p in out.glob("part-*")}
-    assert len(before - after) == 1  # row 7's shard, rewritten without it (as part 5)...
-    assert after - before == {f"part-00005.{fmt}", f"part-00006.{fmt}"}  # ...and row 7
+    after = {p.name: p.read_bytes() for p in out.glob("part-*")}
+    assert sorted(after) == sorted(before)  # row 7's shard, written again under its name
+    assert [n for n in sorted(after) if after[n] != before[n]] == [f"part-00001.{fmt}"]
+    fresh = tmp_path / "fresh"  # the same bytes as a job on the fixed input from scratch
+    generate_dataset(llm, src, PARAMS, seed=5, output_dir=fresh, rows_per_shard=5,
+                     output_format=fmt, on_error="skip", use_tqdm=False)
+    assert {p.name: p.read_bytes() for p in fresh.iterdir()} == {
+        p.name: p.read_bytes() for p in out.iterdir()}
 
 
 def test_resume_after_editing_and_adding_rows_redoes_only_those(llm, tmp_path,
@@ -414,14 +419,25 @@ def test_resume_after_editing_and_adding_rows_redoes_only_those(llm, tmp_path,
     assert counting.pulled == 0 and ds["row_id"] == list(range(10))
 
 
-def test_shards_close_by_time_too(llm, data, reference, tmp_path) -> None:
+def test_shards_close_by_time_too(llm, data, reference, tmp_path, monkeypatch) -> None:
+    from batchgen.data.shards import ShardStore
+
+    written, put = [], ShardStore.put
+
+    def counted(store, k, rows, *a, **kw):
+        written.append((k, len(rows)))
+        return put(store, k, rows, *a, **kw)
+    monkeypatch.setattr(ShardStore, "put", counted)
     out = tmp_path / "out"
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=1000,
                           shard_seconds=1e-9, use_tqdm=False)
+    assert len(written) > 1 and {k for k, _ in written} == {0}  # shard 0 written early...
     manifest = json.loads((out / MANIFEST).read_text())
-    assert len(manifest["shards"]) > 1 and manifest["rows"] == len(data)
+    assert manifest["rows"] == len(data)
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
     one = generate_dataset(llm, data, PARAMS, seed=5, output_dir=tmp_path / "one",
                            rows_per_shard=1000, shard_seconds=None, use_tqdm=False)
     assert len(json.loads((tmp_path / "one" / MANIFEST).read_text())["shards"]) == 1
-    assert one["outputs"] == ds["outputs"]
+    assert one["outputs"] == ds["outputs"]  # ...and at the end the bytes of one write
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == {
+        p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}

@@ -111,7 +111,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     store = None
     if output_dir is not None:
         job = _job(llm, params, seed, spec, source, schema_column, writer, on_error, adapters)
-        store = ShardStore(Path(output_dir).expanduser(), job, resume, writer)
+        store = ShardStore(Path(output_dir).expanduser(), job, resume, writer, rows_per_shard)
         if resume:
             _reconcile(store, source, skip, spec.image_column, adapters)
     job = _Job(llm, source, params, spec, seed, schema, store,
@@ -176,18 +176,22 @@ def _reconcile(store: ShardStore, source: Source, errors: bool,
     if dropped:
         logger.info("resume: %d row(s) changed, left the input or failed: they are redone",
                     len(dropped))
+    short = store.short_ids()  # shards written again whole once their rows are done
+    if current is None and short:
+        current = {i: fingerprint(row) for i, row in source.rows() if i in short}
+    store.remember(current or {})
 
 
 @dataclass(frozen=True)
 class _Closing:
-    """When a shard is closed: at `rows` rows, or `seconds` after the previous one."""
+    """When a shard is written: once its `rows` row ids have all finished, and the shards
+    not full yet every `seconds` (written again whole when they fill)."""
 
     rows: int
     seconds: float | None
 
-    def due(self, buffered: int, since: float) -> bool:
-        return buffered >= self.rows or (
-            buffered > 0 and self.seconds is not None and since >= self.seconds)
+    def due(self, since: float) -> bool:
+        return self.seconds is not None and since >= self.seconds
 
 
 class _Job:
@@ -204,7 +208,9 @@ class _Job:
         self.kind = job_kind(params)
         self.engine_kind = kind_of(params)
         self.inflight: dict[int, tuple[int, dict[str, Any], str]] = {}  # stream index -> row
-        self.buffer: list[tuple[dict[str, Any], str]] = []  # finished rows, not in a shard
+        # finished rows not in a shard yet, by shard index (shard k: row ids [k*R, (k+1)*R))
+        self.buckets: dict[int, list[tuple[dict[str, Any], str]]] = {}
+        self.per_shard = closing.rows if store is None else store.rows_per_shard
         self.kept: list[dict[str, Any]] = []  # every finished row, without output_dir
         self.schema_column = schema_column  # a column of per-row JSON schemas
         self.constraint = constraint_of(params, schema_column)  # outputs get a valid flag
@@ -300,30 +306,48 @@ class _Job:
 
     def _file(self, record: dict[str, Any], fingerprint: str,
               out: RequestOutput | BeamSearchOutput | None = None) -> None:
-        """Buffer a row for the next shard (written when it is due: full or old enough)."""
-        self.buffer.append((record, fingerprint))
+        """Keep a row for its shard, written once all the shard's rows are done (and the
+        shards not full yet every shard_seconds)."""
         if self.rate is not None:
             self.rate.update(out)
-        if self.closing.due(len(self.buffer), time.monotonic() - self.opened):
+        if self.store is None:
+            self.kept.append(record)
+            return
+        k = record[ROW_ID] // self.per_shard
+        self.buckets.setdefault(k, []).append((record, fingerprint))
+        if self._complete(k):
+            self._write(k)
+        elif self.closing.due(time.monotonic() - self.opened):
             self._flush()
 
+    def _complete(self, k: int) -> bool:
+        """Whether every row id of shard k in the input has finished (or was kept)."""
+        have = {r[ROW_ID] for r, _ in self.buckets[k]} | set(self.store.ids_in(k))
+        n = self.source.num_rows
+        end = (k + 1) * self.per_shard if n is None else min((k + 1) * self.per_shard, n)
+        return len(have) >= end - k * self.per_shard
+
     def _flush(self) -> None:
-        """Write the buffered finished rows as a shard (without output_dir: keep them). The
-        buffer is emptied first: a Ctrl-C inside the write must not let the error path write
-        the same rows again (the shard is listed or not; unlisted rows are redone on resume)."""
-        buffered, self.buffer = self.buffer, []
+        """Write every shard holding finished rows, full or not (at the end, on an error or
+        Ctrl-C, and every shard_seconds)."""
         self.opened = time.monotonic()
-        if not buffered:
+        for k in sorted(self.buckets):
+            self._write(k)
+
+    def _write(self, k: int) -> None:
+        """Write shard k with its finished rows added. The bucket is emptied first: a Ctrl-C
+        inside the write must not let the error path write the same rows again (the shard
+        is listed or not; unlisted rows are redone on resume)."""
+        buffered = self.buckets.pop(k, [])
+        self.opened = time.monotonic()
+        if not buffered or self.store is None:
             return
         rows = [r for r, _ in buffered]
         if self.schema is None:
             self.schema = self._inferred_schema(rows)
-        if self.store is None:
-            self.kept += rows
-            return
         fingerprints = {r[ROW_ID]: fp for r, fp in buffered}
         errors = tuple(r[ROW_ID] for r in rows if r.get(ERROR) is not None) if self.skip else ()
-        self.store.write(rows, self.schema, fingerprints, errors)
+        self.store.put(k, rows, self.schema, fingerprints, errors, merge=True)
 
     def _inferred_schema(self, rows: list[dict[str, Any]]) -> pa.Schema:
         """The output schema when the input's columns were unknown (an iterable without
@@ -340,6 +364,8 @@ class _Job:
 
         with quiet_datasets():
             if self.store is None:
+                if self.schema is None and self.kept:
+                    self.schema = self._inferred_schema(self.kept)
                 table = pa.Table.from_pylist(self.kept, schema=self.schema)
                 return datasets.Dataset(table.sort_by(ROW_ID))
             files = self.store.files()

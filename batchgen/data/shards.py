@@ -1,16 +1,21 @@
 """Crash-safe output of a dataset job: shards (Parquet or JSONL, see writers.py) written
 atomically plus a manifest.
 
-A shard is written to `.part-NNNNN.SUFFIX.tmp`, fsynced, renamed into place, and only then
-listed (with its size and SHA-256) in `_manifest.json`, itself replaced atomically. So after a
-crash at any point a shard is either listed and whole, or not listed: on resume, listed shards
-are checked against their size and hash, and whatever is not a whole listed shard (a `.tmp`,
-an unlisted shard, a truncated one) is deleted and its rows are computed again.
+Shard k holds the rows with ids in [k*R, (k+1)*R), ordered by id (R: `rows_per_shard`, recorded
+in the manifest: a resume keeps the layout it started with), so the files of an interrupted and
+resumed job are the bytes an uninterrupted one writes. A shard is written to
+`.part-NNNNN.SUFFIX.tmp`, fsynced, renamed into place, and only then listed (with its size and
+SHA-256) in `_manifest.json`, itself replaced atomically. So after a crash at any point a shard
+is either listed and whole, or not listed: on resume, listed shards are checked against their
+size and hash, and whatever is not a whole listed shard (a `.tmp`, an unlisted shard, a
+truncated one) is deleted and its rows are computed again. A shard written before all its rows
+finished (closed by time, or by an interruption) is written again, whole, under its name once
+they have.
 
 Each listed shard also carries a fingerprint of its rows' inputs (and the ids of rows skipped
 with an error), so a resume after the input changed keeps the rows whose input did not: a shard
-holding changed rows (or error rows, which are retried) is rewritten without them, as a new
-shard listed in its place, and only those rows are computed again.
+holding changed rows (or error rows, which are retried) is rewritten without them under its
+name, and only those rows are computed again (then it is written whole again).
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from batchgen.data import writers
 from batchgen.data.identity import row_fingerprint, rows_fingerprint
@@ -60,16 +64,20 @@ class ShardInfo:
 
 
 class ShardStore:
-    """Owns `output_dir`: writes shards and the manifest, and knows which rows are done."""
+    """Owns `output_dir`: writes shards by row-id range and the manifest, and knows which rows
+    are done."""
 
     def __init__(self, output_dir: Path, job: dict[str, Any], resume: bool,
-                 writer: ShardWriter = WRITERS["parquet"]) -> None:
+                 writer: ShardWriter = WRITERS["parquet"], rows_per_shard: int = 256) -> None:
         self.dir = output_dir
         self.job = job
         self.writer = writer
-        self.shards: list[ShardInfo] = []
+        self.rows_per_shard = rows_per_shard  # R: shard k holds row ids [k*R, (k+1)*R)
+        self.shards: list[ShardInfo] = []  # ordered by shard index
         self.done_ids: set[int] = set()  # rows of the shards kept on resume (not updated)
-        self.ids_of: dict[str, list[int]] = {}  # row ids of each shard kept on resume
+        self.ids_of: dict[str, list[int]] = {}  # row ids of each listed shard
+        self.known: dict[int, dict[int, str]] = {}  # shard index -> its rows' input
+        # fingerprints, for the shards not full yet (written again whole when they fill)
         self.schema: pa.Schema | None = None  # of the shards already written, when resuming
         self.stored_input: dict[str, Any] | None = None  # the input the kept shards were of
         check_output_dir(self.dir, resume)
@@ -86,6 +94,7 @@ class ShardStore:
         leftovers = _ours(self.dir)
         if manifest is not None:
             self._check_same_job(manifest.get("job", {}))
+            self.rows_per_shard = manifest.get("rows_per_shard", self.rows_per_shard)
             self.shards = [s for s in (ShardInfo(**d) for d in manifest.get("shards", []))
                            if self._whole(s)]
         keep = {s.file for s in self.shards}
@@ -102,7 +111,31 @@ class ShardStore:
             self.schema = self.writer.schema(self.dir / self.shards[0].file)
         if manifest is not None:  # listed until reconcile has checked the rows against it
             self.stored_input = {k: manifest["job"].get(k) for k in INPUT_KEYS}
+        if any(i // self.rows_per_shard != shard_index(s) for s in self.shards
+               for i in self.ids_of[s.file]):
+            self._regroup()  # shards written before the row-id layout
         self._write_manifest(complete=False)
+
+    def _regroup(self) -> None:
+        """Move the kept rows of shards written in finishing order (before the row-id
+        layout) into the layout's shards (their input fingerprints unknown: None, so a
+        resume after the input changed reads them row by row)."""
+        old, rows = list(self.shards), []
+        errors = {i for s in old for i in s.errors}
+        for s in old:
+            rows += self.writer.rows(self.dir / s.file)
+        self.shards, self.ids_of = [], {}
+        groups: dict[int, list[dict[str, Any]]] = {}
+        for r in rows:
+            groups.setdefault(r[ROW_ID] // self.rows_per_shard, []).append(r)
+        for k in sorted(groups):
+            ids = {r[ROW_ID] for r in groups[k]}
+            self._put(k, groups[k], self.schema, None, tuple(sorted(errors & ids)))
+        for s in old:
+            if s.file not in self.ids_of:
+                (self.dir / s.file).unlink()
+        logger.info("resume: %d shard(s) regrouped by row id (%d rows per shard)", len(old),
+                    self.rows_per_shard)
 
     def _check_same_job(self, stored: dict[str, Any]) -> None:
         """Resume only the job that wrote the folder (model, params, seed, prompt source,
@@ -160,49 +193,91 @@ class ShardStore:
 
     def _rewrite(self, info: ShardInfo, stale: set[int], current: Mapping[int, str] | None
                  ) -> None:
-        """Replace a listed shard by one without the `stale` rows (none left: unlist it),
-        listed before the old file goes: a crash leaves the old shard listed, or the new one
-        (the old then unlisted, deleted by the next resume)."""
-        table = self.writer.read(self.dir / info.file)
-        keep = pc.invert(pc.is_in(table.column(ROW_ID), pa.array(sorted(stale), pa.int64())))
-        table = table.filter(keep)
-        at = self.shards.index(info)
-        if table.num_rows:
-            ids = table.column(ROW_ID).to_pylist()
-            inputs = None if current is None else rows_fingerprint({i: current[i] for i in ids})
-            new = self._write_table(table, inputs, ())
-            self.shards[at] = new
-            self.ids_of[new.file] = ids
+        """Write a listed shard again without the `stale` rows, under its name (none left:
+        unlist and delete it). A crash between the rename and the manifest leaves a listed
+        name whose hash differs: the next resume redoes its rows."""
+        rows = [r for r in self.writer.rows(self.dir / info.file) if r[ROW_ID] not in stale]
+        if rows:
+            ids = [r[ROW_ID] for r in rows]
+            fps = None if current is None else {i: current[i] for i in ids}
+            self._put(shard_index(info), rows, self.schema, fps,
+                      tuple(i for i in info.errors if i not in stale))
         else:
-            del self.shards[at]
-        self._write_manifest(complete=False)
-        (self.dir / info.file).unlink()
+            self.shards.remove(info)
+            del self.ids_of[info.file]
+            self._write_manifest(complete=False)
+            (self.dir / info.file).unlink()
         logger.info("resume: %s had %d changed or failed row(s): rewritten without them, which "
-                    "are redone", info.file, info.rows - table.num_rows)
+                    "are redone", info.file, info.rows - len(rows))
+
+    def remember(self, fingerprints: Mapping[int, str]) -> None:
+        """The input fingerprints of kept rows in shards that are not full (the job gives
+        them on resume: a shard written again with more rows lists all its rows')."""
+        for s in self.shards:
+            if s.rows < self.rows_per_shard:
+                ids = self.ids_of[s.file]
+                self.known[shard_index(s)] = {i: fingerprints[i] for i in ids
+                                              if i in fingerprints}
+
+    def short_ids(self) -> set[int]:
+        """The row ids of the listed shards that are not full."""
+        return {i for s in self.shards if s.rows < self.rows_per_shard
+                for i in self.ids_of[s.file]}
 
     # ---- writing -------------------------------------------------------------------------------
-    def write(self, rows: list[dict[str, Any]], schema: pa.Schema | None,
-              fingerprints: Mapping[int, str] | None = None, errors: tuple[int, ...] = ()
-              ) -> ShardInfo:
-        """Write `rows` as the next shard (atomically), then list it in the manifest with its
-        rows' input fingerprint (from `fingerprints`: row id -> row_fingerprint) and the ids
-        of its error rows."""
+    def ids_in(self, k: int) -> list[int]:
+        """The row ids shard `k` holds now (none: not written yet)."""
+        return self.ids_of.get(self._name(k), [])
+
+    def put(self, k: int, rows: list[dict[str, Any]], schema: pa.Schema | None,
+            fingerprints: Mapping[int, str] | None = None, errors: tuple[int, ...] = (),
+            merge: bool = False) -> ShardInfo:
+        """Write shard `k` (atomically) with `rows`, with `merge` also the rows it holds
+        already, ordered by row id; then list it with its rows' input fingerprint (from
+        `fingerprints`: row id -> row_fingerprint) and the ids of its error rows."""
+        old = self._listed(k)
+        if merge and old is not None:
+            new = {r[ROW_ID] for r in rows}
+            rows = [r for r in self.writer.rows(self.dir / old.file) if r[ROW_ID] not in new] + rows
+            errors = tuple(i for i in old.errors if i not in new) + tuple(errors)
+            if fingerprints is not None:
+                fingerprints = {**self.known.get(k, {}), **fingerprints}
+                if len(fingerprints) < len(rows):  # an old row's fingerprint is unknown
+                    fingerprints = None
+        return self._put(k, rows, schema, fingerprints, tuple(sorted(errors)))
+
+    def _put(self, k: int, rows: list[dict[str, Any]], schema: pa.Schema | None,
+             fingerprints: Mapping[int, str] | None, errors: tuple[int, ...]) -> ShardInfo:
+        """Write and list shard `k`: `rows` ordered by id (replacing what it held)."""
+        rows = sorted(rows, key=lambda r: r[ROW_ID])
         table = pa.Table.from_pylist(rows, schema=schema or self.schema)
         if self.schema is None:
             self.schema = table.schema
         inputs = None if fingerprints is None else rows_fingerprint(fingerprints)
-        info = self._write_table(table, inputs, tuple(errors))
-        self.shards.append(info)
+        name = self._name(k)
+        self.writer.write(table, self.dir / name)
+        info = ShardInfo(name, table.num_rows, (self.dir / name).stat().st_size,
+                         _sha256(self.dir / name), inputs, errors)
+        self.shards = sorted([s for s in self.shards if s.file != name] + [info],
+                             key=shard_index)
+        self.ids_of[name] = [r[ROW_ID] for r in rows]
+        if fingerprints is not None and table.num_rows < self.rows_per_shard:
+            self.known[k] = dict(fingerprints)
+        else:
+            self.known.pop(k, None)
         self._write_manifest(complete=False)
         return info
 
-    def _write_table(self, table: pa.Table, inputs: str | None, errors: tuple[int, ...]
-                     ) -> ShardInfo:
-        """Write `table` as the next shard file (atomically); its listing, not yet listed."""
-        name = f"part-{self._next_index():05d}{self.writer.suffix}"
-        self.writer.write(table, self.dir / name)
-        return ShardInfo(name, table.num_rows, (self.dir / name).stat().st_size,
-                         _sha256(self.dir / name), inputs, errors)
+    def keep_only(self, indices: set[int]) -> None:
+        """Unlist and delete the shards whose index is not in `indices` (their rows left)."""
+        gone = [s for s in self.shards if shard_index(s) not in indices]
+        if not gone:
+            return
+        self.shards = [s for s in self.shards if s not in gone]
+        self._write_manifest(complete=False)
+        for s in gone:
+            del self.ids_of[s.file]
+            (self.dir / s.file).unlink()
 
     def finish(self) -> None:
         """Mark the job complete in the manifest."""
@@ -211,9 +286,12 @@ class ShardStore:
     def files(self) -> list[Path]:
         return [self.dir / s.file for s in self.shards]
 
-    def _next_index(self) -> int:
-        used = [int(_SHARD.match(s.file).group(1)) for s in self.shards]  # type: ignore[union-attr]
-        return max(used, default=-1) + 1
+    def _name(self, k: int) -> str:
+        return f"part-{k:05d}{self.writer.suffix}"
+
+    def _listed(self, k: int) -> ShardInfo | None:
+        name = self._name(k)
+        return next((s for s in self.shards if s.file == name), None)
 
     def _read_manifest(self) -> dict[str, Any] | None:
         path = self.dir / MANIFEST
@@ -232,9 +310,15 @@ class ShardStore:
         job = self.job if self.stored_input is None else {**self.job, **self.stored_input}
         payload = {"format": FORMAT, "job": job, "complete": complete,
                    "rows": sum(s.rows for s in self.shards),
+                   "rows_per_shard": self.rows_per_shard,
                    "shards": [asdict(s) for s in self.shards]}
         writers.atomic_write(self.dir / MANIFEST,
                              lambda tmp: tmp.write_text(json.dumps(payload, indent=1) + "\n"))
+
+
+def shard_index(info: ShardInfo) -> int:
+    """A shard's index k (it holds row ids [k*R, (k+1)*R)), from its file name."""
+    return int(_SHARD.match(info.file).group(1))  # type: ignore[union-attr]
 
 
 def check_output_dir(path: Path, resume: bool) -> None:

@@ -43,6 +43,10 @@ class ShardWriter(ABC):
         """The Arrow schema of the shard at `path` (a resume writes its next shards under it)."""
         return self.read(path).schema
 
+    def rows(self, path: Path) -> list[dict[str, Any]]:
+        """The shard's rows as written (a shard written again with more rows keeps them)."""
+        return self.read(path).to_pylist()
+
     @abstractmethod
     def load(self, files: list[Path], schema: pa.Schema | None) -> datasets.Dataset:
         """The shards as one Dataset (memory-mapped through the datasets cache)."""
@@ -81,6 +85,9 @@ class JsonlWriter(ShardWriter):
     def read(self, path: Path, columns: list[str] | None = None) -> pa.Table:
         table = pa.Table.from_pylist(list(read_jsonl(path)))  # types as the first run inferred
         return table if columns is None else table.select(columns)
+
+    def rows(self, path: Path) -> list[dict[str, Any]]:
+        return list(read_jsonl(path))  # the JSON values themselves (no types inferred)
 
     def load(self, files: list[Path], schema: pa.Schema | None) -> datasets.Dataset:
         import datasets

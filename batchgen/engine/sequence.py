@@ -80,6 +80,7 @@ class RowSpec:
     stop_ids: tuple[int, ...] = ()
     beam: bool = False  # its sequences are beams (decoded together, never sampled)
     constrained: bool = False  # structured outputs: each sequence has a Constraint
+    trace: np.ndarray | None = None  # vLLM's trace_decode_token_ids: the tokens decode emits
 
 
 class GroupPolicy(Protocol):
