@@ -67,8 +67,9 @@ def layer_splits(model: torch.nn.Module, linears: dict[str, torch.nn.Linear]
             out[name] = Split(style, refusal=(
                 f"its tensor-parallel layout ({style or 'unknown'}, placements "
                 f"{placements}) is not one LoRA is split along (served: {', '.join(SERVED)}, "
-                "split along the mesh's tp dimension only); run LoRA with tensor_parallel_size=1, or merge "
-                "the adapter into the weights (PEFT's merge_and_unload)"))
+                "split along the mesh's tp dimension only); run LoRA with "
+                "tensor_parallel_size=1, or merge the adapter into the weights (PEFT's "
+                "merge_and_unload)"))
             continue
         out[name] = Split(style, placements, mesh)
     return out
