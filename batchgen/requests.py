@@ -281,16 +281,7 @@ class RequestBuilder:
             self.grammars.compile(p.structured_outputs)
 
     def bad_word_ids(self, words: list[str]) -> list[list[int]]:
-        """vLLM's rule: each word's ids, and those of " word" when that is as long but starts
-        with another token."""
-        out: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            out.append(plain)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(spaced)
-        return out
+        return bad_word_ids(self.tokenizer, words)
 
     @property
     def vocab_size(self) -> int:
@@ -394,3 +385,16 @@ def _trace_limit(p: Params, max_tokens: int, enabled: bool) -> int:
                               "replay=True)) to use it.", parameter="trace_decode_token_ids",
                               value=len(trace))
     return min(len(trace), max_tokens)
+
+
+def bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's ids, and those of " word" when that is as long but starts with
+    another token."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out

@@ -3,7 +3,8 @@
 tensor_parallel_size 2 the world is two groups of consecutive ranks, each generating for its own
 prompts, and each gets the outputs of tensor_parallel_size 1 on them; load_weights sends each
 rank the full tensor (each keeps its shard); level-2 sleep frees every rank's shards and
-wake_up + load_weights brings them back. At tensor_parallel_size 1 each rank is its own engine."""
+wake_up + load_weights brings them back; a LoRA adapter on column- and row-parallel layers
+gives one rank's tokens. At tensor_parallel_size 1 each rank is its own engine."""
 
 from __future__ import annotations
 
@@ -25,6 +26,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from batchgen import LLM, SamplingParams
+from batchgen.lora import LoRARequest
+
+def run_lora(llm, i, folder):
+    # the i-th copy's prompts under a LoRA adapter (split along the layers' plan) and the base
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    req = LoRARequest("a", 1, folder)
+    outs = llm.generate([{"prompt_token_ids": [1, 7, 21 + i, 4]}, {"prompt_token_ids": [1, 9]}],
+                        greedy, lora_request=[req, None], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
 
 def run(llm, i):
     # the i-th data-parallel copy's prompts
@@ -59,20 +69,21 @@ def steps(llm, i, path):
     llm.wake_up(tags=["kv_cache"])
     return [first, second, run(llm, i)], freed
 
-def main(path, out):
+def main(path, out, folder):
     rank = int(os.environ["RANK"])
     kw = dict(num_kv_blocks=32, block_size=4, enable_sleep_mode=True, seed=0,
               logprobs_mode="processed_logprobs", distributed_executor_backend="external_launcher")
-    tp = LLM(path, tensor_parallel_size=2, **kw)
+    tp = LLM(path, tensor_parallel_size=2, enable_lora=True, max_lora_rank=8, **kw)
     q = tp.model.model.layers[0].self_attn.q_proj.weight  # this rank's half of the heads
     assert q.to_local().shape[0] * 2 == q.shape[0] and q.device_mesh.size() == 2
+    lora = run_lora(tp, rank // 2, folder)
     tp_runs, freed = steps(tp, rank // 2, path)
     dp = run(LLM(path, **kw), rank)  # tensor_parallel_size 1: this rank's own engine
     with open(os.path.join(out, f"result-{rank}.json"), "w") as f:  # their stdout interleaves
-        json.dump({"tp": tp_runs, "freed": freed, "dp": dp}, f)
+        json.dump({"tp": tp_runs, "freed": freed, "dp": dp, "lora": lora}, f)
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
 """
 
 
@@ -96,9 +107,10 @@ def test_tp_groups_and_data_parallel_ranks_under_torchrun_equal_one_rank(tiny_mo
     script.write_text(textwrap.dedent(SCRIPT))
     env = {**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": "1"}
     (out := tmp_path / "out").mkdir()
+    folder = _adapter(path, tmp_path / "adapter")
     world = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                            str(nproc), str(script), str(path), str(out)], capture_output=True,
-                           text=True, timeout=300, env=env)
+                            str(nproc), str(script), str(path), str(out), folder],
+                           capture_output=True, text=True, timeout=300, env=env)
     assert world.returncode == 0, world.stderr[-3000:]
     got = results(out)
     assert sorted(got) == [str(r) for r in range(nproc)]
@@ -119,6 +131,30 @@ def test_tp_groups_and_data_parallel_ranks_under_torchrun_equal_one_rank(tiny_mo
         assert_same(res["dp"], before[int(rank)], f"rank {rank}: data parallel")
     for r in range(0, nproc, 2):  # a group's two ranks: bit for bit
         assert got[str(r)]["tp"] == got[str(r + 1)]["tp"]
+    # LoRA: each group's adapter and base prompts equal one rank's (tests/test_lora.py: PEFT's)
+    one = LLM(path, num_kv_blocks=32, block_size=4, enable_lora=True, max_lora_rank=8)
+    want = [ns["run_lora"](one, i, folder) for i in range(2)]
+    base = one.generate([{"prompt_token_ids": [1, 7, 21, 4]}], SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+    assert want[0][0] != list(base)  # the adapter changes the tokens
+    for rank, res in got.items():
+        assert res["lora"] == want[int(rank) // 2], f"rank {rank}: LoRA"
+
+
+def _adapter(model_dir, folder) -> str:
+    """A PEFT adapter on column- (q, up) and row-parallel (o, down) layers, visible deltas."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"],
+        init_lora_weights=False))
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    return str(folder)
 
 
 def test_external_launcher_without_a_world_or_with_an_uneven_one_is_refused(

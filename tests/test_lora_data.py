@@ -208,9 +208,10 @@ def test_an_adapters_own_tokenizer_encodes_its_prompts(setup, tmp_path):
 
 def test_an_adapters_own_tokenizer_drives_its_output_text(setup, tmp_path):
     """vLLM's semantics: a request under an adapter that ships a tokenizer gets its output
-    text, stop strings, each Logprob.decoded_token and chat template from that tokenizer (its
-    added token '<sql>', id 500, decodes as '<sql>'); a base request in the same batch, with
-    the same tokens, keeps the base tokenizer's texts."""
+    text, stop strings, bad_words, each Logprob.decoded_token and chat template (chat and a
+    dataset's messages rows) from that tokenizer (its added token '<sql>', id 500, decodes as
+    '<sql>'); a base request in the same batch, with the same tokens, keeps the base
+    tokenizer's texts."""
     _, root, llm, _ = setup
     folder = _own_tokenizer(root, tmp_path / "a_tok",
                             "{% for m in messages %}<sql>{{ m['content'] }}{% endfor %}")
@@ -233,8 +234,17 @@ def test_an_adapters_own_tokenizer_drives_its_output_text(setup, tmp_path):
     assert (a.text, a.finish_reason, a.stop_reason, len(a.token_ids)) == (
         "<sql><sql>", "stop", "<sql><sql>", 2)
     assert (b.finish_reason, len(b.token_ids)) == ("length", 4)
+    banned = SamplingParams(max_tokens=2, bad_words=["<sql>"], **forced)
+    a, b = (list(o.outputs[0].token_ids) for o in llm.generate(
+        [prompt, prompt], banned, lora_request=[req, None], use_tqdm=False))
+    assert 500 not in a and b == [500, 500]  # bad_words tokenized by the request's tokenizer
     conv = [{"role": "user", "content": "the cat"}]
     (out,) = llm.chat(conv, GREEDY, lora_request=req, use_tqdm=False)
     assert out.prompt_token_ids == tok.apply_chat_template(conv, tokenize=True,
                                                            return_dict=False)
     assert out.prompt_token_ids[0] == 500 and out.prompt == "<sql>the cat"
+    ds = generate_dataset(llm, Dataset.from_list([{"messages": conv, "adapter": "t"}]), GREEDY,
+                          messages_column="messages", lora_column="adapter",
+                          loras={"t": str(folder)}, use_tqdm=False)  # a chat row likewise
+    assert ds["outputs"][0][0]["token_ids"] == list(out.outputs[0].token_ids)
+    assert ds["num_prompt_tokens"] == [len(out.prompt_token_ids)]

@@ -85,8 +85,9 @@ def test_two_ranks_with_two_adapters_equal_peft(setup):
 
 
 def test_a_layout_lora_cannot_follow_is_refused(setup):
-    """A layer whose plan is neither colwise nor rowwise on a 1-D mesh (a packed or 2-D
-    layout, say) is refused for the adapters that target it, before any work."""
+    """A layer whose plan is neither colwise nor rowwise split along the tp dimension (a packed
+    layout, a mesh with no "tp" dimension) is refused for the adapters that target it, before
+    any work."""
     from torch.distributed.tensor import Shard
 
     def layer(ndim: int):

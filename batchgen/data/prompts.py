@@ -50,10 +50,12 @@ class PromptSpec:
     def column(self) -> str:
         return self.messages_column or self.prompt_column  # type: ignore[return-value]
 
-    def prompt(self, llm: LLM, row_id: int, row: dict[str, Any]) -> Any:
-        """The row's prompt: its text, its token ids, or its messages through the template;
-        with an image column, its text with the row's image (a row without one: text only)."""
-        prompt = self._text_prompt(llm, row_id, row)
+    def prompt(self, llm: LLM, row_id: int, row: dict[str, Any], tokenizer_of: Any = None
+               ) -> Any:
+        """The row's prompt: its text, its token ids, or its messages through the template
+        (`tokenizer_of`: its adapter's tokenizer's, else the LLM's); with an image column, its
+        text with the row's image (a row without one: text only)."""
+        prompt = self._text_prompt(llm, row_id, row, tokenizer_of)
         image = row.get(self.image_column) if self.image_column is not None else None
         if image is None:
             return prompt
@@ -62,12 +64,13 @@ class PromptSpec:
                              f"{self.column!r} to hold text (its image placeholder), not token ids")
         return TextPrompt(prompt=prompt, multi_modal_data={"image": image})
 
-    def _text_prompt(self, llm: LLM, row_id: int, row: dict[str, Any]) -> Any:
+    def _text_prompt(self, llm: LLM, row_id: int, row: dict[str, Any], tokenizer_of: Any
+                     ) -> Any:
         value = row.get(self.column)
         if self.messages_column is not None:
             return llm.requests.render_chat([value], self.chat_template,
                                             self.add_generation_prompt, False, None,
-                                            self.chat_template_kwargs)[0]
+                                            self.chat_template_kwargs, tokenizer_of)[0]
         if isinstance(value, str):
             return value
         if isinstance(value, (list, tuple)) and value and all(isinstance(t, int) for t in value):

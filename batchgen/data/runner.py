@@ -277,7 +277,8 @@ class _Job:
         if self.schema_column is not None:
             params = dataclasses.replace(params, structured_outputs=row_constraint(
                 self.llm, row, self.schema_column))
-        prompt = self.adapters.encode(self.spec.prompt(self.llm, row_id, row), lora)
+        prompt = self.adapters.encode(self.spec.prompt(
+            self.llm, row_id, row, self.adapters.chat_tokenizers(lora)), lora)
         return self.llm.requests.check_one(prompt, params, self.engine_kind), params
 
     def _failed(self, row_id: int, row: dict[str, Any], error: Exception) -> bool:

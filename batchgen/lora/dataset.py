@@ -137,7 +137,7 @@ class RowAdapters:
         self.spec, self.column = spec, spec.column
         self.by_name = spec.requests()
         self.hashes = {n: adapter_fingerprint(r.lora_path) for n, r in self.by_name.items()}
-        self.seam = getattr(llm, "_lora", None)
+        self.seam, self.base = getattr(llm, "_lora", None), getattr(llm, "tokenizer", None)
         if self.column is not None:
             if not llm._lora.enabled:
                 raise ValueError(f"lora_column {self.column!r} needs LLM(..., enable_lora=True)")
@@ -157,6 +157,11 @@ class RowAdapters:
         if not isinstance(name, str) or name not in self.by_name:
             raise self.spec.unknown(f"row {row_id}", name)
         return self.by_name[name]
+
+    def chat_tokenizers(self, req: LoRARequest | None) -> Any:
+        """A messages row's template renderer under `req` (`render_chat`'s tokenizer_of):
+        None for the LLM's tokenizer."""
+        return None if req is None else self.seam.chat_tokenizers(req, self.base)
 
     def encode(self, prompt: Any, req: LoRARequest | None) -> Any:
         """A row's text prompt tokenized by its adapter's own tokenizer, if it ships one."""

@@ -19,6 +19,7 @@ from batchgen.lora.adapter import Adapter, load_adapter, refuse
 from batchgen.lora.layers import LoRALayers, SlotLoad
 from batchgen.lora.request import LoRARequest
 from batchgen.lora.tokenizers import AdapterTokenizers
+from batchgen.requests import bad_word_ids
 
 _PEFT_NAME = re.compile(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight")
 
@@ -216,7 +217,7 @@ class LoRASeam:
 
     def _set(self, group: Any, aid: int) -> None:
         """The group's adapter, prefix-cache key and, when the adapter ships a tokenizer, its
-        text side (its sequences' stop checkers made again under that tokenizer)."""
+        text side (its sequences' stop checkers and its bad_words made again under it)."""
         group.lora_id, group.lora = aid, 0
         if not aid:
             return
@@ -224,9 +225,13 @@ class LoRASeam:
         group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
         side = self.tokenizers.side(req, self._eos)
         group.text_side = side
-        if side is not None and group.params.stop_strings:
+        if side is None:
+            return
+        if group.params.stop_strings:
             for seq in group.seqs:
                 seq.stop = side.stops(group.params, group.prompt_token_ids, group.max_tokens)
+        if group.bad_word_ids:  # a sampling request's bad_words, by its adapter's tokenizer
+            group.bad_word_ids = bad_word_ids(side.tokenizer, group.params.bad_words)
 
     # ---- the scheduler's gate: max_loras device slots --------------------------------------
     def admits(self, group: Any, running: list) -> bool:

@@ -59,15 +59,25 @@ def layer_splits(model: torch.nn.Module, linears: dict[str, torch.nn.Linear]
         style = next((v for k, v in rules if k.fullmatch(name)), "")
         placements, mesh = tuple(weight.placements), weight.device_mesh
         want = {"colwise": 0, "rowwise": 1}.get(style)
-        shards = [getattr(p, "dim", None) for p in placements if p.is_shard()]
-        if not shards:
+        shard_at = [i for i, p in enumerate(placements) if p.is_shard()]
+        if not shard_at:
             continue  # replicated on every rank: the adapter runs whole
-        if want is None or mesh.ndim != 1 or shards not in ([want], [want - 2]):
+        if want is None or shard_at != [_tp_dim(mesh)] or placements[shard_at[0]].dim not in (
+                want, want - 2):
             out[name] = Split(style, refusal=(
                 f"its tensor-parallel layout ({style or 'unknown'}, placements "
-                f"{placements}) is not one LoRA is split along (served: {', '.join(SERVED)} "
-                "on a one-dimensional mesh); run LoRA with tensor_parallel_size=1, or merge "
-                "the adapter into the weights (PEFT's merge_and_unload)"))
+                f"{placements}) is not one LoRA is split along (served: {', '.join(SERVED)}, "
+                "split along the mesh's tp dimension only); run LoRA with "
+                "tensor_parallel_size=1, or merge the adapter into the weights (PEFT's "
+                "merge_and_unload)"))
             continue
         out[name] = Split(style, placements, mesh)
     return out
+
+
+def _tp_dim(mesh: Any) -> int:
+    """The mesh dimension tensor parallelism splits along (-1: none named "tp")."""
+    if mesh.ndim == 1:
+        return 0
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return names.index("tp") if "tp" in names else -1

@@ -164,10 +164,11 @@ class _Generate:
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         ids = [int(r[ROW_ID]) for r in rows]
-        prompts = [self.spec.prompt(self.llm, i, r) for i, r in zip(ids, rows)]
+        loras = [self.adapters.request(i, r) for i, r in zip(ids, rows)]
+        prompts = [self.spec.prompt(self.llm, i, r, self.adapters.chat_tokenizers(lo))
+                   for i, r, lo in zip(ids, rows, loras)]
         p = self.config.sampling_params
         kind, seed = job_kind(p), job_seed(p, self.config.seed)
-        loras = [self.adapters.request(i, r) for i, r in zip(ids, rows)]
         outs = kind.run(self.llm, prompts, [row_params(p, seed, i) for i in ids],
                         loras if self.adapters.column is not None else None)
         constraint = constraint_of(p)
