@@ -141,3 +141,25 @@ def test_prm_bad_input_and_cli_flags(folders, tmp_path, capsys):
     for r in pq.read_table(tmp_path / "b" / "selected").to_pylist():
         for c in r["outputs"]:
             assert c["score"] == c["step_scores"][-1]
+
+
+def test_ray_stages_give_the_local_prm_rows(folders):
+    """The Ray pipeline's stages (batchgen/ray/best_of_n.py), run in this process without Ray:
+    generate actor -> score actor (a PRM folder, step scores) -> select map give the local
+    job's result rows, step_scores included; prm_* with a callable refused before Ray."""
+    pytest.importorskip("ray.data")
+    from batchgen.pooling.select import parse_select
+    from batchgen.ray import BatchgenProcessorConfig, numbered_blocks
+    from batchgen.ray.best_of_n import _Score, select_rows
+    from batchgen.ray.processor import _Generate
+
+    gen, prm = folders
+    local = generate_dataset(LLM(gen, seed=0), ROWS, PARAMS, score=str(prm), select="pairs",
+                             prm_aggregate="mean", use_tqdm=False).to_list()
+    cfg = BatchgenProcessorConfig(str(gen), PARAMS, {"seed": 0}, score=str(prm),
+                                  select="pairs", prm_aggregate="mean")
+    table = _Score(cfg)(_Generate(cfg)(numbered_blocks(ROWS, 2)[0]))
+    assert select_rows(table, parse_select("pairs")).to_pylist() == local
+    assert all(len(c["step_scores"]) >= 1 for r in local for c in r["outputs"])
+    with pytest.raises(ValueError, match="prm_aggregate goes with a process reward model"):
+        BatchgenProcessorConfig(str(gen), PARAMS, score=len, prm_aggregate="min")

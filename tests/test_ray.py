@@ -335,3 +335,6 @@ def test_cli_ray_score_select_equals_local_cli(local_ray, model: Path, tmp_path:
                  "--score-gpus-per-actor", "0.5"])
     err = capsys.readouterr().err
     assert code == 2 and "give the scorer's KV pool a size (--score-kv-cache-memory)" in err
+    code = main([*common[:-2], "--output", str(tmp_path / "o"), "--ray", "--score-actors", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--score-actors go with --ray and --score-model" in err, err

@@ -167,9 +167,6 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
         raise CliError(str(e).replace("select ", "--select ", 1).replace(
             "score ", "--score-model ", 1).replace("prm_step_tag", "--prm-step-tag").replace(
             "prm_aggregate", "--prm-aggregate")) from None
-    if args.ray and any(v is not None for v in prm.values()):
-        raise CliError("--prm-step-tag / --prm-aggregate are for local jobs (not --ray): on Ray "
-                       "a process reward model scores each candidate at its last token")
     if args.ray and args.select is not None and args.select.startswith("until:"):
         raise CliError(f"--select {args.select} is for local jobs (not --ray): until:k samples "
                        f"each row in rounds, a round only for the rows the last round's scores "
@@ -232,8 +229,20 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--lora NAME=PATH and --lora-column COL go together (the adapters, and "
                        "the column naming each row's)")
     LoRAColumn.of(args.lora_column, args.loras)
+    _check_scorer_actor_flags(args)
     params = _params(args)
     return _run_job(args, params, memory)
+
+
+def _check_scorer_actor_flags(args: argparse.Namespace) -> None:
+    """The scorer's actor flags go with a Ray job that scores (ignored otherwise: refused)."""
+    given = [flag for flag, value, default in (
+        ("--score-actors", args.score_actors, 1),
+        ("--score-gpus-per-actor", args.score_gpus_per_actor, 0.0),
+        ("--score-kv-cache-memory", args.score_kv_cache_memory, None)) if value != default]
+    if given and not (args.ray and getattr(args, "score_model", None) is not None):
+        raise CliError(f"{', '.join(given)} go with --ray and --score-model (the scorer's "
+                       f"actors on Ray)")
 
 
 def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:

@@ -116,7 +116,8 @@ def _score_fields(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str,
                                                  "--score-kv-cache-memory")
     return {"score": _path(args.score_model), "select": args.select,
             "score_engine_kwargs": kwargs, "score_concurrency": args.score_actors,
-            "score_num_gpus": args.score_gpus_per_actor}
+            "score_num_gpus": args.score_gpus_per_actor, "prm_step_tag": args.prm_step_tag,
+            "prm_aggregate": args.prm_aggregate}
 
 
 def _import_ray() -> Any:

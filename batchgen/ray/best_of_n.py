@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from batchgen.checks import ValidationError, check_int, check_type
 from batchgen.data.rows import OUTPUTS, ROW_ID
-from batchgen.data.scoring import Scorer, check_scorer, score_rows
+from batchgen.data.scoring import STEP_SCORES, Scorer, check_scorer, score_rows, step_scoring
 from batchgen.data.stages import final_row, final_schema, parse_policy, prompt_text
 from batchgen.pooling.select import Select, parse_select
 
@@ -24,9 +24,12 @@ if TYPE_CHECKING:
 Config = Any  # a BatchgenProcessorConfig (batchgen/ray/processor.py, which imports this module)
 PROMPT_TEXT = "_batchgen_prompt_text"  # generate -> score: what a candidate is scored after
 ROW_SCORES = "_batchgen_scores"  # score -> select: each candidate's score, in order
+ROW_STEPS = "_batchgen_step_scores"  # score -> select: a PRM's step scores per candidate
+TRANSIENT = (PROMPT_TEXT, ROW_SCORES, ROW_STEPS)
 # the score stage's fields and their defaults (set without `score`: refused)
 SCORE_FIELDS = {"select": None, "score_engine_kwargs": {}, "score_num_gpus": 0.0,
-                "score_num_cpus": 1.0, "score_concurrency": 1, "score_workers": 4}
+                "score_num_cpus": 1.0, "score_concurrency": 1, "score_workers": 4,
+                "prm_step_tag": None, "prm_aggregate": None, "prm_step_separator": None}
 
 
 def check_stages(c: Config) -> None:
@@ -59,6 +62,12 @@ def check_stages(c: Config) -> None:
                               "not a callable", parameter="score_engine_kwargs",
                               value=c.score_engine_kwargs)
     check_int(c.score_workers, "score_workers")
+    _steps(c)  # a PRM's step tag checked against its tokenizer; prm_* with another scorer
+
+
+def _steps(c: Config) -> Any:
+    """The scorer's StepScoring (a process reward model's), else None: the local job's."""
+    return step_scoring(c.score, c.prm_step_tag, c.prm_aggregate, c.prm_step_separator)
 
 
 class _Score:
@@ -72,25 +81,38 @@ class _Score:
             from batchgen.pooling.scorer import RewardModel
 
             spec = RewardModel(str(Path(spec).expanduser()), **config.score_engine_kwargs)
-        self.scorer = Scorer(spec, config.score_workers)
+        self.scorer = Scorer(spec, config.score_workers, _steps(config))
 
     def __call__(self, batch: pa.Table) -> pa.Table:
         rows = batch.to_pylist()
         scores = score_rows(rows, lambda r: r[PROMPT_TEXT], self.scorer, None,
                             max(1, len(rows)))
         column = pa.array([scores[r[ROW_ID]] for r in rows], pa.list_(pa.float64()))
-        return batch.append_column(ROW_SCORES, column)
+        batch = batch.append_column(ROW_SCORES, column)
+        if self.scorer.steps is None:
+            return batch
+        steps = [[c[STEP_SCORES] for c in r[OUTPUTS]] for r in rows]  # (score_rows put them)
+        return batch.append_column(ROW_STEPS, pa.array(steps, pa.list_(pa.list_(pa.float64()))))
 
 
 def select_rows(batch: pa.Table, policy: Select | None) -> pa.Table:
     """The select stage (a plain map): each row's candidates with their scores and the
     selection column, the local job's result rows."""
     base = batch.schema
-    for name in (PROMPT_TEXT, ROW_SCORES):
-        base = base.remove(base.get_field_index(name))
-    rows = [final_row({k: v for k, v in r.items() if k not in (PROMPT_TEXT, ROW_SCORES)},
-                      r[OUTPUTS], r[ROW_SCORES], 1, policy) for r in batch.to_pylist()]
-    return pa.Table.from_pylist(rows, schema=final_schema(base, policy))
+    for name in TRANSIENT:
+        if name in base.names:
+            base = base.remove(base.get_field_index(name))
+    rows = [final_row({k: v for k, v in r.items() if k not in TRANSIENT}, _candidates(r),
+                      r[ROW_SCORES], 1, policy) for r in batch.to_pylist()]
+    steps = ROW_STEPS in batch.schema.names
+    return pa.Table.from_pylist(rows, schema=final_schema(base, policy, steps))
+
+
+def _candidates(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row's candidates, each with its PRM step scores when the score stage gave some."""
+    if row.get(ROW_STEPS) is None:
+        return row[OUTPUTS]
+    return [{**c, STEP_SCORES: s} for c, s in zip(row[OUTPUTS], row[ROW_STEPS])]
 
 
 def with_prompt_texts(table: pa.Table, rows: list[dict[str, Any]], tokenizer: Any,

@@ -74,6 +74,9 @@ class BatchgenProcessorConfig:
     score_num_cpus: float = 1.0  # per score actor
     score_concurrency: int | tuple[int, int] = 1  # score actors: a fixed number or (min, max)
     score_workers: int = 4  # a callable scorer's threads per score actor
+    prm_step_tag: str | None = None  # a process reward model's step scoring, as in
+    prm_aggregate: str | None = None  # generate_dataset (None: its defaults)
+    prm_step_separator: str | None = None
 
     def __post_init__(self) -> None:
         _check(self)
