@@ -111,8 +111,7 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     store = None
     if output_dir is not None:
         job = _job(llm, params, seed, spec, source, schema_column, writer, on_error, adapters)
-        store = ShardStore(Path(output_dir).expanduser(), job, resume, writer,
-                           rows_per_shard)
+        store = ShardStore(Path(output_dir).expanduser(), job, resume, writer, rows_per_shard)
         if resume:
             _reconcile(store, source, skip, spec.image_column, adapters)
     job = _Job(llm, source, params, spec, seed, schema, store,
