@@ -79,11 +79,12 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     through the chat template. Sample seeds derive from (seed, row id, sample index),
     `seed` being `params.seed`, else this argument, else 0: a row's samples are the same
     whatever ran with it. With `output_dir`, finished rows go to shards in `output_format`
-    ("parquet" or "jsonl"; written atomically, listed in a manifest), a shard closed at
-    `rows_per_shard` rows or `shard_seconds` after the last one (None: by rows only);
+    ("parquet" or "jsonl"; written atomically, listed in a manifest), shard k holding rows
+    [k*rows_per_shard, (k+1)*rows_per_shard), written once they finished, and the shards not
+    full yet also every `shard_seconds` (None: when full only; written again whole when full);
     `resume=True` keeps the rows of whole shards whose input is unchanged and redoes the rest
-    (rows edited or added since, and rows that failed), so a resumed run's data equal an
-    uninterrupted run's on the current input. Rows finished when an error or Ctrl-C stops the
+    (rows edited or added since, and rows that failed), so a resumed run's files equal an
+    uninterrupted run's on the current input, byte for byte. Rows finished when an error or Ctrl-C stops the
     job are written first.
 
     A row that cannot run (its prompt too long, a bad chat or schema, ...) stops the job with
