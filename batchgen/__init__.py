@@ -5,7 +5,9 @@ so such a script runs with `from vllm import` changed to `from batchgen import`.
 
 Importing the package is cheap: the values (params, prompts, outputs) are plain Python, and
 `LLM` (which brings torch and the engine) is imported on first use of the name, so the
-`batchgen` command's `--help` and argument errors never wait for torch.
+`batchgen` command's `--help` and argument errors never wait for torch. Asking for `LLM` also
+registers the pooling runner (batchgen.pooling.llm): `LLM(folder, runner="pooling")`, or "auto"
+on a reward/classifier/embedding folder, is a PoolingLLM.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -34,6 +36,7 @@ def __getattr__(name: str) -> Any:
     """`batchgen.LLM`, imported (with torch and the engine) the first time it is asked for."""
     if name == "LLM":
         from batchgen.llm import LLM
+        from batchgen.pooling.llm import PoolingLLM  # noqa: F401  (the "pooling" runner)
 
         globals()["LLM"] = LLM
         return LLM

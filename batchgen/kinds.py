@@ -136,22 +136,25 @@ def kind_of(params: object, name: str = "params") -> RequestKind:
 
 def sample_spec(p: SamplingParams, max_tokens: int, bad_words: bool) -> RowSpec:
     """A sampling request's batch columns: its parameters in sampler.PARAM_NAMES order (top-p
-    as HF's threshold 1 - top_p, computed in float64), the stages it needs, its limits."""
+    as HF's threshold 1 - top_p, computed in float64), the stages it needs, its limits (and
+    its trace, replayed token by token)."""
     values = {"temperature": p.temperature, "top_k": p.top_k,
               "top_p_cut": 1.0 - p.top_p if p.top_p < 1.0 else -1.0, "min_p": p.min_p,
               "repetition_penalty": p.repetition_penalty,
               "presence_penalty": p.presence_penalty, "frequency_penalty": p.frequency_penalty}
     params = np.array([values[k] for k in PARAM_NAMES], np.float32)
     assert params.shape == (NUM_PARAMS,)
+    traced = bool(p.trace_decode_token_ids)  # vLLM's trace replay: no min_tokens, no EOS stop
     return RowSpec(
         params=params, greedy=p.greedy,
         penalized=p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
         or p.frequency_penalty != 0.0,
         controls=bool(p.allowed_token_ids or p.logit_bias or p.logits_processors or bad_words),
-        stop_strings=bool(p.stop_strings), max_tokens=max_tokens, min_tokens=p.min_tokens,
-        ignore_eos=p.ignore_eos, logprobs=_logprobs_column(p),
-        logprob_ids=tuple(p.logprob_token_ids or ()), stop_ids=tuple(p.stop_ids),
-        constrained=p.structured_outputs is not None)
+        stop_strings=bool(p.stop_strings), max_tokens=max_tokens,
+        min_tokens=0 if traced else p.min_tokens, ignore_eos=traced or p.ignore_eos,
+        logprobs=_logprobs_column(p), logprob_ids=tuple(p.logprob_token_ids or ()),
+        stop_ids=tuple(p.stop_ids), constrained=p.structured_outputs is not None,
+        trace=np.array(p.trace_decode_token_ids, np.int64) if traced else None)
 
 
 def _logprobs_column(p: SamplingParams) -> int:

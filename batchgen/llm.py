@@ -31,22 +31,23 @@ from batchgen.outputs import BeamSearchOutput, KVStats, RequestOutput
 from batchgen.params import BeamSearchParams, SamplingParams
 from batchgen.progress import CallMeter
 from batchgen.prompts import Conversation, PromptType
+from batchgen.runners import RunnerDispatch
 from batchgen.sampling.logprobs_mode import check_beam_mode
+from batchgen.speculative.seam import SpecSeam
 from batchgen.stats import Metric, StatsRecorder
 from batchgen.vllm_args import check_call_args
 
 logger = logging.getLogger("batchgen")
 
-# A stream holds this many times max_num_seqs sequences waiting: enough to refill the batch as
-# requests finish, few enough that a dataset of any size needs bounded memory.
+# A stream holds this x max_num_seqs sequences waiting: the batch refills, memory stays bounded.
 STREAM_WINDOW = 2
 
 
-class LLM:
-    """A local HF model folder (or a loaded transformers model, as it is) on one paged KV pool.
+class LLM(metaclass=RunnerDispatch):
+    """A local HF model folder (or a loaded transformers model, as it is) on one paged KV pool;
+    a pooling model's folder (`runner="pooling"`, or "auto" on one) gives a PoolingLLM.
 
-    >>> llm = LLM("path/to/model")
-    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
+    >>> LLM("path/to/model").generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))
     """
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, *,
@@ -70,8 +71,8 @@ class LLM:
                  chat_template: str | None = None, skip_tokenizer_init: bool = False,
                  limit_mm_per_prompt: dict[str, int] | None = None,
                  mm_processor_kwargs: dict[str, Any] | None = None, **engine_args: Any) -> None:
-        configure_logging()  # LoRA's args: batchgen/lora; vLLM's others: default or refused
-        lora = LoRASeam.take(engine_args, tensor_parallel_size)
+        configure_logging()  # seams' args: batchgen/lora, /speculative; vLLM's others: default or refused
+        lora, spec = LoRASeam.take(engine_args), SpecSeam.take(engine_args, tensor_parallel_size)
         cfg = EngineConfig.from_llm_args(locals(), engine_args)
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
@@ -94,7 +95,7 @@ class LLM:
         self.max_num_batched_tokens = cfg.max_num_batched_tokens
         self.attention_backend = built.attention_backend
         self.engine, self.requests, self.results = built.engine, built.requests, built.results
-        c, self._busy = self.cache_config, False
+        c, self._busy, self._spec = self.cache_config, False, spec.attach(self)
         self._last_stats = KVStats(c.num_blocks, c.block_size, 0, 0, 0, 0, 0, c.num_host_blocks)
         k, spmd = self._executor.tp_size, cfg.distributed_executor_backend == "external_launcher"
         # load_weights and sleep reach every rank only when each runs this code itself
@@ -169,14 +170,14 @@ class LLM:
              tokenization_kwargs: dict[str, Any] | None = None,
              mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """vLLM's `chat` (its parameters in its order): each conversation (or the one given)
-        through the chat template (`chat_template`, else the LLM's, else the tokenizer's),
-        then `generate`. `chat_template_content_format` is accepted for vLLM's signature
-        (content is passed to the template as given)."""
+        through the chat template (`chat_template`, else the LLM's, else its tokenizer's: an
+        adapter's own under `lora_request`), then `generate` (content passed as given)."""
         check_call_args("chat", mm_processor_kwargs=mm_processor_kwargs,
                         tokenization_kwargs=tokenization_kwargs)
+        tokenizers = self._lora.chat_tokenizers(lora_request, self.tokenizer)
         prompts = self.requests.render_chat(messages, chat_template or self.chat_template,
                                             add_generation_prompt, continue_final_message, tools,
-                                            chat_template_kwargs)
+                                            chat_template_kwargs, tokenizers)
         return self.generate(prompts, sampling_params, use_tqdm, priority=priority,
                              lora_request=lora_request)
 
@@ -192,7 +193,7 @@ class LLM:
         """New values for the model's parameters by HF names (wrappers' prefixes stripped, cast
         to the model's dtype), or with `lora_request` for that loaded adapter's A and B by PEFT
         names, copied in place; the prefix cache is reset. Returns the names loaded."""
-        self._check_idle("load_weights", 1)
+        self._check_idle("load_weights", 1 if lora_request is None else None)  # adapters: any TP
         self._sleep.check_awake(weights_only=True)
         loaded = (load_weights(self.model, weights) if lora_request is None
                   else self._lora.load_weights(lora_request, weights))
@@ -284,8 +285,7 @@ class LLM:
             yield from self.engine.stream(groups, STREAM_WINDOW * self.engine.scheduler.max_num_seqs,
                                           on_step)
         finally:
-            self._busy = False
-            self._last_stats = meter.close()
+            self._busy, self._last_stats = False, meter.close()
             if stats is not None:
                 stats.end_call(self._last_stats)
 

@@ -260,3 +260,6 @@ class KVStats:
     state_bytes_per_seq: int = 0  # models with state mixers: each sequence's state (any length)
     peak_state_slots: int = 0  # most state slots held at once (sequences, prefix snapshots)
     lora_loads: int = 0  # LoRA adapters loaded into a device slot (max_loras; batchgen/lora)
+    spec_drafts: int = 0  # speculative decoding (batchgen/speculative): rows that drafted
+    spec_draft_tokens: int = 0  # tokens drafted
+    spec_accepted_tokens: int = 0  # drafted tokens the target model's draws confirmed

@@ -25,11 +25,12 @@ def check_model_bounds(p: Any, vocab: int, max_logprobs: int, max_model_len: int
             raise ValidationError(f"{name} has token id {max(ids)} outside the model's "
                                   f"vocabulary [0, {vocab})", parameter=name, value=max(ids))
     check_id_table(p.prompt_logprob_token_ids, vocab, max_logprobs, max_model_len)
-    named = [t for t in getattr(p, "logprob_token_ids", None) or () if t >= vocab]
-    if named:  # vLLM's message
-        raise ValidationError(f"token_id(s) {named} in logprob_token_ids contain out-of-vocab "
-                              f"token ids. Vocabulary size: {vocab}",
-                              parameter="logprob_token_ids", value=named)
+    for name in ("logprob_token_ids", "trace_decode_token_ids"):
+        named = [t for t in getattr(p, name, None) or () if t >= vocab]
+        if named:  # vLLM's message
+            raise ValidationError(f"token_id(s) {named} in {name} contain out-of-vocab "
+                                  f"token ids. Vocabulary size: {vocab}", parameter=name,
+                                  value=named)
 
 
 def check_max_logprobs(name: str, k: int | None, most: int, vocab: int) -> None:

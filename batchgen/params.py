@@ -52,7 +52,6 @@ _OFF_ONLY: dict[str, tuple[object, ...]] = {
     "thinking_token_budget": (None,),
     "repetition_detection": (None,),
     "routed_experts_prompt_start": (0,),
-    "trace_decode_token_ids": (None,),
 }
 
 
@@ -299,6 +298,27 @@ class SamplingParams(_Stops):
         check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
               "None or a dict", self.extra_args)
         _check_off(self, _OFF_ONLY, "SamplingParams")
+        self._check_trace()
+
+    def _check_trace(self) -> None:
+        """vLLM's trace replay (`trace_decode_token_ids`): a non-empty list of ids >= 0, one
+        sample, and none of the features vLLM refuses beside it (in vLLM's words)."""
+        trace = self.trace_decode_token_ids
+        if trace is None:
+            return
+        name = "trace_decode_token_ids"
+        check(isinstance(trace, (list, tuple)) and len(trace) > 0, name,
+              "a non-empty list (trace_decode_token_ids must be a non-empty list.)", trace)
+        check(self.n == 1, name, "None when n > 1 (trace_decode_token_ids requires n=1.)",
+              self.n)
+        check(all(is_int(t) and t >= 0 for t in trace), name, "a list of integers >= 0 "
+              "(trace_decode_token_ids must contain non-negative integers.)", trace)
+        self.trace_decode_token_ids = [int(t) for t in trace]
+        for other in ("prompt_logprobs", "prompt_logprob_token_ids", "structured_outputs"):
+            check(getattr(self, other) is None, name, f"None when {other} is set "
+                  f"(trace_decode_token_ids is not supported with {other}.)", trace)
+        check(not self.bad_words, name, "None when bad_words is set "
+              "(trace_decode_token_ids is not supported with bad_words.)", trace)
 
     def _check_prompt_start(self) -> None:
         """vLLM's prompt_logprob_start (a row: positions up to and including it are not
@@ -399,8 +419,9 @@ class SamplingParams(_Stops):
 
     @property
     def stop_min_tokens(self) -> int:
-        """Stop strings count only after min_tokens generated tokens (vLLM)."""
-        return self.min_tokens
+        """Stop strings count only after min_tokens generated tokens (vLLM); a trace replays
+        with min_tokens 0, as vLLM's does."""
+        return 0 if self.trace_decode_token_ids else self.min_tokens
 
     @property
     def greedy(self) -> bool:

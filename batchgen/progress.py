@@ -39,9 +39,10 @@ class CallMeter:
         self.clock = clock
         self._start = self._shown = self._stepped = clock()
 
-    def _counters(self) -> tuple[int, int, int, int]:
-        s = self.engine.scheduler
-        return s.num_preemptions, s.num_swap_outs, s.num_swap_ins, s.num_lora_loads
+    def _counters(self) -> tuple[int, ...]:
+        s, spec = self.engine.scheduler, getattr(self.engine, "spec", None)
+        return (s.num_preemptions, s.num_swap_outs, s.num_swap_ins, s.num_lora_loads,
+                *(spec.counters() if spec is not None else (0, 0, 0)))
 
     def on_step(self, stats: StepStats) -> None:
         """Count the step's tokens (and, when it computed prompt tokens, its time); advance
@@ -80,12 +81,14 @@ class CallMeter:
         """The call's KV figures (the bar closed)."""
         self.bar.close()
         bm = self.bm
-        preempts, outs, ins, loras = (b - a for a, b in zip(self._first, self._counters()))
+        preempts, outs, ins, loras, *spec = (b - a for a, b in zip(self._first,
+                                                                   self._counters()))
         state = self.engine.kv.state
         return KVStats(bm.num_blocks, bm.block_size, bm.peak_blocks_in_use, bm.cow_copies,
                        preempts, bm.prefix_hit_tokens, self.prompt_tokens, bm.num_host_blocks,
                        outs, ins, bm.blocks_swapped_out, bm.blocks_swapped_in,
-                       state.bytes_per_seq if state else 0, state.peak if state else 0, loras)
+                       state.bytes_per_seq if state else 0, state.peak if state else 0, loras,
+                       *spec)
 
 
 def format_rate(rate: float) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numbers
 import random
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -46,6 +46,7 @@ class Limits:
     num_blocks: int
     max_num_batched_tokens: int
     max_logprobs: int = 20  # vLLM's: the most (prompt) logprobs a request may ask; -1: any
+    trace_replay: bool = False  # vLLM's enable_trace_replay: trace_decode_token_ids allowed
 
 
 class RequestBuilder:
@@ -149,19 +150,17 @@ class RequestBuilder:
     def render_chat(self, conversations: Conversation | Seq[Conversation],
                     chat_template: str | None, add_generation_prompt: bool,
                     continue_final_message: bool, tools: list[dict] | None,
-                    chat_template_kwargs: dict[str, Any] | None
+                    chat_template_kwargs: dict[str, Any] | None,
+                    tokenizer_of: Callable[[int], Any] | None = None
                     ) -> list[TokensPrompt | TextPrompt]:
         """Each conversation through the tokenizer's chat template (or `chat_template`), as
         token ids: the template's own BOS, none added twice. One conversation (a list of
         messages) or a list of them. Image parts (image_url: a file:// or data: URL;
         image_pil) become the template's image placeholders and the prompt's
-        multi_modal_data (tokenized by the processor, without a second BOS)."""
-        tok = self.tokenizer
-        if tok is None:
+        multi_modal_data (tokenized by the processor, without a second BOS).
+        `tokenizer_of(i)`: conversation i's tokenizer (an adapter's own), else the LLM's."""
+        if self.tokenizer is None:
             raise ValueError(f"chat renders a chat template: {NO_TOKENIZER}")
-        if chat_template is None and not getattr(tok, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template: pass chat_template= "
-                             "(a Jinja template string) to chat()")
         if add_generation_prompt and continue_final_message:
             raise ValueError("continue_final_message=True needs add_generation_prompt=False")
         convs = list(conversations)
@@ -174,6 +173,10 @@ class RequestBuilder:
         for i, conv in enumerate(convs):
             if not (isinstance(conv, list) and all(isinstance(m, dict) for m in conv)):
                 raise ValueError(f"messages[{i}] must be a list of {{'role', 'content'}} dicts")
+            tok = self.tokenizer if tokenizer_of is None else tokenizer_of(i)
+            if chat_template is None and not getattr(tok, "chat_template", None):
+                raise ValueError("this model's tokenizer has no chat template: pass "
+                                 "chat_template= (a Jinja template string) to chat()")
             conv, images = chat_images(conv, f"messages[{i}]")
             if images:
                 out.append(TextPrompt(prompt=tok.apply_chat_template(conv, tokenize=False, **kw),
@@ -256,6 +259,7 @@ class RequestBuilder:
         self._check_vocab(p)
         room = lim.max_model_len - len(ids)
         t = room if p.max_tokens is None else min(p.max_tokens, room)
+        t = _trace_limit(p, t, lim.trace_replay)
         arg = kind.width_arg
         kind.check(p, lim.max_num_batched_tokens)
         need = request_peak_blocks(len(ids), p.width, t, lim.block_size)
@@ -376,3 +380,17 @@ def _params_per_prompt(sp: Any, n: int, kind: RequestKind) -> list[Any]:
     for i, p in enumerate(sp):
         check_type(p, f"{name}[{i}]", cls)
     return sp
+
+
+def _trace_limit(p: Params, max_tokens: int, enabled: bool) -> int:
+    """vLLM's trace replay: a request's trace needs the engine's flag, and its length (what
+    fits the context) bounds max_tokens."""
+    trace = getattr(p, "trace_decode_token_ids", None)
+    if not trace:
+        return max_tokens
+    if not enabled:
+        raise ValidationError("trace_decode_token_ids is set but trace replay is not enabled. "
+                              "Start the engine with --enable-trace-replay (LLM(enable_trace_"
+                              "replay=True)) to use it.", parameter="trace_decode_token_ids",
+                              value=len(trace))
+    return min(len(trace), max_tokens)

@@ -37,10 +37,12 @@ class ResultBuilder:
     def request_output(self, group: SequenceGroup) -> RequestOutput:
         """The finished group's samples: text decoded once (or a stop-string checker's), the
         Logprob objects built now from the steps' top-logprob records."""
-        texts = self.texts if group.params.detokenize else None
+        side = group.text_side  # its adapter's own tokenizer, else None: the LLM's
+        stops = self.stops if side is None else side.stops
+        texts = (self.texts if side is None else side.texts) if group.params.detokenize else None
         flat = group.params.flat_logprobs
         outs = [CompletionOutput(
-            index=s.index, text=self._text(s), token_ids=s.output_token_ids,
+            index=s.index, text=self._text(s, stops), token_ids=s.output_token_ids,
             cumulative_logprob=(s.cumulative_logprob if s.logprobs is not None
                                 or self.cumulative_without_logprobs else None),
             logprobs=None if s.logprobs is None else _positions(
@@ -55,23 +57,25 @@ class ResultBuilder:
                              prompt_logprobs=prompt_lps, metrics=group.metrics,
                              prompt_token_id_logprobs=group.prompt_token_id_logprobs)
 
-    def _text(self, seq: Sequence) -> str:
+    def _text(self, seq: Sequence, stops: StopFactory) -> str:
         """A sample's output text: its checker's (stop strings cut it), else one decode."""
         if seq.stop is not None:
             return seq.stop.final_text(seq.output_token_ids)
         g = seq.group
-        return self.stops.output_text(g.params, g.prompt_token_ids, seq.output_token_ids,
-                                      seq.stop_token)
+        return stops.output_text(g.params, g.prompt_token_ids, seq.output_token_ids,
+                                 seq.stop_token)
 
     def beam_output(self, group: SequenceGroup) -> BeamSearchOutput:
         policy = group.policy
         assert isinstance(policy, BeamPolicy)
+        side = group.text_side  # its adapter's own tokenizer, else None: the LLM's
+        texts = self.texts if side is None else side.texts
         seqs = [BeamSequence(
             token_ids=h.token_ids,
             text=self._beam_text(group, h.token_ids, h.finish_reason),
             cumulative_logprob=h.sum_logprobs, score=h.score, finish_reason=h.finish_reason,
             logprobs=_positions([lp.entry(t) for t, lp in zip(h.token_ids, h.token_logprobs)],
-                                h.token_ids, self.texts, False),
+                                h.token_ids, texts, False),
             prompt_token_ids=group.prompt_token_ids)
             for h in policy.state.finalize() if _grammar_accepts(group, h)]
         return BeamSearchOutput(prompt=group.prompt, prompt_token_ids=group.prompt_token_ids,
@@ -83,9 +87,10 @@ class ResultBuilder:
         """A hypothesis's text: replayed through a checker with stop strings, else decoded
         once (a final EOS / stop id dropped)."""
         p, prompt = group.params, group.prompt_token_ids
+        stops = self.stops if group.text_side is None else group.text_side.stops
         if p.stop_strings:
-            return self.stops.text(p, prompt, token_ids)
-        return self.stops.output_text(p, prompt, token_ids, reason == "stop")
+            return stops.text(p, prompt, token_ids)
+        return stops.output_text(p, prompt, token_ids, reason == "stop")
 
 
 def _grammar_accepts(group: SequenceGroup, h: BeamHypothesis) -> bool:

@@ -85,6 +85,7 @@ class StatsRecorder:
         self.labels = {"model_name": model_name, "engine": "0"}
         self.prompt_tokens = self.generation_tokens = self.preemptions = 0
         self.prefix_queries = self.prefix_hits = self.prompt_tokens_computed = 0
+        self.spec = [0, 0, 0]  # speculative drafts, draft tokens, accepted tokens
         self.finished: Tally[str] = Tally()
         self.kv_usage = self.peak_kv_usage = 0.0
         self.seconds = 0.0  # wall time of the calls
@@ -158,6 +159,8 @@ class StatsRecorder:
         self.preemptions += kv.preemptions
         self.prefix_hits += kv.prefix_hit_tokens
         self.prompt_tokens_computed += kv.prompt_tokens_computed
+        self.spec = [a + b for a, b in zip(self.spec, (kv.spec_drafts, kv.spec_draft_tokens,
+                                                          kv.spec_accepted_tokens))]
         self.seconds += seconds
 
     def metrics(self) -> list[Metric]:
@@ -180,6 +183,8 @@ class StatsRecorder:
             self.e2e.record("vllm:e2e_request_latency_seconds", lab),
             self.queue.record("vllm:request_queue_time_seconds", lab),
         ]
+        out += [Counter(f"vllm:spec_decode_num_{name}", lab, v) for name, v in
+                zip(("drafts", "draft_tokens", "accepted_tokens"), self.spec)]
         for reason in ("stop", "length", "abort"):
             out.append(Counter("vllm:request_success", {**lab, "finished_reason": reason},
                                self.finished[reason]))

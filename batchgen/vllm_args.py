@@ -31,6 +31,15 @@ NO_EFFECT = {
     "shutdown_timeout": "an LLM stops its workers when it is deleted",
     "skip_mm_profiling": "the image encoder cache has a fixed byte budget, not profiled",
 }
+# vLLM arguments batchgen honours with vLLM's meaning beyond its LLM's own parameters: taken
+# by a feature's seam before these checks (where each is served).
+HONOURED = {
+    "enable_lora": "batchgen/lora (LoRASeam)", "max_loras": "batchgen/lora (LoRASeam)",
+    "max_lora_rank": "batchgen/lora (LoRASeam)", "max_cpu_loras": "batchgen/lora (LoRASeam)",
+    "speculative_config": "batchgen/speculative (SpecSeam): method 'ngram'",
+    "enable_trace_replay": "batchgen/speculative (SpecSeam): SamplingParams."
+                           "trace_decode_token_ids",
+}
 # Values beyond vLLM's default that mean what batchgen does anyway.
 ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {
     "runner": ("generate",),        # batchgen runs generative models only
@@ -42,8 +51,7 @@ ALSO_ACCEPTED: dict[str, tuple[Any, ...]] = {
 # vLLM names of batchgen parameters that batchgen spells otherwise.
 ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 # Where a refused value is served by another class.
-ELSEWHERE = {"runner": "; its pooling runner is batchgen.pooling.llm.PoolingLLM (vllm_compat's "
-                       "vllm.LLM(runner='pooling') returns one)"}
+ELSEWHERE = {"runner": "; runner='pooling' builds a batchgen.pooling.llm.PoolingLLM"}
 
 
 @functools.cache

@@ -301,11 +301,12 @@ def test_cli_generate_score_select(folders, tmp_path, capsys):
 
 def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
     """A process reward model (a token-classification head, 2 labels) passed as a PoolingLLM:
-    each candidate's score is the "good" label's probability at its last token, as HF's own
-    forward gives it."""
+    under prm_aggregate="last" each candidate's score is the "good" label's probability at its
+    last step tag, as HF's own forward gives it."""
     from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
     from batchgen.pooling.llm import PoolingLLM
+    from batchgen.pooling.steps import StepScoring
 
     gen, _ = folders
     config = AutoConfig.from_pretrained(gen)
@@ -321,12 +322,14 @@ def test_prm_as_pooling_llm_scores_equal_hf(folders, tmp_path):
     llm = LLM(gen, seed=0, num_kv_blocks=32)
     prm = PoolingLLM(tmp_path / "prm", num_kv_blocks=32, block_size=4)
     ds = generate_dataset(llm, ROWS, SamplingParams(n=2, max_tokens=4), score=prm,
-                          select="best", use_tqdm=False)
+                          select="best", use_tqdm=False, prm_step_tag="</s>",
+                          prm_aggregate="last")  # (test_prm_steps.py: every step's score)
     tok = AutoTokenizer.from_pretrained(tmp_path / "prm")
     shared = sum((len(tok(r["prompt"])["input_ids"]) - 1) // 4 * 4 for r in ds)  # blocks
     assert prm.kv_stats().prefix_hit_tokens >= shared > 0  # a row's 2nd candidate hits them
     for r in ds:
         for c in r["outputs"]:
             with torch.no_grad():
-                logits = hf(**tok(r["prompt"] + c["text"], return_tensors="pt")).logits[0, -1]
+                text = StepScoring(tag="</s>").text(r["prompt"], c["text"])
+                logits = hf(**tok(text, return_tensors="pt")).logits[0, -1]  # the last tag
             assert abs(c["score"] - torch.softmax(logits, -1)[1].item()) < 1e-5

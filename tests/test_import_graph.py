@@ -15,22 +15,27 @@ FLOORS: list[tuple[str, ...]] = [
     ("batchgen.checks", "batchgen.log", "batchgen.cache", "batchgen.transfer",
      "batchgen.cpu_build", "batchgen.cpu_allocator", "batchgen.prompts", "batchgen.params",
      "batchgen.outputs", "batchgen.defaults", "batchgen.threads", "batchgen.param_bounds", "batchgen.id_table",
-     "batchgen.vllm_args", "batchgen.multimodal.items"),  # values and utilities; vLLM's argument names
+     "batchgen.vllm_args", "batchgen.multimodal.items",
+     "batchgen.runners"),  # values and utilities; vLLM's argument names
     ("batchgen.kv", "batchgen.sampling",
      "batchgen.state"),  # the pool's bookkeeping and bytes; the sampler; mixers' state
     ("batchgen.attention",),  # backends over the pool
     ("batchgen.model", "batchgen.quantization",
      "batchgen.multimodal"),  # loading (quantized too), runner, inputs; images
-    ("batchgen.engine",),  # scheduler, KV manager, layout, output processor, the loop
+    ("batchgen.engine",
+     "batchgen.speculative"),  # scheduler, KV manager, layout, output processor, the loop; drafts
     ("batchgen.kinds", "batchgen.requests", "batchgen.results", "batchgen.token_texts",
      "batchgen.config",
      "batchgen.kv_plan", "batchgen.calls"),  # requests in and results out; settings and sizing
     ("batchgen.factory", "batchgen.progress",
      "batchgen.stats"),  # building an engine; a call's figures; request metrics
     ("batchgen.distributed",),  # tensor parallelism: workers, the TP executor
-    ("batchgen", "batchgen.llm"),  # the user's API
+    ("batchgen.llm", "batchgen.lora"),  # the user's API; adapters (lora: LLM's seam)
     ("batchgen.data", "batchgen.eval", "batchgen.batch_api",
      "batchgen.vllm_compat", "batchgen.pooling"),  # jobs on an LLM; vLLM's module names over it
+    # the package's __init__: `batchgen.LLM` imports the pooling runner (its registration) on
+    # first use, so it sits above batchgen.pooling; no module below imports the package itself
+    ("batchgen",),
     ("batchgen.ray",),  # dataset jobs on Ray Data
     ("batchgen.cli", "batchgen.tools", "batchgen.__main__"),  # commands
 ]

@@ -193,7 +193,6 @@ def test_streams_take_a_list_by_input_index(setup):
 
 
 @pytest.mark.parametrize("kw,words", [
-    ({"enable_lora": True, "tensor_parallel_size": 2}, "tensor_parallel_size=1"),
     ({"enable_lora": "yes"}, "enable_lora"), ({"max_loras": 0}, "max_loras"),
     ({"max_lora_rank": -1}, "max_lora_rank"), ({"max_cpu_loras": 0}, "max_cpu_loras")])
 def test_lora_engine_arguments_are_checked_before_weights(tmp_path, kw, words):

@@ -167,20 +167,28 @@ def test_bad_adapter_input_is_refused_before_work(setup, tmp_path, capsys, case)
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_an_adapters_own_tokenizer_encodes_its_prompts(setup, tmp_path):
-    """vLLM's get_tokenizer(lora_request): an adapter folder with tokenizer files (here another
-    BPE with an added token) gets that tokenizer, and its requests' text prompts are tokenized
-    with it (generate and a dataset job); an adapter without one uses the base tokenizer."""
+def _own_tokenizer(root: Path, folder: Path, chat_template: str | None = None) -> Path:
+    """Adapter a's folder copied to `folder` with its own tokenizer: another BPE (500 ids)
+    whose added token '<sql>' takes id 500."""
     import copy
 
     from batchgen.tools.make_tiny_model import build_tokenizer
 
-    model_dir, root, llm, _ = setup
-    folder = tmp_path / "a_tok"
     shutil.copytree(root / "a", folder)
     own = copy.deepcopy(build_tokenizer(500))
     own.add_tokens(["<sql>"])
+    if chat_template is not None:
+        own.chat_template = chat_template
     own.save_pretrained(folder)
+    return folder
+
+
+def test_an_adapters_own_tokenizer_encodes_its_prompts(setup, tmp_path):
+    """vLLM's get_tokenizer(lora_request): an adapter folder with tokenizer files (here another
+    BPE with an added token) gets that tokenizer, and its requests' text prompts are tokenized
+    with it (generate and a dataset job); an adapter without one uses the base tokenizer."""
+    model_dir, root, llm, _ = setup
+    folder = _own_tokenizer(root, tmp_path / "a_tok")
     req, base = LoRARequest("a_tok", 77, str(folder)), llm.get_tokenizer()
     tok = llm.get_tokenizer(req)
     assert len(tok) == 501 and tok is not base
@@ -196,3 +204,37 @@ def test_an_adapters_own_tokenizer_encodes_its_prompts(setup, tmp_path):
                           lora_column="adapter", loras={"t": str(folder)}, use_tqdm=False)
     assert ds["num_prompt_tokens"] == [len(ids)]
     assert ds["outputs"][0][0]["token_ids"] == list(outs[0].outputs[0].token_ids)
+
+
+def test_an_adapters_own_tokenizer_drives_its_output_text(setup, tmp_path):
+    """vLLM's semantics: a request under an adapter that ships a tokenizer gets its output
+    text, stop strings, each Logprob.decoded_token and chat template from that tokenizer (its
+    added token '<sql>', id 500, decodes as '<sql>'); a base request in the same batch, with
+    the same tokens, keeps the base tokenizer's texts."""
+    _, root, llm, _ = setup
+    folder = _own_tokenizer(root, tmp_path / "a_tok",
+                            "{% for m in messages %}<sql>{{ m['content'] }}{% endfor %}")
+    req = LoRARequest("a_tok_out", 79, str(folder))
+    tok, base = llm.get_tokenizer(req), llm.get_tokenizer()
+    prompt = {"prompt_token_ids": make_prompt_token_ids(1, 8, 8, 500, seed=2)[0]}
+    forced = {"temperature": 0, "logit_bias": {500: 100.0}}  # every token: id 500
+    outs = llm.generate([prompt, prompt], SamplingParams(max_tokens=3, logprobs=0, **forced),
+                        lora_request=[req, None], use_tqdm=False)
+    for out, t in zip(outs, (tok, base)):
+        o = out.outputs[0]
+        assert list(o.token_ids) == [500] * 3
+        assert o.text == t.decode([500] * 3, skip_special_tokens=True)
+        assert [lp[500].decoded_token for lp in o.logprobs] == [t.decode([500])] * 3
+    assert outs[0].outputs[0].text == "<sql>" * 3 != outs[1].outputs[0].text
+    stop = SamplingParams(max_tokens=4, stop=["<sql><sql>"], include_stop_str_in_output=True,
+                          **forced)
+    a, b = (o.outputs[0] for o in llm.generate([prompt, prompt], stop, use_tqdm=False,
+                                               lora_request=[req, None]))
+    assert (a.text, a.finish_reason, a.stop_reason, len(a.token_ids)) == (
+        "<sql><sql>", "stop", "<sql><sql>", 2)
+    assert (b.finish_reason, len(b.token_ids)) == ("length", 4)
+    conv = [{"role": "user", "content": "the cat"}]
+    (out,) = llm.chat(conv, GREEDY, lora_request=req, use_tqdm=False)
+    assert out.prompt_token_ids == tok.apply_chat_template(conv, tokenize=True,
+                                                           return_dict=False)
+    assert out.prompt_token_ids[0] == 500 and out.prompt == "<sql>the cat"

@@ -237,4 +237,5 @@ def test_vllm_pooling_runner_is_an_llm(reward_model):
     with pytest.raises(ValueError, match="embed needs an embedding model"):
         llm.embed(PROMPTS[:1])
     assert wants_pooling(reward_model) and wants_pooling("anything", "pooling")
-    assert not wants_pooling(reward_model, "generate")
+    with pytest.raises(ValueError, match="runner='generate' cannot serve"):
+        wants_pooling(reward_model, "generate")

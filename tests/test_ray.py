@@ -6,6 +6,7 @@ running after shutdown. Skipped when Ray is not installed (the test extra instal
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -261,3 +262,76 @@ def test_an_adapter_column_equals_the_local_runner(local_ray, model: Path,
     assert [r["outputs"] == b for r, b in zip(got, base)] == [True, False, False] * 3
     with pytest.raises(ValueError, match="lora_column needs engine_kwargs"):
         config(model, lora_column="adapter", loras=loras)
+
+
+def reward_model(generator: Path, folder: Path) -> Path:
+    """A one-label reward model: the generator's body with a random score head."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    cfg = AutoConfig.from_pretrained(generator)
+    cfg.num_labels, cfg.pad_token_id = 1, cfg.pad_token_id or 0
+    torch.manual_seed(11)
+    rm = AutoModelForSequenceClassification.from_config(cfg).float()
+    with torch.no_grad():
+        rm.score.weight.normal_(0, 1.0)
+    rm.save_pretrained(folder)
+    for f in generator.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_best_of_n_pipeline_equals_the_local_job(local_ray, model: Path,
+                                                 tmp_path: Path) -> None:
+    """generate (an actor pool) -> score (a second pool holding a reward model folder) ->
+    select (a map), one Ray Data pipeline: the same candidates, scores and selection as
+    generate_dataset(score=, select=); then a callable verifier with another policy."""
+    rm = reward_model(model, tmp_path / "rm")
+    data = datasets.Dataset.from_list(rows(12))
+    llm = LLM(str(model), device="cpu")
+    local = generate_dataset(llm, data, PARAMS, seed=3, score=str(rm), select="pairs",
+                             use_tqdm=False).to_list()
+    cfg = config(model, concurrency=1, batch_size=5, score=str(rm), select="pairs",
+                 score_engine_kwargs={"device": "cpu"}, num_cpus=0.5, score_num_cpus=0.5)
+    got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
+    assert got == local  # every candidate's text, logprobs and score; selected and rejected
+    assert len({o["score"] for r in got for o in r["outputs"]}) == 48  # real, distinct scores
+    assert all(r["selected"] != r["rejected"] for r in got)
+
+    def verify_length(prompt: str, text: str) -> float:  # pickled by value for the actors
+        return float(len(text) % 7)
+
+    local = generate_dataset(llm, data, PARAMS, seed=3, score=verify_length, select="top:2",
+                             use_tqdm=False).to_list()
+    cfg = config(model, concurrency=1, batch_size=5, score=verify_length, select="top:2",
+                 num_cpus=0.5, score_num_cpus=0.5)  # CPUs left for the select tasks
+    got = by_id(build_processor(cfg)(ray.data.from_arrow(numbered_blocks(data, 5))).take_all())
+    assert got == local and all(len(r["selected"]) == 2 for r in got)
+
+
+def test_cli_ray_score_select_equals_local_cli(local_ray, model: Path, tmp_path: Path,
+                                              capsys) -> None:
+    """`batchgen generate --ray --score-model RM --select best` writes the local job's
+    result rows (its selected/ stage); until:k and a shared GPU without pool sizes are
+    refused before Ray runs anything."""
+    rm = reward_model(model, tmp_path / "rm")
+    data = tmp_path / "in.jsonl"
+    datasets.Dataset.from_list(rows(10)).to_json(data)
+    common = ["generate", "--model", str(model), "--input", str(data), "--n", "3",
+              "--max-tokens", "5", "--seed", "7", "--quiet", "--score-model", str(rm)]
+    assert main([*common, "--output", str(tmp_path / "local"), "--select", "best"]) == 0
+    assert main([*common, "--output", str(tmp_path / "ray"), "--select", "best", "--ray",
+                 "--batch-size", "4"]) == 0
+    assert "batchgen: 10 rows, 30 samples in" in capsys.readouterr().out
+    got = by_id(pq.read_table(tmp_path / "ray").to_pylist())
+    assert got == by_id(pq.read_table(tmp_path / "local" / "selected").to_pylist())
+    assert all(len(r["selected"]) == 1 and "score" in r["outputs"][0] for r in got)
+    code = main([*common, "--output", str(tmp_path / "o"), "--ray", "--select", "until:2",
+                 "--threshold", "0.5"])
+    assert code == 2 and "--select until:2 is for local jobs" in capsys.readouterr().err
+    code = main([*common, "--output", str(tmp_path / "o"), "--ray", "--select", "best",
+                 "--gpus-per-actor", "0.5", "--kv-cache-memory", "1GiB",
+                 "--score-gpus-per-actor", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "give the scorer's KV pool a size (--score-kv-cache-memory)" in err

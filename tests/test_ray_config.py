@@ -67,3 +67,50 @@ def test_model_source_must_be_a_path() -> None:
 def test_good_fields_are_accepted(kwargs: dict) -> None:
     config(**kwargs)
     BatchgenProcessorConfig(Path("some/model"), **kwargs)  # type: ignore[arg-type]
+
+
+def verify(prompt: str, text: str) -> float:
+    return float(len(text))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"select": "best"}, "select goes with score="),
+    ({"score_num_gpus": 0.5}, "score_num_gpus goes with score="),
+    ({"score": verify, "select": "until:2"},
+     r"select='until:2' is for local jobs \(generate_dataset\): until:k samples each row in "
+     r"rounds"),
+    ({"score": verify, "select": "worst"}, "select must be one of best, threshold:X"),
+    ({"score": verify, "select": "threshold:high"}, "select must be one of"),
+    ({"score": "no/such/folder"}, r"score must be a reward model folder .*\(no config\.json\)"),
+    ({"score": 3}, "score must be a reward model folder .* got int"),
+    ({"score": verify, "score_engine_kwargs": {"device": "cpu"}},
+     "score_engine_kwargs go with a reward model folder"),
+    ({"score": verify, "score_workers": 0}, "score_workers must be an integer >= 1"),
+    ({"score": verify, "score_concurrency": (2, 1)}, "score_concurrency must be an integer"),
+    ({"score": verify, "score_num_gpus": -0.5}, "score_num_gpus must be a number >= 0"),
+])
+def test_bad_score_fields_are_refused_naming_the_field(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**kwargs)
+
+
+def test_a_generator_folder_is_no_scorer(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="is a generator"):
+        config(score=str(tmp_path), select="best")
+    config(score=verify, select="pairs", score_num_gpus=0.5, score_concurrency=(1, 2))
+
+
+def test_a_shared_gpu_needs_each_pool_sized(tmp_path: Path) -> None:
+    """Fractional GPUs (the generator and the scorer on one device): each model's KV pool
+    sized in its kwargs, else refused naming the field before Ray starts."""
+    rm = tmp_path / "rm"
+    rm.mkdir()
+    (rm / "config.json").write_text('{"architectures": ["LlamaForSequenceClassification"]}')
+    with pytest.raises(ValueError, match=r"num_gpus=0.5 shares a GPU .* in engine_kwargs"):
+        config(num_gpus=0.5)
+    with pytest.raises(ValueError, match=r"score_num_gpus=0.5 shares .* in score_engine_kw"):
+        config(score=str(rm), score_num_gpus=0.5)
+    config(num_gpus=0.5, engine_kwargs={"kv_cache_memory": 2 << 30}, score=str(rm),
+           select="best", score_num_gpus=0.5, score_engine_kwargs={"num_kv_blocks": 512})
+    config(score=verify, score_num_gpus=0.5)  # a callable holds no pool

@@ -13,7 +13,8 @@ import pytest
 from batchgen import LLM, BeamSearchParams, SamplingParams
 from batchgen.lora.seam import LoRASeam
 from batchgen.params import RequestOutputKind
-from batchgen.vllm_args import ALIASES, NO_EFFECT, vllm_api, vllm_engine_defaults
+from batchgen.speculative.seam import SpecSeam
+from batchgen.vllm_args import ALIASES, HONOURED, NO_EFFECT, vllm_api, vllm_engine_defaults
 
 API = vllm_api()
 MISSING = "must be a local HuggingFace folder"  # the first check after the arguments'
@@ -42,7 +43,12 @@ def test_the_list_is_vllms_and_whole() -> None:
 
 
 ENGINE = sorted(set(vllm_engine_defaults()) - {"model"})
-OWN = set(inspect.signature(LLM.__init__).parameters) | set(LoRASeam.ARGS)  # batchgen/lora
+OWN = set(inspect.signature(LLM.__init__).parameters) | set(HONOURED)  # seams' too
+
+
+def test_honoured_names_are_the_seams() -> None:
+    assert set(HONOURED) == {*LoRASeam.ARGS, *SpecSeam.ARGS}
+    assert set(HONOURED) <= set(vllm_engine_defaults())
 
 
 @pytest.mark.parametrize("name", ENGINE)

@@ -103,6 +103,11 @@ def _job_args(p: argparse.ArgumentParser) -> None:
     io.add_argument("--quiet", action="store_true", help="no progress bar")
     _constraint_args(p)
     engine_args(p)
+    _ray_args(p)
+
+
+def _ray_args(p: argparse.ArgumentParser) -> None:
+    """The --ray job's flags: the cluster, the generator's actors and the scorer's."""
     r = p.add_argument_group("Ray Data (the batchgen[ray] extra)")
     r.add_argument("--ray", action="store_true",
                    help="run the job on Ray Data: one LLM per actor, output written by Ray")
@@ -114,6 +119,14 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                         "(default 0: CPU actors)")
     r.add_argument("--cpus-per-actor", type=float, default=1.0)
     r.add_argument("--batch-size", type=int, default=64, help="rows per actor call")
+    r.add_argument("--score-actors", type=int, default=1,
+                   help="with --score-model: scorer actors (default 1)")
+    r.add_argument("--score-gpus-per-actor", type=float, default=0.0,
+                   help="with --score-model: GPUs per scorer actor (0.5 with "
+                        "--gpus-per-actor 0.5: both models on one GPU; default 0)")
+    r.add_argument("--score-kv-cache-memory", default=None,
+                   help="with --score-model: the scorer's KV pool bytes, e.g. 4GiB (needed "
+                        "on a shared GPU, with --kv-cache-memory for the generator)")
 
 
 def _score_args(p: argparse.ArgumentParser) -> None:
@@ -126,13 +139,22 @@ def _score_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threshold", type=float, default=None, help="the score until:K counts")
     g.add_argument("--max-candidates", type=int, default=None,
                    help="until:K's budget of candidates per row (default 4 x --n)")
+    g.add_argument("--prm-step-tag", default=None, metavar="TAG",
+                   help="a process reward model's step tag, one token of its tokenizer, put "
+                        "after each step (steps: the response split at blank lines; default "
+                        "<extra_0>, Qwen2.5-Math-PRM's)")
+    g.add_argument("--prm-aggregate", default=None, choices=("min", "last", "mean", "prod"),
+                   help="a PRM candidate's score from its step scores (default min)")
 
 
 def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
     """The score/select arguments of generate_dataset, checked before the weights load."""
-    if getattr(args, "score_model", None) is None and getattr(args, "select", None) is None:
+    prm = {"prm_step_tag": getattr(args, "prm_step_tag", None),
+           "prm_aggregate": getattr(args, "prm_aggregate", None)}
+    if getattr(args, "score_model", None) is None and getattr(args, "select", None) is None \
+            and prm == {"prm_step_tag": None, "prm_aggregate": None}:
         return {}
-    from batchgen.data.scoring import check_scorer
+    from batchgen.data.scoring import check_scorer, step_scoring
     from batchgen.data.stages import parse_policy
 
     try:
@@ -140,13 +162,34 @@ def _stage_kwargs(args: argparse.Namespace, params: Any) -> dict[str, Any]:
                      args.score_model)
         if args.score_model is not None:
             check_scorer(args.score_model)
+        step_scoring(args.score_model, prm["prm_step_tag"], prm["prm_aggregate"], None)
     except ValueError as e:
         raise CliError(str(e).replace("select ", "--select ", 1).replace(
-            "score ", "--score-model ", 1)) from None
-    if args.ray:
-        raise CliError("--score-model / --select are for local jobs (not --ray)")
+            "score ", "--score-model ", 1).replace("prm_step_tag", "--prm-step-tag").replace(
+            "prm_aggregate", "--prm-aggregate")) from None
+    if args.ray and any(v is not None for v in prm.values()):
+        raise CliError("--prm-step-tag / --prm-aggregate are for local jobs (not --ray): on Ray "
+                       "a process reward model scores each candidate at its last token")
+    if args.ray and args.select is not None and args.select.startswith("until:"):
+        raise CliError(f"--select {args.select} is for local jobs (not --ray): until:k samples "
+                       f"each row in rounds, a round only for the rows the last round's scores "
+                       f"left open, and a Ray Data pipeline runs each stage once per row; on "
+                       f"Ray use a fixed --n with --select threshold:X or top:K")
     return {"score": args.score_model, "select": args.select, "threshold": args.threshold,
-            "max_candidates": args.max_candidates}
+            "max_candidates": args.max_candidates, **prm}
+
+
+def check_generator(model: str) -> None:
+    """Refuse a pooling model's folder as --model (a reward, classifier or embedding model has
+    no tokens to generate), pointing to the commands that run it; read from its config.json."""
+    from batchgen.runners import folder_architectures, resolve_runner
+
+    archs = folder_architectures(model)
+    if archs and resolve_runner("auto", archs) == "pooling":
+        raise CliError(f"--model {model!r} is a pooling model ({', '.join(archs)}): `batchgen "
+                       "generate` runs generators (runner='generate'); score with `batchgen "
+                       "score --model` (or pass it as --score-model), embed with `batchgen "
+                       "embed --model`")
 
 
 def _constraint_args(p: argparse.ArgumentParser) -> None:
@@ -179,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
           args.shard_seconds)
     check(args.tensor_parallel_size >= 1, "--tensor-parallel-size", ">= 1",
           args.tensor_parallel_size)
+    check_generator(args.model)
     if args.kind == "beam":
         check_beam_mode(args.logprobs_mode, "--logprobs-mode")
     from batchgen.lora.dataset import LoRAColumn, parse_lora_flags
@@ -234,7 +278,7 @@ def _run_job(args: argparse.Namespace, params: Any, memory: int | None) -> int:
         return run_on_ray(args, params, template, source, engine)
     from batchgen.llm import LLM
 
-    llm = LLM(args.model, **({"enable_sleep_mode": True, **engine} if stages else engine))
+    llm = LLM(args.model, runner="generate", **engine | {"enable_sleep_mode": bool(stages)})
     start = time.perf_counter()
     try:
         ds = generate_dataset(llm, source, params, prompt_column=args.prompt_column or "prompt",

@@ -28,14 +28,7 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     from batchgen.ray import BatchgenProcessorConfig, build_processor, numbered_blocks
     from batchgen.ray.sinks import write_dataset
 
-    check(args.actors >= 1, "--actors", ">= 1", args.actors)
-    check(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
-    check(args.gpus_per_actor >= 0, "--gpus-per-actor", ">= 0", args.gpus_per_actor)
-    check(args.cpus_per_actor >= 0, "--cpus-per-actor", ">= 0", args.cpus_per_actor)
-    tp = args.tensor_parallel_size
-    check(args.gpus_per_actor == 0 or args.gpus_per_actor >= tp, "--gpus-per-actor",
-          f"0 (CPU actors) or >= --tensor-parallel-size ({tp}, a GPU per rank)",
-          args.gpus_per_actor)
+    _check_flags(args, engine)
     if source.num_rows is None:
         raise CliError("--ray needs an input of known length (a file, a folder or a saved "
                        "dataset)")
@@ -43,20 +36,22 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     writer = writer_for(args.output_format)
     spec = PromptSpec(None if args.messages_column else args.prompt_column or "prompt",
                       args.messages_column, template)
-    config = BatchgenProcessorConfig(
-        model_source=str(Path(args.model).expanduser().resolve()) if Path(
-            args.model).expanduser().exists() else args.model,
-        sampling_params=params, engine_kwargs=engine, prompt_column=spec.prompt_column or "prompt",
-        messages_column=spec.messages_column, chat_template=template, seed=args.seed,
-        image_column=args.image_column, lora_column=args.lora_column,
-        loras=args.loras or None,
-        batch_size=args.batch_size, concurrency=args.actors, num_gpus=args.gpus_per_actor,
-        num_cpus=args.cpus_per_actor)
+    try:
+        config = BatchgenProcessorConfig(
+            model_source=_path(args.model), **_score_fields(args, engine),
+            sampling_params=params, engine_kwargs=engine,
+            prompt_column=spec.prompt_column or "prompt", messages_column=spec.messages_column,
+            chat_template=template, seed=args.seed, image_column=args.image_column,
+            lora_column=args.lora_column, loras=args.loras or None, batch_size=args.batch_size,
+            concurrency=args.actors, num_gpus=args.gpus_per_actor, num_cpus=args.cpus_per_actor)
+    except ValueError as e:  # e.g. a shared GPU without a pool size for each model
+        raise CliError(str(e)) from None
     started = not ray.is_initialized()
     if started:
         # a local Ray gets a CPU beyond its actors' (reading and writing tasks need one)
+        scorers = args.score_actors if getattr(args, "score_model", None) is not None else 0
         cpus = None if args.ray_address else max(
-            os.cpu_count() or 1, math.ceil(args.actors * args.cpus_per_actor) + 1)
+            os.cpu_count() or 1, math.ceil(args.actors * args.cpus_per_actor) + scorers + 1)
         ray.init(address=args.ray_address, num_cpus=cpus, include_dashboard=False,
                  log_to_driver=not args.quiet)
     try:
@@ -71,6 +66,57 @@ def run_on_ray(args: argparse.Namespace, params: Any, template: str | None, sour
     print(f"batchgen: {rows} rows, {samples} samples in {args.output} (Ray, {args.actors} "
           f"actor{'s' if args.actors > 1 else ''}, {seconds:.1f} s)")
     return 0
+
+
+def _check_flags(args: argparse.Namespace, engine: dict[str, Any]) -> None:
+    """The actor flags, as CliErrors naming the flag."""
+    check(args.actors >= 1, "--actors", ">= 1", args.actors)
+    check(args.batch_size >= 1, "--batch-size", ">= 1", args.batch_size)
+    check(args.gpus_per_actor >= 0, "--gpus-per-actor", ">= 0", args.gpus_per_actor)
+    check(args.cpus_per_actor >= 0, "--cpus-per-actor", ">= 0", args.cpus_per_actor)
+    tp = args.tensor_parallel_size
+    check(tp == 1 or args.gpus_per_actor == 0 or args.gpus_per_actor >= tp, "--gpus-per-actor",
+          f"0 (CPU actors) or >= --tensor-parallel-size ({tp}, a GPU per rank)",
+          args.gpus_per_actor)
+    check(args.score_actors >= 1, "--score-actors", ">= 1", args.score_actors)
+    check(args.score_gpus_per_actor >= 0, "--score-gpus-per-actor", ">= 0",
+          args.score_gpus_per_actor)
+    _check_shared_gpus(args, engine)
+
+
+def _check_shared_gpus(args: argparse.Namespace, engine: dict[str, Any]) -> None:
+    """A fraction of a GPU per actor shares the GPU: each model's KV pool needs its own size
+    (gpu_memory_utilization counts the other model's memory as used)."""
+    if 0 < args.gpus_per_actor < 1 and not (engine.get("kv_cache_memory")
+                                            or engine.get("num_kv_blocks")):
+        raise CliError(f"--gpus-per-actor {args.gpus_per_actor} shares a GPU: give the "
+                       f"generator's KV pool a size (--kv-cache-memory or --num-kv-blocks)")
+    if (getattr(args, "score_model", None) is not None and 0 < args.score_gpus_per_actor < 1
+            and args.score_kv_cache_memory is None):
+        raise CliError(f"--score-gpus-per-actor {args.score_gpus_per_actor} shares a GPU: "
+                       f"give the scorer's KV pool a size (--score-kv-cache-memory)")
+
+
+def _path(model: str) -> str:
+    """A local model folder as an absolute path (the actors' working directory differs)."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
+def _score_fields(args: argparse.Namespace, engine: dict[str, Any]) -> dict[str, Any]:
+    """The score and select stages' fields (--score-model, --select, the scorer's actors and
+    pool); the scorer runs on the generator's --device."""
+    if getattr(args, "score_model", None) is None:
+        return {}
+    from batchgen.cli.kv_plan import parse_memory
+
+    kwargs = {"device": engine.get("device")} if engine.get("device") else {}
+    if args.score_kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = parse_memory(args.score_kv_cache_memory,
+                                                 "--score-kv-cache-memory")
+    return {"score": _path(args.score_model), "select": args.select,
+            "score_engine_kwargs": kwargs, "score_concurrency": args.score_actors,
+            "score_num_gpus": args.score_gpus_per_actor}
 
 
 def _import_ray() -> Any:

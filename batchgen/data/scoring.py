@@ -5,9 +5,8 @@ candidate of every generated row scored into its own resumable shards."""
 from __future__ import annotations
 
 import json
-import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +20,54 @@ from batchgen.data.rows import OUTPUTS, ROW_ID
 from batchgen.data.shards import MANIFEST, ShardStore
 from batchgen.data.writers import WRITERS, ShardWriter
 from batchgen.log import logger
+from batchgen.pooling.steps import StepScoring, label_score
 
 HEADS = ("ForSequenceClassification", "ForTokenClassification")
 GENERATORS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
 SCORES = "scores"
+STEP_SCORES = "step_scores"  # a PRM's scores of each candidate's steps
 CANDIDATES = "candidates"  # a digest of what a row's scores were computed from
 _SCORE_SCHEMA = pa.schema([pa.field(ROW_ID, pa.int64()), pa.field(CANDIDATES, pa.string()),
                            pa.field(SCORES, pa.list_(pa.float64()))])
+_STEP_SCHEMA = _SCORE_SCHEMA.append(pa.field(STEP_SCORES, pa.list_(pa.list_(pa.float64()))))
+
+
+def step_scoring(score: object, prm_step_tag: str | None, prm_aggregate: str | None,
+                 prm_step_separator: str | None) -> StepScoring | None:
+    """A process reward model scorer's StepScoring (its tag checked against the PRM's
+    tokenizer), None for any other scorer; before any work. The prm_* arguments with another
+    scorer are refused, naming them."""
+    given = {"prm_step_tag": prm_step_tag, "prm_aggregate": prm_aggregate,
+             "prm_step_separator": prm_step_separator}
+    named = {"tag": prm_step_tag, "aggregate": prm_aggregate, "separator": prm_step_separator}
+    steps = StepScoring(**{k: v for k, v in named.items() if v is not None})
+    tokenizer = _prm_tokenizer(score)
+    if tokenizer is None:
+        for name, value in given.items():
+            if value is not None:
+                raise ValidationError(f"{name} goes with a process reward model scorer (a "
+                                      f"*ForTokenClassification), got score={score!r}",
+                                      parameter=name, value=value)
+        return None
+    steps.tag_id(tokenizer)
+    return steps
+
+
+def _prm_tokenizer(score: object) -> Any:
+    """The tokenizer of a process reward model scorer (a folder, a RewardModel or a
+    PoolingLLM over a *ForTokenClassification), else None."""
+    if isinstance(score, (str, os.PathLike)):
+        config = Path(score).expanduser() / "config.json"
+        archs = json.loads(config.read_text()).get("architectures") or []
+        if not any(a.endswith("ForTokenClassification") for a in archs):
+            return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(Path(score).expanduser())
+    heads = getattr(score, "scores", score)
+    if not getattr(heads, "token_level", False):
+        return None
+    return heads.llm.get_tokenizer()
 
 
 def _bad(message: str, value: object) -> ValidationError:
@@ -84,6 +124,7 @@ class Scorer:
 
     spec: Any
     workers: int = 4
+    steps: StepScoring | None = None  # a process reward model's step scoring
     model: Any = field(default=None, init=False)
     before: Callable[[], None] | None = field(default=None, init=False)  # runs before a model
     # scores (the stages swap the models there)
@@ -101,30 +142,31 @@ class Scorer:
         elif self.model is None and hasattr(self.spec, "reward"):
             self.model = self.spec
 
-    def __call__(self, pairs: list[tuple[str, str]]) -> list[float]:
-        """Scores of (prompt, candidate text) pairs: a model's over prompt + text (one call:
-        a prompt's candidates share its blocks), or the callable's, in the thread pool."""
+    def identity(self) -> dict[str, Any]:
+        """The score stage's fingerprint: the scorer's, and a PRM's step scoring."""
+        steps = self.steps
+        extra = {} if steps is None else {"prm": [steps.tag, steps.aggregate, steps.separator]}
+        return {**scorer_identity(self.spec), **extra}
+
+    def __call__(self, pairs: list[tuple[str, str]]
+                 ) -> tuple[list[float], list[list[float]] | None]:
+        """Scores of (prompt, candidate text) pairs, and a PRM's step scores (else None): a
+        model's over prompt + text (one call: a prompt's candidates share its blocks), a
+        PRM's over the steps with their tags, or the callable's, in the thread pool."""
         self.scored += len(pairs)
         if not pairs:
-            return []
+            return [], None if self.steps is None else []
         if not self.is_model:
             with ThreadPoolExecutor(max_workers=self.workers) as pool:
-                return [float(s) for s in pool.map(lambda pt: self.spec(*pt), pairs)]
+                return [float(s) for s in pool.map(lambda pt: self.spec(*pt), pairs)], None
         if self.before is not None:
             self.before()
         self.load()
+        if self.steps is not None:
+            steps = self.steps.score_steps(getattr(self.model, "scores", self.model), pairs)
+            return [self.steps.reduce(s) for s in steps], steps
         outs = self.model.classify([p + t for p, t in pairs])
-        return [_model_score(o.outputs.probs) for o in outs]
-
-
-def _model_score(values: list[float]) -> float:
-    """One label: the raw reward; several (a PRM's or a classifier's): the softmax
-    probability of the last label (Qwen2.5-Math-PRM's "good step") at the last token."""
-    if len(values) == 1:
-        return float(values[0])
-    top = max(values)
-    exps = [math.exp(v - top) for v in values]
-    return exps[-1] / sum(exps)
+        return [label_score(o.outputs.probs) for o in outs], None
 
 
 def stage_fingerprint(store_dir: Path) -> str:
@@ -149,11 +191,6 @@ def open_stage(out: Path, job: dict[str, Any], writer: ShardWriter = WRITERS["pa
     return store
 
 
-def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for i in range(0, len(items), size):
-        yield items[i:i + size]
-
-
 def by_shard(ids: Iterable[int], size: int) -> dict[int, list[int]]:
     """Row ids grouped by the shard that holds them (shard k: ids [k*size, (k+1)*size))."""
     groups: dict[int, list[int]] = {}
@@ -168,12 +205,14 @@ def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]],
     """Every candidate of `rows` (generated rows) scored, row id -> scores in candidate
     order; with a store, into shards by row id. A row whose prompt and candidate texts are
     those its shard scored keeps its scores (a resume after a kill, or after rows were added
-    or edited, scores only the rest, and writes again only the shards that held others)."""
-    done: dict[int, tuple[str, list[float]]] = {}
+    or edited, scores only the rest, and writes again only the shards that held others). A
+    PRM's step scores go into each candidate of `rows` as `step_scores`."""
+    done: dict[int, tuple[str, list[float], Any]] = {}
     if store is not None:
         rows_per_shard = store.rows_per_shard
         for f in store.files():
-            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES])) for r in store.writer.rows(f))
+            done.update((r[ROW_ID], (r[CANDIDATES], r[SCORES], r.get(STEP_SCORES)))
+                        for r in store.writer.rows(f))
     by_id = {r[ROW_ID]: r for r in rows}
     prompts = {i: prompt_of(r) if r[OUTPUTS] else "" for i, r in by_id.items()}  # (error rows)
     keys = {i: digest([prompts[i], [c["text"] for c in r[OUTPUTS]]]) for i, r in by_id.items()}
@@ -183,14 +222,25 @@ def score_rows(rows: list[dict[str, Any]], prompt_of: Callable[[dict[str, Any]],
         if not todo and (store is None or store.ids_in(k) == ids):
             continue
         pairs = [(prompts[i], c["text"]) for i in todo for c in by_id[i][OUTPUTS]]
-        flat, at = scorer(pairs), 0
+        (flat, steps), at = scorer(pairs), 0
         for i in todo:
             n = len(by_id[i][OUTPUTS])
-            done[i], at = (keys[i], flat[at:at + n]), at + n
+            done[i] = (keys[i], flat[at:at + n], None if steps is None else steps[at:at + n])
+            at += n
         if store is not None:
-            store.put(k, [{ROW_ID: i, CANDIDATES: done[i][0], SCORES: done[i][1]} for i in ids],
-                      _SCORE_SCHEMA)
+            store.put(k, [_score_row(i, done[i], scorer.steps is not None) for i in ids],
+                      _SCORE_SCHEMA if scorer.steps is None else _STEP_SCHEMA)
     if store is not None:
         store.keep_only(set(groups))
         store.finish()
+    if scorer.steps is not None:
+        for i, r in by_id.items():
+            for c, s in zip(r[OUTPUTS], done[i][2] or []):
+                c[STEP_SCORES] = s
     return {i: done[i][1] for i in by_id}
+
+
+def _score_row(row_id: int, done: tuple[str, list[float], Any], steps: bool) -> dict[str, Any]:
+    """One row of a score shard: its candidates' digest, scores and (a PRM's) step scores."""
+    row = {ROW_ID: row_id, CANDIDATES: done[0], SCORES: done[1]}
+    return row | ({STEP_SCORES: done[2]} if steps else {})

@@ -28,13 +28,14 @@ from batchgen.checks import ValidationError, check_int, is_number
 from batchgen.data import runner
 from batchgen.data.rows import ADDED_COLUMNS, ERROR, OUTPUTS, ROW_ID, job_seed, row_seed
 from batchgen.data.scoring import (
+    STEP_SCORES,
     Scorer,
     by_shard,
     check_scorer,
     open_stage,
     score_rows,
-    scorer_identity,
     stage_fingerprint,
+    step_scoring,
 )
 from batchgen.data.writers import writer_for
 from batchgen.params import SamplingParams
@@ -101,17 +102,24 @@ def parse_policy(select: object, threshold: object, max_candidates: object, para
 def generate_dataset(llm: LLM, data: Any, params: Any = None, *, score: Any = None,
                      select: str | None = None, threshold: float | None = None,
                      max_candidates: int | None = None, score_workers: int = 4,
-                     **kwargs: Any) -> datasets.Dataset:
+                     prm_step_tag: str | None = None, prm_aggregate: str | None = None,
+                     prm_step_separator: str | None = None, **kwargs: Any) -> datasets.Dataset:
     """`batchgen.data.runner.generate_dataset` (every argument of it in `kwargs`), then, with
-    `score`, every candidate scored, and with `select` a selection column. See
+    `score`, every candidate scored, and with `select` a selection column. A process reward
+    model scorer scores each response's steps (split at `prm_step_separator`, default
+    "\\n\\n"; `prm_step_tag` after each, default "<extra_0>"), kept as `step_scores`, and
+    `prm_aggregate` (min, last, mean or prod; default min) makes the score. See
     docs/best_of_n.md."""
-    if score is None and select is None and threshold is None and max_candidates is None:
+    prm = (prm_step_tag, prm_aggregate, prm_step_separator)
+    if score is None and select is None and threshold is None and max_candidates is None \
+            and prm == (None, None, None):
         return runner.generate_dataset(llm, data, params, **kwargs)
     params = llm.get_default_sampling_params() if params is None else params
     policy = parse_policy(select, threshold, max_candidates, params, score)
     check_scorer(score)
     check_int(score_workers, "score_workers")
-    return _Stages(llm, data, params, policy, Scorer(score, score_workers), kwargs).run()
+    scorer = Scorer(score, score_workers, step_scoring(score, *prm))
+    return _Stages(llm, data, params, policy, scorer, kwargs).run()
 
 
 def _signature() -> inspect.Signature:
@@ -174,7 +182,7 @@ class _Stages:
             score_dir = self._dir(r, "score")
             self.score_dirs.append(score_dir)  # type: ignore[arg-type]
             store = open_stage(score_dir, {"stage": "score",  # type: ignore[arg-type]
-                                           **scorer_identity(self.scorer.spec)},
+                                           **self.scorer.identity()},
                                rows_per_shard=self.rows_per_shard)
         self.scorer.before = self._to_scorer  # only if a candidate is left to score
         scores = score_rows(rows, self._prompt_of, self.scorer, store, self.rows_per_shard)
@@ -187,16 +195,7 @@ class _Stages:
         _wake(_engine(self.scorer.model))
 
     def _prompt_of(self, row: dict[str, Any]) -> str:
-        """The prompt text a candidate is scored after (prompt + candidate)."""
-        messages = self.kwargs.get("messages_column")
-        value = row[messages or self.kwargs.get("prompt_column", "prompt")]
-        tok = self.llm.get_tokenizer()
-        if messages:
-            return tok.apply_chat_template(
-                value, tokenize=False, chat_template=self.kwargs.get("chat_template"),
-                add_generation_prompt=self.kwargs.get("add_generation_prompt", True),
-                **(self.kwargs.get("chat_template_kwargs") or {}))
-        return value if isinstance(value, str) else tok.decode(value)
+        return prompt_text(self.llm.get_tokenizer(), row, self.kwargs)
 
     def _more_rounds(self, rows: dict[int, dict[str, Any]], state: dict[int, Any]) -> None:
         """until:k: rounds of n for the rows still open (fewer than k passed, budget left),
@@ -227,22 +226,36 @@ class _Stages:
         stage (only the rows its shards lack) and read back ordered by row_id."""
         import datasets
 
-        schema = _final_schema(schema, self.policy)
+        schema = final_schema(schema, self.policy, self.scorer.steps is not None)
         store = None
         if self.out is not None:
             job = {"stage": "select", "policy": repr(self.policy),
                    "scores": [stage_fingerprint(d) for d in self.score_dirs]}
             store = open_stage(self.out / SELECTED, job, self.writer, self.rows_per_shard)
         if store is None:
-            kept = [_final_row(rows[i], *state[i], self.policy) for i in sorted(rows)]
+            kept = [final_row(rows[i], *state[i], self.policy) for i in sorted(rows)]
             return datasets.Dataset(pa.Table.from_pylist(kept, schema=schema))
         groups = by_shard(rows, store.rows_per_shard)
         for k, ids in groups.items():  # a shard written whole, unless it is already
             if store.ids_in(k) != ids:
-                store.put(k, [_final_row(rows[i], *state[i], self.policy) for i in ids], schema)
+                store.put(k, [final_row(rows[i], *state[i], self.policy) for i in ids], schema)
         store.keep_only(set(groups))
         store.finish()
         return store.writer.load(store.files(), schema).sort(ROW_ID)
+
+
+def prompt_text(tok: Any, row: dict[str, Any], kwargs: dict[str, Any]) -> str:
+    """The prompt text a candidate is scored after (prompt + candidate): the row's prompt
+    column, its messages rendered through the chat template, or its token ids decoded
+    (`kwargs`: the job's prompt_column / messages_column / chat template arguments)."""
+    messages = kwargs.get("messages_column")
+    value = row[messages or kwargs.get("prompt_column", "prompt")]
+    if messages:
+        return tok.apply_chat_template(
+            value, tokenize=False, chat_template=kwargs.get("chat_template"),
+            add_generation_prompt=kwargs.get("add_generation_prompt", True),
+            **(kwargs.get("chat_template_kwargs") or {}))
+    return value if isinstance(value, str) else tok.decode(value)
 
 
 def _engine(model: Any) -> Any:
@@ -268,7 +281,7 @@ def _inputs(row: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in ADDED_COLUMNS and k != ERROR}
 
 
-def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
+def final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[float],
                rounds: int, policy: Select | Until | None) -> dict[str, Any]:
     """A result row: every candidate with its score (renumbered in order across rounds)."""
     cands = [{**c, "index": j, SCORE: s} if "index" in c else {**c, SCORE: s}
@@ -284,13 +297,17 @@ def _final_row(row: dict[str, Any], outs: list[dict[str, Any]], scores: list[flo
     return out
 
 
-def _final_schema(schema: pa.Schema, policy: Select | Until | None) -> pa.Schema:
-    """The generate stage's schema, each candidate with a `score`, and the selection."""
+def final_schema(schema: pa.Schema, policy: Select | Until | None, steps: bool = False
+                  ) -> pa.Schema:
+    """The generate stage's schema, each candidate with a `score` (and a PRM's
+    `step_scores`), and the selection."""
     fields = []
+    added = [pa.field(SCORE, pa.float64())]
+    if steps:
+        added.append(pa.field(STEP_SCORES, pa.list_(pa.float64())))
     for f in schema:
         if f.name == OUTPUTS:
-            item = f.type.value_type
-            f = pa.field(OUTPUTS, pa.list_(pa.struct([*item, pa.field(SCORE, pa.float64())])))
+            f = pa.field(OUTPUTS, pa.list_(pa.struct([*f.type.value_type, *added])))
         fields.append(f)
     if policy is not None:
         fields.append(pa.field(SELECTED, pa.list_(pa.int32())))

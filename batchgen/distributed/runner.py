@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,9 +25,9 @@ class TPRunner:
         self.local = local
         self.group = group
         self.backend = local.backend
-        # block operations the workers make, in order, before the next step's forward:
-        # ("swap_in" | "swap_out" | "copy", pairs)
-        self.pending: list[tuple[str, list[tuple[int, int]]]] = []
+        # operations the workers make, in order, before the next step's forward:
+        # ("swap_in" | "swap_out" | "copy", pairs), or ("call", a picklable op on the runner)
+        self.pending: list[tuple[str, Any]] = []
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         self.local.copy_blocks(copies)
@@ -39,6 +40,11 @@ class TPRunner:
         self.local.swap_blocks(swap_in, swap_out)
         self.pending += [(kind, pairs) for kind, pairs in (("swap_in", swap_in),
                                                              ("swap_out", swap_out)) if pairs]
+
+    def on_workers(self, op: Callable[[Any], None]) -> None:
+        """Run `op(runner)` on every worker's ModelRunner before the next step's forward
+        (pickled with the step: a LoRA slot load, say)."""
+        self.pending.append(("call", op))
 
     def execute(self, rows: StepRows) -> torch.Tensor:
         """One step on every rank. A Ctrl-C during it is held until every rank has finished the
@@ -53,9 +59,11 @@ class TPRunner:
 
 
 def wire_rows(rows: StepRows) -> StepRows:
-    """The step's rows with only their own block-table rows (not the whole batch's matrix)."""
+    """The step's rows with only their own block-table rows (not the whole batch's matrix),
+    and each row's LoRA slot."""
     return StepRows(np.arange(rows.num_rows, dtype=np.int64), rows.starts, rows.num_new,
-                    rows.num_logits, rows.token_ids, rows.block_tables[rows.slots])
+                    rows.num_logits, rows.token_ids, rows.block_tables[rows.slots],
+                    adapters=rows.adapters)
 
 
 @contextmanager

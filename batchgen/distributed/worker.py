@@ -59,10 +59,13 @@ def serve(rank: int, spec: WorkerSpec) -> None:
             runner.execute(rows)
 
 
-def _block_ops(runner: ModelRunner, ops: list[tuple[str, list[tuple[int, int]]]]) -> None:
-    """Rank 0's swaps and copies since the last step, in its order."""
+def _block_ops(runner: ModelRunner, ops: list[tuple[str, Any]]) -> None:
+    """Rank 0's swaps, copies and calls on the runner (LoRA slot loads) since the last step,
+    in its order."""
     for kind, pairs in ops:
-        if kind == "copy":
+        if kind == "call":
+            pairs(runner)
+        elif kind == "copy":
             runner.copy_blocks(pairs)
         else:
             runner.swap_blocks(pairs if kind == "swap_in" else [],

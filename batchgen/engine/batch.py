@@ -58,7 +58,8 @@ _FLAGS = ("ignore_eos", "greedy",
           "beam",  # a beam: decodes with its group, never sampled
           "fork_pending",  # a leader whose siblings wait for its prompt (KVManager)
           "cow_check",  # forked since its last reservation: its block may be shared
-          "constrained")  # structured outputs: its grammar masks its logits
+          "constrained",  # structured outputs: its grammar masks its logits
+          "traced")  # trace replay: its group's trace gives its tokens
 _MASK64 = (1 << 64) - 1
 
 
@@ -174,7 +175,7 @@ class PersistentBatch:
                            group.mm.rope_delta if group.mm is not None else 0, group.lora)
         self.flags[slot] = (spec.ignore_eos, spec.greedy, spec.penalized, spec.controls,
                             spec.stop_strings, spec.beam, group.fork_pending, False,
-                            spec.constrained)
+                            spec.constrained, spec.trace is not None)
         self.params[slot] = spec.params
         self.cum_logprob[slot] = seq.cumulative_logprob
         self.stop_ids[slot] = -1
@@ -284,13 +285,27 @@ class PersistentBatch:
             idx = rows if isinstance(rows, slice) else to_device(rows, self.device)
             seen, offsets = self.penalties.seen[idx], self.penalties.offsets[idx]
         any_logprobs = bool((logprobs != NO_LOGPROBS).any())
+        generated = c["num_tokens"][rows] - c["num_prompt"][rows]
         return SamplingColumns(
             params=c["params"][rows], greedy=c["greedy"][rows], seeds=c["seed"][rows],
-            num_generated=c["num_tokens"][rows] - c["num_prompt"][rows],
+            num_generated=generated,
             min_tokens=c["min_tokens"][rows], stop_ids=self.stop_ids[rows],
             ignore_eos=c["ignore_eos"][rows], eos_ids=self.eos_ids, logprobs=logprobs,
             seen=seen, offsets=offsets, controls=controls, any_logprobs=any_logprobs,
-            grammar=grammar, named=self._named(slots, logprobs) if any_logprobs else None)
+            grammar=grammar, named=self._named(slots, logprobs) if any_logprobs else None,
+            forced=self._forced(slots, c["traced"][rows], generated))
+
+    def _forced(self, slots: np.ndarray, traced: np.ndarray, generated: np.ndarray
+                ) -> np.ndarray | None:
+        """The token each row must emit (vLLM's trace replay: its trace at the row's count of
+        generated tokens), -1 for rows that draw; None when no row of the step replays."""
+        if not traced.any():
+            return None
+        out = np.full(len(traced), -1, np.int64)
+        for j in np.flatnonzero(traced).tolist():
+            trace = self.seqs[int(slots[j])].group.spec.trace
+            out[j] = trace[min(int(generated[j]), len(trace) - 1)]
+        return out
 
     def _named(self, slots: np.ndarray, logprobs: np.ndarray) -> np.ndarray | None:
         """The ids rows naming theirs report logprobs of (vLLM's logprob_token_ids), as a

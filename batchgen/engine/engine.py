@@ -52,6 +52,17 @@ class Runner(Protocol):
     def execute(self, rows: StepRows) -> torch.Tensor: ...
 
 
+class SpecStep(Protocol):
+    """What the engine needs of a speculative decoder (batchgen/speculative): run a plan with
+    drafts, or None to run it plainly."""
+
+    def step(self, engine: Engine, plan: StepPlan) -> StepStats | None: ...
+
+    def counters(self) -> tuple[int, int, int]:
+        """Drafts, draft tokens and accepted tokens so far."""
+        ...
+
+
 class Engine:
     """Runs sequence groups to completion. Each step the scheduler decides (a frozen plan),
     the runner computes what `step_layout` lays out, the sampler draws, and the output
@@ -68,6 +79,7 @@ class Engine:
         self.sampler = sampler
         self.outputs = outputs
         self.overlap = None if queue is None else Overlap(self, queue)
+        self.spec: SpecStep | None = None  # speculative decoding (batchgen/speculative), off
 
     def run(self, groups: list[SequenceGroup],
             on_step: Callable[[StepStats], None] | None = None) -> None:
@@ -85,7 +97,7 @@ class Engine:
         feed = Feed(iter(groups))
         self.outputs.beams.reset()
         try:
-            if self.overlap is None:
+            if self.overlap is None or self.spec is not None:  # speculation runs serially
                 yield from self._serial(feed, max_waiting_seqs, on_step)
             else:
                 yield from self.overlap.steps(feed, max_waiting_seqs, on_step)
@@ -155,6 +167,8 @@ class Engine:
     def step(self, plan: StepPlan) -> StepStats:
         """Execute one planned step and apply its results. The rows' bookkeeping (`advance`)
         runs while a GPU's forward does (its kernels are queued by then)."""
+        if self.spec is not None and (stats := self.spec.step(self, plan)) is not None:
+            return stats  # a pure decode step verified drafts
         rows, layout = step_layout(plan, self.kv.batch)
         self.block_ops(plan)
         logits = self.runner.execute(rows)

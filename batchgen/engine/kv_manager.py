@@ -225,6 +225,12 @@ class KVManager:
             for j in np.flatnonzero(ends // bs > starts // bs).tolist():
                 self._publish(seqs[j])
 
+    def truncate(self, seq: Sequence) -> None:
+        """Free the blocks past the sequence's computed tokens (positions a speculative step
+        reserved and wrote for drafts it rejected): its table ends where a decode's does."""
+        left = self.block_manager.truncate(seq, self.num_computed(seq))
+        self.batch.cols["num_blocks"][seq.slot] = left
+
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> None:
         """`child` shares the blocks holding the parent's first `num_tokens` tokens (and their
         hashes) and takes a slot; both may now write into a shared block (cow_check)."""

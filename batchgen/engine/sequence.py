@@ -14,7 +14,7 @@ import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -80,6 +80,7 @@ class RowSpec:
     stop_ids: tuple[int, ...] = ()
     beam: bool = False  # its sequences are beams (decoded together, never sampled)
     constrained: bool = False  # structured outputs: each sequence has a Constraint
+    trace: np.ndarray | None = None  # vLLM's trace_decode_token_ids: the tokens decode emits
 
 
 class GroupPolicy(Protocol):
@@ -195,6 +196,9 @@ class SequenceGroup:
     lora_id: int = 0  # its LoRA adapter's lora_int_id (batchgen/lora), 0: the base model
     lora: int = 0  # the adapter's device slot while it runs (the scheduler's LoRA gate)
     lora_key: bytes = b""  # the adapter's identity, in every prefix-cache block hash
+    # its text side (a stop factory and logprob texts of its adapter's own tokenizer:
+    # batchgen/lora/tokenizers.py TextSide), None: the LLM's tokenizer
+    text_side: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -225,6 +225,15 @@ class BlockManager:
         for blk in self._tables.pop(seq_id):
             self._release(blk)
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Give back the table's blocks past those holding its first `num_tokens` tokens
+        (rejected speculative positions); returns the blocks left."""
+        table = self._tables[seq_id]
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(table) > keep:
+            self._release(table.pop())
+        return len(table)
+
     def _release(self, blk: int) -> None:
         """One reference to `blk` less; at none it is free, or evictable while it is cached
         (its bytes stay valid until it is handed out again)."""

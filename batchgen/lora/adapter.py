@@ -26,7 +26,7 @@ class Adapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
 
 
-def _refuse(req: LoRARequest, why: str) -> ValueError:
+def refuse(req: LoRARequest, why: str) -> ValueError:
     return ValueError(f"lora_request {req.lora_name!r} (lora_int_id={req.lora_int_id}, "
                       f"path {req.lora_path!r}): {why}")
 
@@ -34,28 +34,28 @@ def _refuse(req: LoRARequest, why: str) -> ValueError:
 def _config(req: LoRARequest, max_rank: int) -> dict:
     folder = Path(req.lora_path)
     if not req.lora_path or not (folder / "adapter_config.json").is_file():
-        raise _refuse(req, f"no adapter_config.json at {str(folder)!r} (the path is missing "
+        raise refuse(req, f"no adapter_config.json at {str(folder)!r} (the path is missing "
                            "or not a PEFT adapter folder)")
     if not (folder / "adapter_model.safetensors").is_file():
-        raise _refuse(req, f"no adapter_model.safetensors in {str(folder)!r}")
+        raise refuse(req, f"no adapter_model.safetensors in {str(folder)!r}")
     cfg = json.loads((folder / "adapter_config.json").read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise _refuse(req, f"peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
+        raise refuse(req, f"peft_type must be 'LORA', got {cfg.get('peft_type')!r}")
     if cfg.get("use_dora"):
-        raise _refuse(req, "DoRA (use_dora=true) is not served")
+        raise refuse(req, "DoRA (use_dora=true) is not served")
     if cfg.get("modules_to_save"):
-        raise _refuse(req, f"modules_to_save {cfg['modules_to_save']!r} is not served "
+        raise refuse(req, f"modules_to_save {cfg['modules_to_save']!r} is not served "
                            "(only LoRA deltas on linear layers)")
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
-            raise _refuse(req, f"{key} is not served (one rank and alpha per adapter)")
+            raise refuse(req, f"{key} is not served (one rank and alpha per adapter)")
     if cfg.get("layers_to_transform") is not None or cfg.get("fan_in_fan_out"):
-        raise _refuse(req, "layers_to_transform and fan_in_fan_out are not served")
+        raise refuse(req, "layers_to_transform and fan_in_fan_out are not served")
     if cfg.get("bias", "none") != "none":
-        raise _refuse(req, f"bias must be 'none', got {cfg.get('bias')!r}")
+        raise refuse(req, f"bias must be 'none', got {cfg.get('bias')!r}")
     rank = int(cfg.get("r", 8))
     if rank > max_rank:
-        raise _refuse(req, f"rank {rank} is above max_lora_rank={max_rank}")
+        raise refuse(req, f"rank {rank} is above max_lora_rank={max_rank}")
     return cfg
 
 
@@ -72,7 +72,7 @@ def _targets(req: LoRARequest, cfg: dict, linears: dict[str, torch.nn.Linear]) -
         found = {n for n in linears for t in want if n == t or n.endswith("." + t)}
         missing = [t for t in want if not any(n == t or n.endswith("." + t) for n in linears)]
     if missing:
-        raise _refuse(req, f"target modules {missing} are not linear layers of the base model")
+        raise refuse(req, f"target modules {missing} are not linear layers of the base model")
     return found
 
 
@@ -89,17 +89,17 @@ def load_adapter(req: LoRARequest, linears: dict[str, torch.nn.Linear], max_rank
     for key, a in tensors.items():
         if not key.endswith(".lora_A.weight"):
             if not key.endswith(".lora_B.weight"):
-                raise _refuse(req, f"tensor {key!r} is not a LoRA A or B weight")
+                raise refuse(req, f"tensor {key!r} is not a LoRA A or B weight")
             continue
         name = key[len(_PREFIX):-len(".lora_A.weight")] if key.startswith(_PREFIX) else key
         b = tensors.get(key.replace(".lora_A.", ".lora_B."))
         mod = linears.get(name)
         if mod is None or name not in targets or b is None:
-            raise _refuse(req, f"tensor {key!r} names no targeted linear layer of the model")
+            raise refuse(req, f"tensor {key!r} names no targeted linear layer of the model")
         if a.shape != (rank, mod.in_features) or b.shape != (mod.out_features, rank):
-            raise _refuse(req, f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
+            raise refuse(req, f"{name}: A {tuple(a.shape)} / B {tuple(b.shape)} do not fit "
                                f"rank {rank} on a {mod.in_features}->{mod.out_features} layer")
         weights[name] = (a, b, scale)
     if not weights:
-        raise _refuse(req, "its safetensors file holds no LoRA weights")
+        raise refuse(req, "its safetensors file holds no LoRA weights")
     return Adapter(req, rank, weights)

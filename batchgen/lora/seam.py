@@ -1,6 +1,6 @@
 """The one seam between batchgen and its LoRA adapters.
 
-`LoRASeam.take(engine_args, tp)` takes vLLM's `enable_lora`, `max_loras`, `max_lora_rank`,
+`LoRASeam.take(engine_args)` takes vLLM's `enable_lora`, `max_loras`, `max_lora_rank`,
 `max_cpu_loras` out of `LLM(...)`'s engine arguments (checked before any weights load);
 `attach(llm)` hooks the model's linear layers (`LoRALayers`) and the runner; `tag(groups,
 lora_request)` resolves each prompt's adapter (read and checked before the call runs) onto its
@@ -15,8 +15,8 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from batchgen.checks import check_flag, check_int
-from batchgen.lora.adapter import Adapter, load_adapter
-from batchgen.lora.layers import LoRALayers
+from batchgen.lora.adapter import Adapter, load_adapter, refuse
+from batchgen.lora.layers import LoRALayers, SlotLoad
 from batchgen.lora.request import LoRARequest
 from batchgen.lora.tokenizers import AdapterTokenizers
 
@@ -44,7 +44,7 @@ class LoRASeam:
         self.tokenizers = AdapterTokenizers()  # adapters' own tokenizers, by folder
 
     @classmethod
-    def take(cls, engine_args: dict[str, Any], tensor_parallel_size: int) -> LoRASeam:
+    def take(cls, engine_args: dict[str, Any]) -> LoRASeam:
         """vLLM's LoRA engine arguments, taken out of `engine_args` and checked."""
         enabled = engine_args.pop("enable_lora", False)
         max_loras = engine_args.pop("max_loras", 1)
@@ -54,13 +54,6 @@ class LoRASeam:
         check_int(max_loras, "max_loras", minimum=1)
         check_int(rank, "max_lora_rank", minimum=1)
         check_int(cpu, "max_cpu_loras", minimum=1, allow_none=True)
-        if enabled and tensor_parallel_size > 1:
-            raise ValueError(
-                f"enable_lora=True needs tensor_parallel_size=1, got {tensor_parallel_size}: "
-                "adapters' A and B are not sharded along the base layers' tensor-parallel "
-                "plan yet (each rank holds a slice of every targeted projection, and an "
-                "unsharded delta would be added to the wrong rows); run LoRA on one device, or "
-                "merge the adapter into the weights (PEFT's merge_and_unload) for TP")
         return cls(bool(enabled), max_loras, rank, cpu)
 
     def attach(self, llm: Any) -> LoRASeam:
@@ -68,13 +61,16 @@ class LoRASeam:
         if not self.enabled:
             return self
         runner = llm.engine.runner
-        if getattr(runner, "mixers", None) is not None or getattr(runner, "vision", None):
+        # under tensor parallelism: rank 0's own runner, and the channel to the workers
+        local, self.remote = getattr(runner, "local", runner), getattr(runner, "on_workers", None)
+        if local.mixers is not None or local.vision is not None:
             raise ValueError("enable_lora=True is served for text-only attention models")
         self.layers = LoRALayers(llm.model)
-        runner.graphs, runner.lora = None, self.layers  # eager: the hooks run every step
+        local.graphs, local.lora = None, self.layers  # eager: the hooks run every step
         self.scheduler = llm.engine.scheduler
         self.scheduler.lora_gate = self.admits
         self._device, self._dtype = llm.device, llm.dtype
+        self._eos = list(llm.requests.eos_token_ids)
         return self
 
     # ---- per call ----------------------------------------------------------------------------
@@ -100,6 +96,7 @@ class LoRASeam:
         if adapter is None or adapter.request != req:
             assert self.layers is not None
             adapter = load_adapter(req, self.layers.linears, self.max_lora_rank)
+            self.layers.check(adapter, lambda why: refuse(req, why))  # a layout TP can't cut
             self.host[aid] = adapter
             cap = self.max_cpu_loras or self.max_loras
             spare = [k for k in self.host if k not in self.pinned]
@@ -147,9 +144,16 @@ class LoRASeam:
             old.copy_(tensor.detach().to(old.device, old.dtype))
         self.pinned.add(aid)
         if (slot := self.slot_of.get(aid)) is not None:
-            assert self.layers is not None
-            self.layers.put(slot, adapter, self._device, self._dtype)
+            self._put(slot, adapter)
         return {key for key, _, _ in pending}
+
+    def _put(self, slot: int, adapter: Adapter) -> None:
+        """Load `adapter` into device slot `slot` here and, under tensor parallelism, on every
+        worker with the next step."""
+        assert self.layers is not None
+        self.layers.put(slot, adapter, self._device, self._dtype)
+        if self.remote is not None:
+            self.remote(SlotLoad(slot, adapter, self._dtype))
 
     def per_prompt(self, lora_request: Any, count: int | None) -> list[int] | int:
         """One adapter id for all prompts, or one per prompt from a list."""
@@ -172,6 +176,20 @@ class LoRASeam:
         """`build` for a stream call (`RequestBuilder.stream`, lazily)."""
         prompts = self.tokenizers.encode(prompts, lora_request) if self.enabled else prompts
         return self.tag_stream(requests.stream(prompts, params, kind, chunk), lora_request)
+
+    def chat_tokenizers(self, lora_request: Any, base: Any) -> Any:
+        """For `chat`: None when every conversation renders with `base`, else the tokenizer
+        of conversation i (its adapter's own, else `base`), one request or a list by index."""
+        if not self.enabled or lora_request is None:
+            return None
+        each = isinstance(lora_request, (list, tuple))
+        for r in lora_request if each else [lora_request]:
+            self.resolve(r)  # a bad request or folder: a ValueError naming it, before any work
+        if each:
+            return lambda i: self.tokenizers.of(
+                lora_request[i] if i < len(lora_request) else None, base)
+        tok = self.tokenizers.of(lora_request, base)
+        return None if tok is base else (lambda i: tok)
 
     def tokenizer(self, lora_request: Any, base: Any) -> Any:
         """vLLM's `get_tokenizer(lora_request)`: the adapter's own tokenizer when its folder
@@ -197,10 +215,18 @@ class LoRASeam:
             yield g
 
     def _set(self, group: Any, aid: int) -> None:
+        """The group's adapter, prefix-cache key and, when the adapter ships a tokenizer, its
+        text side (its sequences' stop checkers made again under that tokenizer)."""
         group.lora_id, group.lora = aid, 0
-        if aid:
-            req = self.requests[aid]
-            group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
+        if not aid:
+            return
+        req = self.requests[aid]
+        group.lora_key = f"lora:{aid}:{req.lora_path}".encode()
+        side = self.tokenizers.side(req, self._eos)
+        group.text_side = side
+        if side is not None and group.params.stop_strings:
+            for seq in group.seqs:
+                seq.stop = side.stops(group.params, group.prompt_token_ids, group.max_tokens)
 
     # ---- the scheduler's gate: max_loras device slots --------------------------------------
     def admits(self, group: Any, running: list) -> bool:
@@ -219,8 +245,7 @@ class LoRASeam:
             empty = [s for s in free if s not in self.held]
             slot = empty[0] if empty else min(free, key=lambda s: self.last_use[self.held[s]])
             self.slot_of.pop(self.held.get(slot), None)
-            assert self.layers is not None
-            self.layers.put(slot, self._host_copy(self.requests[aid]), self._device, self._dtype)
+            self._put(slot, self._host_copy(self.requests[aid]))
             self.held[slot], self.slot_of[aid] = aid, slot
             self.scheduler.num_lora_loads += 1
         self._tick += 1

@@ -1,25 +1,53 @@
 """An adapter's own tokenizer (vLLM's `get_tokenizer(lora_request)`): a PEFT folder that ships
 tokenizer files is read with `AutoTokenizer` once; text prompts of a request under it are
-tokenized with it (into token ids with the text kept, so nothing tokenizes them again)."""
+tokenized with it (into token ids with the text kept, so nothing tokenizes them again), and its
+output side (`TextSide`: output text, stop strings, each `Logprob.decoded_token`) is built
+once per folder and given to each of its requests' groups at entry."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from batchgen.lora.request import LoRARequest
 from batchgen.prompts import TokensPrompt
+from batchgen.sampling.stop import StopFactory
+from batchgen.token_texts import TokenTexts
 
 # any of these in an adapter folder: it ships its own tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+@dataclass(frozen=True)
+class TextSide:
+    """How a request's tokens become text under one tokenizer: its stop checkers and output
+    decode (`stops`), its logprobs' token texts (`texts`)."""
+
+    tokenizer: Any
+    stops: StopFactory
+    texts: TokenTexts
+
+
 class AdapterTokenizers:
-    """Adapters' own tokenizers by folder (None: the folder has none)."""
+    """Adapters' own tokenizers by folder (None: the folder has none), and their text sides."""
 
     def __init__(self) -> None:
         self.by_path: dict[str, Any] = {}
+        self.sides: dict[str, TextSide] = {}
+
+    def side(self, req: Any, eos_token_ids: list[int]) -> TextSide | None:
+        """The text side of `req`'s own tokenizer (built once per folder; the base model's
+        EOS ids), None when its folder ships no tokenizer (the LLM's side then)."""
+        tok = self.of(req, None)
+        if tok is None:
+            return None
+        side = self.sides.get(req.lora_path)
+        if side is None or side.tokenizer is not tok:
+            side = TextSide(tok, StopFactory(tok, eos_token_ids), TokenTexts(tok))
+            self.sides[req.lora_path] = side
+        return side
 
     def of(self, req: Any, base: Any) -> Any:
         """`req`'s adapter tokenizer, else `base` (no request, or no tokenizer files)."""

@@ -1,6 +1,6 @@
 """`PoolingLLM`: vLLM's pooling runner as an `LLM` (`LLM(model, runner="pooling")`, or
 `runner="auto"` on a `*ForSequenceClassification` / `*ForTokenClassification` / bare `*Model`
-folder through `vllm_compat`): `embed`, `reward`, `classify`, `score` and `encode` on the
+folder, through `batchgen.LLM` or `vllm_compat`): `embed`, `reward`, `classify`, `score` and `encode` on the
 paged engine. A head model's calls are `RewardModel`'s with this LLM as their engine; an
 embedding model's are `Embedder`'s (batchgen.pooling.embedder); a causal LM named with
 vLLM's `hf_overrides={"classifier_from_token": [...]}` is a yes/no-logit reranker
@@ -8,10 +8,8 @@ vLLM's `hf_overrides={"classifier_from_token": [...]}` is a yes/no-logit reranke
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from batchgen.checks import ValidationError, check_choice
@@ -25,32 +23,14 @@ from batchgen.pooling.outputs import (
     PoolingRequestOutput,
     ScoringRequestOutput,
 )
-from batchgen.pooling.params import PoolingParams, resolve_runner
+from batchgen.pooling.params import PoolingParams
 from batchgen.pooling.rerank import load_token_reranker
 from batchgen.pooling.scorer import RewardModel, load_head_model
+from batchgen.runners import folder_architectures, register_runner, resolve_runner, wants_pooling
 
 ENCODE_TASKS = ("embed", "classify", "token_classify")
 HEAD_KINDS = ("SequenceClassification", "TokenClassification")
-
-
-def wants_pooling(model: Any, runner: object = "auto") -> bool:
-    """Whether `LLM(model, runner=...)` is the pooling runner: "pooling" itself, or "auto" on
-    a local folder whose config names only pooling architectures (read from config.json,
-    before any weight)."""
-    if runner == "pooling":
-        return True
-    if runner != "auto" or not isinstance(model, (str, os.PathLike)):
-        return False
-    archs = _architectures(model)
-    return archs is not None and resolve_runner("auto", archs) == "pooling"
-
-
-def _architectures(model: str | os.PathLike) -> list[str] | None:
-    """The folder's config.json architectures, or None (no such file)."""
-    config = Path(model) / "config.json"
-    if not config.is_file():
-        return None
-    return list(json.loads(config.read_text()).get("architectures") or [])
+__all__ = ["ENCODE_TASKS", "PoolingLLM", "wants_pooling"]
 
 
 class PoolingLLM(LLM):
@@ -60,13 +40,16 @@ class PoolingLLM(LLM):
     sentence-transformers files say, else last token) or a yes/no-logit reranker (a causal LM
     with `hf_overrides={"architectures": [...ForSequenceClassification], "classifier_from_token":
     ["no", "yes"], "is_original_qwen3_reranker": True}`): vLLM's pooling calls; `engine_args`
-    as `LLM`'s."""
+    as `LLM`'s. Registered as the "pooling" runner: `batchgen.LLM(model, runner="pooling")`
+    (or "auto" on a pooling folder) builds one."""
+
+    runner_kind = "pooling"
 
     def __init__(self, model: str | os.PathLike, *, runner: str = "pooling",
                  tokenizer: str | os.PathLike | None = None, pooler_config: Any = None,
                  hf_overrides: dict[str, Any] | None = None, **engine_args: Any) -> None:
         tok = tokenizer or str(model)
-        archs = _architectures(model) or []
+        archs = folder_architectures(model) or []
         self.scores: RewardModel | None = None
         self.embedder: Embedder | None = None
         if hf_overrides is not None:
@@ -148,3 +131,6 @@ class PoolingLLM(LLM):
         if pooling_task == "classify":
             return self._heads("encode").classify(prompts, pooling_params)
         return self._heads("encode").token_classify(prompts, pooling_params)
+
+
+register_runner("pooling", PoolingLLM)

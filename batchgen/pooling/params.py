@@ -1,30 +1,16 @@
-"""PoolingParams (vLLM's fields) and the runner a model gets from its architecture."""
+"""PoolingParams (vLLM's fields); the runner a model gets from its architecture is
+batchgen.runners' (re-exported here)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from batchgen.checks import check, check_choice, check_int, check_type, is_int
+from batchgen.checks import check, check_int, check_type, is_int
+from batchgen.runners import RUNNERS, resolve_runner
 
-RUNNERS = ("auto", "generate", "pooling")
+__all__ = ["POOLING_TASKS", "RUNNERS", "PoolingParams", "resolve_runner"]
+
 POOLING_TASKS = ("embed", "classify", "reward", "token_classify", "score", "encode")
-# architecture suffixes served by the pooling runner
-_POOLING_SUFFIXES = ("ForSequenceClassification", "ForTokenClassification", "ForRewardModel",
-                     "ForProcessRewardModel", "Model", "EmbeddingModel")
-
-
-def resolve_runner(runner: object, architectures: Sequence[str] | None) -> str:
-    """"generate" or "pooling": `runner` itself, or under "auto" from the config's
-    architectures (a `*ForSequenceClassification`, `*ForTokenClassification` or bare
-    `*Model` is pooled; anything else generates)."""
-    check_choice(runner, "runner", RUNNERS)
-    if runner != "auto":
-        return str(runner)
-    names = list(architectures or [])
-    if names and all(n.endswith(_POOLING_SUFFIXES) for n in names):
-        return "pooling"
-    return "generate"
 
 
 @dataclass(frozen=True)

@@ -87,11 +87,13 @@ class RewardModel:
                 list(out.prompt_token_ids)))
         return result
 
-    def token_classify(self, prompts: Any, pooling_params: PoolingParams | None = None
-                       ) -> list[PoolingRequestOutput]:
+    def token_classify(self, prompts: Any, pooling_params: PoolingParams | None = None,
+                       starts: Sequence[int] | None = None) -> list[PoolingRequestOutput]:
         """A process reward model's per-token head outputs [T, L] (under `step_tag_id`, only
         the step-tag positions): position i's from the prompt logprobs of token i + 1 (raw
-        logits), the last position's from the first sampled token's."""
+        logits), the last position's from the first sampled token's. `starts` (one per
+        prompt): the first position each needs; the rows before it are NaN and its tokens
+        before it may be prefix-cache hits (candidates of one prompt compute it once)."""
         import torch
 
         from batchgen.params import SamplingParams
@@ -99,12 +101,15 @@ class RewardModel:
         params = pooling_params or PoolingParams()
         check_type(params, "pooling_params", PoolingParams)
         labels = range(self.num_labels)
-        sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
-                            prompt_logprobs=self.num_labels,
-                            truncate_prompt_tokens=params.truncate_prompt_tokens)
+        sps = [SamplingParams(max_tokens=1, temperature=0.0, logprobs=self.num_labels,
+                              prompt_logprobs=self.num_labels, prompt_logprobs_start=s + 1,
+                              truncate_prompt_tokens=params.truncate_prompt_tokens)
+               for s in (starts if starts is not None else [0])]
+        nan = [float("nan")] * self.num_labels
         result = []
-        for out in self.llm.generate(prompts, sp):
-            rows = [[d[i].logprob for i in labels] for d in out.prompt_logprobs[1:]]
+        for out in self.llm.generate(prompts, sps if starts is not None else sps[0]):
+            rows = [nan if d is None else [d[i].logprob for i in labels]
+                    for d in out.prompt_logprobs[1:]]
             rows.append([out.outputs[0].logprobs[0][i].logprob for i in labels])
             ids = list(out.prompt_token_ids)
             data = pool("token_classify", torch.tensor(rows), params, ids)

@@ -6,7 +6,8 @@ The generation stage is `Dataset.map_batches` over an actor pool: each actor bui
 and runs each batch through `LLM.generate` (or `beam_search`) with the per-row seeds of
 `generate_dataset`, so a row's outputs do not depend on the actor or batch it landed in. Ray
 Data restarts an actor that dies and retries its batch, so a killed actor loses and duplicates
-no row.
+no row. With `score`, the same pipeline goes on into a score stage (a second actor pool holding
+the scorer) and a select stage (batchgen/ray/best_of_n.py): the local job's best-of-n columns.
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from batchgen.data.rows import (
 )
 from batchgen.lora.dataset import LoRAColumn, RowAdapters
 from batchgen.params import BeamSearchParams, SamplingParams
+from batchgen.ray.best_of_n import check_stages, score_and_select, with_prompt_texts
 
 if TYPE_CHECKING:
     import ray.data
 
 Row = dict[str, Any]
+POOL_SIZES = ("kv_cache_memory", "kv_cache_memory_bytes", "num_kv_blocks")  # a KV pool's size
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,15 @@ class BatchgenProcessorConfig:
     num_cpus: float = 1.0  # per actor
     max_tasks_in_flight_per_actor: int | None = None
     runtime_env: dict[str, Any] | None = None
+    # the score and select stages (docs/best_of_n.md): a reward / process reward model folder
+    # every node can read, or a picklable callable (prompt, text) -> float; None: no scoring
+    score: str | os.PathLike | Callable[[str, str], float] | None = None
+    select: str | None = None  # best | top:k | threshold:X | pairs (None: scores only)
+    score_engine_kwargs: dict[str, Any] = field(default_factory=dict)  # RewardModel(score, **)
+    score_num_gpus: float = 0.0  # per score actor; 0.5 here and in num_gpus: one GPU shared
+    score_num_cpus: float = 1.0  # per score actor
+    score_concurrency: int | tuple[int, int] = 1  # score actors: a fixed number or (min, max)
+    score_workers: int = 4  # a callable scorer's threads per score actor
 
     def __post_init__(self) -> None:
         _check(self)
@@ -89,17 +101,40 @@ def _check(c: BatchgenProcessorConfig) -> None:
     if c.lora_spec.column is not None and not c.engine_kwargs.get("enable_lora"):
         raise ValueError("lora_column needs engine_kwargs['enable_lora']=True")
     check_int(c.batch_size, "batch_size")
-    sizes = c.concurrency if isinstance(c.concurrency, tuple) else (c.concurrency,)
-    check(1 <= len(sizes) <= 2 and all(is_int(n) and n >= 1 for n in sizes)
-          and sizes == tuple(sorted(sizes)), "concurrency",
-          "an integer >= 1 or a (min, max) pair of them with min <= max", c.concurrency)
-    check_number(c.num_gpus, "num_gpus")
-    check_number(c.num_cpus, "num_cpus")
+    for name in ("concurrency", "score_concurrency"):
+        _check_pool_size(getattr(c, name), name)
+    for name in ("num_gpus", "num_cpus", "score_num_gpus", "score_num_cpus"):
+        check_number(getattr(c, name), name)
     _check_gpus_for_ranks(c.num_gpus, c.engine_kwargs.get("tensor_parallel_size", 1))
+    _check_shared_gpu(c.num_gpus, c.engine_kwargs, "num_gpus", "engine_kwargs")
     check_int(c.max_tasks_in_flight_per_actor, "max_tasks_in_flight_per_actor",
               allow_none=True)
     if c.runtime_env is not None:
         check_type(c.runtime_env, "runtime_env", dict, "None or a Ray runtime_env dict")
+    check_stages(c)
+    if isinstance(c.score, (str, os.PathLike)):  # a scorer model's actors hold a pool too
+        _check_shared_gpu(c.score_num_gpus, c.score_engine_kwargs, "score_num_gpus",
+                          "score_engine_kwargs")
+
+
+def _check_pool_size(value: Any, name: str) -> None:
+    """An actor pool's size: an integer >= 1 or a (min, max) pair of them."""
+    sizes = value if isinstance(value, tuple) else (value,)
+    check(1 <= len(sizes) <= 2 and all(is_int(n) and n >= 1 for n in sizes)
+          and sizes == tuple(sorted(sizes)), name,
+          "an integer >= 1 or a (min, max) pair of them with min <= max", value)
+
+
+def _check_shared_gpu(num_gpus: float, kwargs: dict[str, Any], name: str, kwargs_name: str
+                      ) -> None:
+    """An actor with a fraction of a GPU shares it (the generator and the scorer, or two
+    actors of one pool): its KV pool needs a size of its own, since gpu_memory_utilization
+    counts the other process's memory as used (the second actor to start would get none)."""
+    if 0 < num_gpus < 1 and not any(kwargs.get(k) for k in POOL_SIZES):
+        raise ValueError(
+            f"{name}={num_gpus} shares a GPU with another actor: give this actor's KV pool "
+            f"its own size in {kwargs_name} ('kv_cache_memory': bytes, or 'num_kv_blocks'), "
+            f"so that the models' pools fit side by side")
 
 
 def _check_gpus_for_ranks(num_gpus: float, tp: Any) -> None:
@@ -134,8 +169,11 @@ class _Generate:
                         loras if self.adapters.column is not None else None)
         constraint = constraint_of(p)
         schema = output_schema(_without(batch.schema, ROW_ID), p, constraint)
-        return pa.Table.from_pylist([output_row(r, i, o, kind, constraint)
-                                     for r, i, o in zip(rows, ids, outs)], schema=schema)
+        table = pa.Table.from_pylist([output_row(r, i, o, kind, constraint)
+                                      for r, i, o in zip(rows, ids, outs)], schema=schema)
+        if self.config.score is None:
+            return table
+        return with_prompt_texts(table, rows, self.llm.get_tokenizer(), self.config)
 
 
 def _without(schema: pa.Schema, name: str) -> pa.Schema:
@@ -175,6 +213,8 @@ class Processor:
         ds = ds.map_batches(_Generate, fn_constructor_args=(c,), batch_size=c.batch_size,
                             batch_format="pyarrow", compute=compute, num_gpus=c.num_gpus,
                             num_cpus=c.num_cpus, **remote)
+        if c.score is not None:
+            ds = score_and_select(ds, c, remote)
         if self.postprocess is not None:
             ds = ds.map(self.postprocess)
         return ds

@@ -111,6 +111,7 @@ class SamplingColumns:
     any_logprobs: bool = True  # False: no row asked for top logprobs (the step skips them)
     grammar: GrammarRows | None = None  # rows under a structured-output constraint
     named: np.ndarray | None = None  # [R, W] int64 ids whose logprobs rows report, -1 pads
+    forced: np.ndarray | None = None  # [R] int64 token a row emits (trace replay), -1: drawn
 
 
 @dataclass
@@ -373,6 +374,9 @@ class Sampler:
         scores = apply_min_tokens(scores, cols)
         keep = is_processed(self.logprobs_mode)
         chosen, processed = self._choose(scores, cols, params, ops, keep)
+        if cols.forced is not None:  # trace replay: the trace's token, scored as drawn
+            forced = to_device(cols.forced, dev)
+            chosen = torch.where(forced >= 0, forced, chosen)
         if saved is not None:
             if processed is raw:  # the grammar's mask is part of the processed logits
                 processed = processed.clone()

@@ -17,7 +17,7 @@ from batchgen.checks import ValidationError, check, is_int
 from batchgen.llm import LLM
 from batchgen.outputs import BeamSearchOutput
 from batchgen.params import BeamSearchParams
-from batchgen.pooling.llm import PoolingLLM, wants_pooling
+from batchgen.pooling.llm import PoolingLLM  # noqa: F401  (registers the pooling runner)
 from batchgen.prompts import TokensPrompt
 from batchgen.vllm_compat.beam_steps import stepwise_beam_search
 from batchgen.vllm_compat.engine_shims import InputProcessor
@@ -31,14 +31,9 @@ class CompatLLM(LLM):
     """`vllm.LLM` for code written against vLLM. `model_impl="vllm"` (TRL's default) means
     the engine's own model code, which for batchgen is transformers'. The engine's `seed`
     is in vLLM's range, [0, 2**32) (batchgen's own LLM takes any torch seed); a sample's
-    `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it."""
-
-    def __new__(cls, model: Any = None, **kwargs: Any) -> Any:
-        """`vllm.LLM(model, runner="pooling")`, or "auto" on a reward model's folder: a
-        PoolingLLM (batchgen/pooling), built here."""
-        if wants_pooling(model, kwargs.get("runner", "auto")):
-            return PoolingLLM(model, **kwargs)
-        return super().__new__(cls)
+    `cumulative_logprob` is None when its request asked for no logprobs, as vLLM gives it.
+    `runner="pooling"` (or "auto" on a reward model's folder) builds a PoolingLLM, through
+    `LLM`'s runner dispatch (batchgen/runners.py)."""
 
     def __init__(self, model: str | os.PathLike | torch.nn.Module, **kwargs: Any) -> None:
         seed = kwargs.get("seed", 0)
