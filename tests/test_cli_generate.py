@@ -384,7 +384,7 @@ def test_help_shows_the_defaults(capsys) -> None:
         main(["generate", "--help"])
     assert e.value.code == 0
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
-    for shown in ("(raise it for full answers) (default: 16)", "finished rows (default: 256)",
-                  "(0: by rows only) (default: 60.0)", "and go on (default: fail)",
+    for shown in ("(raise it for full answers) (default: 16)", "written once they finish (default: 256)",
+                  "(0: when full) (default: 60.0)", "and go on (default: fail)",
                   "--block-size BLOCK_SIZE (default: 16)", "--n N samples per row (default 1)"):
         assert shown in text, shown

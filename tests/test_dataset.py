@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
@@ -419,7 +420,8 @@ def test_resume_after_editing_and_adding_rows_redoes_only_those(llm, tmp_path,
     assert counting.pulled == 0 and ds["row_id"] == list(range(10))
 
 
-def test_shards_close_by_time_too(llm, data, reference, tmp_path, monkeypatch) -> None:
+@FORMATS
+def test_shards_close_by_time_too(llm, data, reference, tmp_path, monkeypatch, fmt) -> None:
     from batchgen.data.shards import ShardStore
 
     written, put = [], ShardStore.put
@@ -430,14 +432,49 @@ def test_shards_close_by_time_too(llm, data, reference, tmp_path, monkeypatch) -
     monkeypatch.setattr(ShardStore, "put", counted)
     out = tmp_path / "out"
     ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=1000,
-                          shard_seconds=1e-9, use_tqdm=False)
+                          shard_seconds=1e-9, output_format=fmt,
+                          use_tqdm=False)
     assert len(written) > 1 and {k for k, _ in written} == {0}  # shard 0 written early...
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["rows"] == len(data)
     assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
     one = generate_dataset(llm, data, PARAMS, seed=5, output_dir=tmp_path / "one",
-                           rows_per_shard=1000, shard_seconds=None, use_tqdm=False)
+                           rows_per_shard=1000, shard_seconds=None, output_format=fmt,
+                           use_tqdm=False)
     assert len(json.loads((tmp_path / "one" / MANIFEST).read_text())["shards"]) == 1
     assert one["outputs"] == ds["outputs"]  # ...and at the end the bytes of one write
     assert {p.name: p.read_bytes() for p in out.iterdir()} == {
         p.name: p.read_bytes() for p in (tmp_path / "one").iterdir()}
+
+
+@FORMATS
+def test_a_job_sharded_in_finishing_order_resumes_into_the_row_id_layout(
+        llm, data, reference, tmp_path, monkeypatch, fmt) -> None:
+    """Shards written before the row-id layout (rows of any ids, no rows_per_shard in the
+    manifest) are regrouped on resume; only the missing rows run, and the shard files end as
+    a fresh job's."""
+    from batchgen.data.shards import FORMAT, _sha256
+
+    fresh, out = tmp_path / "fresh", tmp_path / "old"
+    generate_dataset(llm, data, PARAMS, seed=5, output_dir=fresh, rows_per_shard=5,
+                     output_format=fmt, use_tqdm=False)
+    writer = WRITERS[fmt]
+    done = [r for p in sorted(fresh.glob("part-*")) for r in writer.rows(p)]
+    order = (done[::2] + done[1::2])[:16]  # as they finished; the other 7 never did
+    out.mkdir()
+    listed = []
+    for i, part in enumerate((order[:8], order[8:])):
+        path = out / f"part-{i:05d}{writer.suffix}"
+        writer.write(pa.Table.from_pylist(part, schema=writer.schema(fresh / path.name)), path)
+        listed.append({"file": path.name, "rows": 8, "bytes": path.stat().st_size,
+                       "sha256": _sha256(path), "inputs": None, "errors": []})
+    job = json.loads((fresh / MANIFEST).read_text())["job"]
+    (out / MANIFEST).write_text(json.dumps({"format": FORMAT, "job": job, "complete": False,
+                                            "rows": 16, "shards": listed}))
+    counting = Counting(llm, monkeypatch)
+    ds = generate_dataset(llm, data, PARAMS, seed=5, output_dir=out, rows_per_shard=5,
+                          output_format=fmt, resume=True, use_tqdm=False)
+    assert counting.pulled == 7 and ds["row_id"] == list(range(len(data)))
+    assert [table_samples(o) for o in ds["outputs"]] == [samples(o) for o in reference]
+    assert {p.name: p.read_bytes() for p in out.glob("part-*")} == {
+        p.name: p.read_bytes() for p in fresh.glob("part-*")}

@@ -90,10 +90,10 @@ def _job_args(p: argparse.ArgumentParser) -> None:
                     help="continue the job in --output: rows of whole shards whose input is "
                          "unchanged are kept, the rest (edited, added, failed) are computed")
     io.add_argument("--rows-per-shard", type=int, default=256,
-                    help="a shard is written every this many finished rows")
+                    help="shard k holds rows [k*N, (k+1)*N), written once they finish")
     io.add_argument("--shard-seconds", type=float, default=60.0, metavar="S",
-                    help="...or S seconds after the last one, so a small or slow job keeps "
-                         "its progress (0: by rows only)")
+                    help="...and the shards not full yet every S seconds (written again "
+                         "whole when full), so a slow job keeps its progress (0: when full)")
     io.add_argument("--on-error", choices=("fail", "skip"), default="fail",
                     help="a row that cannot run (prompt too long, bad chat or schema): stop "
                          "the job, or write it with an `error` column and go on")

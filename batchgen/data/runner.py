@@ -79,11 +79,11 @@ def generate_dataset(llm: LLM, data: Any, params: SamplingParams | BeamSearchPar
     through the chat template. Sample seeds derive from (seed, row id, sample index),
     `seed` being `params.seed`, else this argument, else 0: a row's samples are the same
     whatever ran with it. With `output_dir`, finished rows go to shards in `output_format`
-    ("parquet" or "jsonl"; written atomically, listed in a manifest), a shard closed at
-    `rows_per_shard` rows or `shard_seconds` after the last one (None: by rows only);
-    `resume=True` keeps the rows of whole shards whose input is unchanged and redoes the rest
-    (rows edited or added since, and rows that failed), so a resumed run's data equal an
-    uninterrupted run's on the current input. Rows finished when an error or Ctrl-C stops the
+    ("parquet" or "jsonl"; atomic, listed in a manifest), shard k holding rows [k*R, (k+1)*R)
+    (R = rows_per_shard) once they finished, and the shards not full yet every `shard_seconds`
+    too (None: when full only); `resume=True` keeps the rows of whole shards whose input is
+    unchanged and redoes the rest (rows edited or added since, rows that failed), so a resumed
+    run's files equal an uninterrupted run's on the current input, byte for byte. Rows finished when an error or Ctrl-C stops the
     job are written first.
 
     A row that cannot run (its prompt too long, a bad chat or schema, ...) stops the job with
@@ -178,8 +178,19 @@ def _reconcile(store: ShardStore, source: Source, errors: bool,
                     len(dropped))
     short = store.short_ids()  # shards written again whole once their rows are done
     if current is None and short:
-        current = {i: fingerprint(row) for i, row in source.rows() if i in short}
+        current = _fingerprints_of(source, short, fingerprint)
     store.remember(current or {})
+
+
+def _fingerprints_of(source: Source, ids: set[int], fingerprint: Any) -> dict[int, str]:
+    """The input fingerprints of the rows `ids` (read until the last of them)."""
+    found: dict[int, str] = {}
+    for i, row in source.rows():
+        if i in ids:
+            found[i] = fingerprint(row)
+            if len(found) == len(ids):
+                break
+    return found
 
 
 @dataclass(frozen=True)

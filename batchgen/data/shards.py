@@ -250,7 +250,7 @@ class ShardStore:
              fingerprints: Mapping[int, str] | None, errors: tuple[int, ...]) -> ShardInfo:
         """Write and list shard `k`: `rows` ordered by id (replacing what it held)."""
         rows = sorted(rows, key=lambda r: r[ROW_ID])
-        table = pa.Table.from_pylist(rows, schema=schema or self.schema)
+        table = pa.Table.from_pylist(rows, schema=item_lists(schema or self.schema))
         if self.schema is None:
             self.schema = table.schema
         inputs = None if fingerprints is None else rows_fingerprint(fingerprints)
@@ -314,6 +314,24 @@ class ShardStore:
                    "shards": [asdict(s) for s in self.shards]}
         writers.atomic_write(self.dir / MANIFEST,
                              lambda tmp: tmp.write_text(json.dumps(payload, indent=1) + "\n"))
+
+
+def item_lists(schema: pa.Schema | None) -> pa.Schema | None:
+    """`schema` with every list's value field named "item" (Arrow's default; a schema read back
+    from Parquet names it "element"), so a shard written from either has the same bytes."""
+    if schema is None:
+        return None
+    return pa.schema([f.with_type(_item_type(f.type)) for f in schema], schema.metadata)
+
+
+def _item_type(t: pa.DataType) -> pa.DataType:
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        value = t.value_field
+        field = pa.field("item", _item_type(value.type), value.nullable, value.metadata)
+        return pa.list_(field) if pa.types.is_list(t) else pa.large_list(field)
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_item_type(f.type)) for f in t])
+    return t
 
 
 def shard_index(info: ShardInfo) -> int:
