@@ -126,3 +126,28 @@ def test_spec_config_refusals(tmp_path, config, message) -> None:
 def test_spec_config_refuses_tensor_parallel(tmp_path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tmp_path / "no-model", speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def _lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """vLLM's ngram rule written plainly: the longest n in [lo, hi] whose suffix occurs
+    earlier, its rightmost occurrence, the k tokens after it."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposals_follow_vllms_rule() -> None:
+    import numpy as np
+
+    from batchgen.speculative.config import SpecConfig
+    from batchgen.speculative.ngram import propose
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, int(rng.integers(1, 24))).tolist()
+        k, lo = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        got = propose(np.array(tokens, np.int64), SpecConfig(k, lo, hi), 9).tolist()
+        assert got == _lookup(tokens, k, lo, hi)
