@@ -6,16 +6,22 @@ prompt lookup, greedy, on a random Llama and a repetitive workload:
   HF generate         one prompt at a time (prompt lookup takes batch 1)
   HF prompt lookup    generate(prompt_lookup_num_tokens=k), one prompt at a time
 
-Prompts are a random pattern repeated (the copy-heavy shape prompt lookup is for); the random
-model's greedy text loops now and then, so acceptance is what it is. Every system's tokens are
-compared with HF's plain greedy ones.
+On the random Llama, prompts are a random pattern repeated (the copy-heavy shape prompt lookup
+is for); its greedy text loops now and then, so acceptance is what it is. With --model (a
+folder, or smollm2: the real SmolLM2-135M-Instruct) prompts are chat requests to copy a list
+with one change, where drafts from the prompt are what the model writes. Every system's
+tokens are compared with HF's plain greedy ones.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/spec_decode.py [--num-prompts 16]
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/spec_decode.py --model smollm2
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +38,40 @@ def repetitive_prompts(args: Any) -> list[list[int]]:
              for _ in range(args.pattern_len)] * args.repeat for _ in range(args.num_prompts)]
 
 
+ITEMS = ["apples", "bread", "cheese", "dates", "eggs", "flour", "grapes", "honey", "ice",
+         "jam", "kale", "lemons"]
+
+
+def copy_requests(args: Any, tokenizer: Any) -> list[list[int]]:
+    """Chat requests to copy a numbered list with one item changed (a real model's copy)."""
+    rng = random.Random(args.seed)
+    texts = []
+    for _ in range(args.num_prompts):
+        items = rng.sample(ITEMS, 8)
+        listing = "\n".join(f"{i + 1}. {w}" for i, w in enumerate(items))
+        texts.append(f"Copy this shopping list exactly, but write 'milk' instead of "
+                     f"'{items[3]}':\n{listing}")
+    return h.chat_prompts(tokenizer, texts)
+
+
+@contextlib.contextmanager
+def workload(args: Any) -> Iterator[tuple[Path, list[list[int]]]]:
+    """The model folder and token prompts: --model's with copy requests, else the random
+    Llama with repeated patterns."""
+    if args.model:
+        from transformers import AutoTokenizer
+
+        folder = h.resolve_model(args.model)
+        yield folder, copy_requests(args, AutoTokenizer.from_pretrained(folder))
+        return
+    with h.prepare_model_dir(args, args.pattern_len * args.repeat + args.output_len) as folder:
+        yield folder, repetitive_prompts(args)
+
+
 def hf_one_by_one(model: torch.nn.Module, prompts: list[list[int]], n: int,
                   lookup: int | None) -> list[list[int]]:
-    """HF greedy per prompt (EOS ignored: min_new_tokens), with prompt lookup when set."""
+    """HF greedy per prompt (EOS banned until n: min_new_tokens), with prompt lookup when
+    set."""
     out = []
     for p in prompts:
         ids = torch.tensor([p])
@@ -51,18 +88,21 @@ def main(argv: list[str] | None = None) -> dict:
                            "output_len": 64}, run={"repeats": 1}, engine={})
     h.add_ints(p.add_argument_group("speculation"), pattern_len=6, repeat=4, k=3,
                lookup_min=1, lookup_max=3)
+    p.add_argument("--model", default=None, help="a model folder or smollm2 (default: the "
+                   "random Llama of the model flags)")
     args = h.check_args(p, p.parse_args(argv), "pattern_len", "repeat", "k")
     info = h.start(args)
-    prompts, n = repetitive_prompts(args), args.output_len
+    n = args.output_len
     ngram = {"method": "ngram", "num_speculative_tokens": args.k,
              "prompt_lookup_min": args.lookup_min, "prompt_lookup_max": args.lookup_max}
-    with h.prepare_model_dir(args, args.pattern_len * args.repeat + n) as folder:
-        from batchgen import LLM
+    with workload(args) as (folder, prompts):
+        from batchgen import LLM, SamplingParams
 
         hf = h.load_hf_model(folder, h.DTYPES[args.dtype], args.device)
         plain = LLM(str(folder), **h.engine_kwargs(args))
         spec = LLM(str(folder), **h.engine_kwargs(args), speculative_config=ngram)
-        ids, params = h.token_prompts(prompts), h.greedy(n)
+        ids = h.token_prompts(prompts)
+        params = SamplingParams(temperature=0, max_tokens=n, min_tokens=n)  # HF's min_new_tokens
         systems = {"batchgen": lambda: h.bg_tokens(plain, prompts, params),
                    "batchgen + ngram": lambda: h.bg_tokens(spec, prompts, params),
                    "HF generate": lambda: hf_one_by_one(hf, prompts, n, None),
@@ -88,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"HF lookup vs plain: {h.fmt_ratio(w['HF generate'], w[rows[3][0]])}; "
           f"acceptance {stats.spec_accepted_tokens}/{stats.spec_draft_tokens} draft tokens "
           f"({h.pct(rate)}), {stats.spec_drafts} drafts (last timed call)")
-    print(h.model_line(args))
+    print(f"model: {args.model}" if args.model else h.model_line(args))
     return h.finish(args, info, {"results": results, "acceptance": rate,
                                  "drafts": stats.spec_drafts})
 
