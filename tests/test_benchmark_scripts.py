@@ -50,6 +50,7 @@ ALONE = {  # scripts with their own small settings
                 "--min-prompt-len", "8", "--max-prompt-len", "30", "--n", "2",
                 "--beam-width", "2", "--block-size", "4"],
     "startup.py": ["--repeats", "1", "--top", "3"],
+    "spec_decode.py": [*SMALL[:12], "--num-prompts", "2", "--output-len", "4", "--threads", "1"],
     "lora.py": ["--prompts", "3", "--prompt-len", "6", "--new", "3", "--adapters", "0,2",
                 "--hidden-size", "64"],  # fresh interpreters: no model at all
     # TRL's GRPO on the tiny model (its continuous-batching path is left out: minutes on a CPU)
@@ -82,6 +83,7 @@ EXPECT = {  # lines a script must print with the settings above
     "rl_rollouts.py": ["| TRL, HF generate ", "| batchgen, weights shared (no copy) "],
     "hybrid.py": ["greedy agreement with HF one prompt at a time: 2/2 prompts",
                   "| beams W=4 | batchgen", "| n=8 top-p | HF generate"],
+    "spec_decode.py": ["| batchgen + ngram |", "batchgen ngram vs plain: "],
     "lora.py": ["| adapters | batchgen tok/s | vs base alone | PEFT mixed-batch tok/s"],
     "startup.py": ["| command | first s | warm median s | warm min s |",
                    "| `batchgen --help` |", "`import batchgen` imports none of torch"],

@@ -38,10 +38,12 @@ def _metric(llm, name):
 
 def test_greedy_with_speculation_equals_plain_and_hf(model, llms) -> None:
     plain, spec = llms
-    params = SamplingParams(temperature=0, max_tokens=24)
+    lengths = [24, 13, 24]  # a row finishing mid-step moves the batch's slots
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in lengths]
     got = _run(spec, params)
     assert [ids for ids, _ in got] == [ids for ids, _ in _run(plain, params)]
-    assert [ids for ids, _ in got] == hf_greedy(model, PROMPTS, 24)
+    assert [ids for ids, _ in got] == [ref[:n] for ref, n in
+                                       zip(hf_greedy(model, PROMPTS, 24), lengths)]
     stats = spec.kv_stats()
     assert 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
     assert stats.spec_drafts > 0 and _metric(spec, "accepted_tokens") > 0
@@ -79,12 +81,14 @@ def test_trace_replay_emits_the_trace_with_its_logprobs(model) -> None:
 def test_trace_replay_with_speculation_accepts_drafts(model) -> None:
     llm = LLM(model, num_kv_blocks=64, block_size=4, enable_trace_replay=True,
               speculative_config=NGRAM, disable_log_stats=False)
-    trace = [40, 41, 42] * 6
-    out = llm.generate([{"prompt_token_ids": [40, 41, 42, 40]}],
-                       SamplingParams(trace_decode_token_ids=trace, max_tokens=len(trace),
-                                      logprobs=1), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == trace and len(out.logprobs) == len(trace)
-    assert _metric(llm, "accepted_tokens") > 0
+    # periodic traces are drafted and accepted; the first ends mid-step (slots move)
+    traces = [[40, 41, 42] * 3 + [40], [50, 51, 52] * 6, [60, 61, 62] * 6]
+    outs = llm.generate([{"prompt_token_ids": t[:4]} for t in traces],
+                        [SamplingParams(trace_decode_token_ids=t, max_tokens=len(t), logprobs=1)
+                         for t in traces], use_tqdm=False)
+    for trace, out in zip(traces, outs):
+        assert out.outputs[0].token_ids == trace and len(out.outputs[0].logprobs) == len(trace)
+    assert _metric(llm, "accepted_tokens") > 10
 
 
 @pytest.mark.parametrize(("kw", "message"), [
@@ -126,3 +130,28 @@ def test_spec_config_refusals(tmp_path, config, message) -> None:
 def test_spec_config_refuses_tensor_parallel(tmp_path) -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(tmp_path / "no-model", speculative_config=NGRAM, tensor_parallel_size=2)
+
+
+def _lookup(tokens: list[int], k: int, lo: int, hi: int) -> list[int]:
+    """vLLM's ngram rule written plainly: the longest n in [lo, hi] whose suffix occurs
+    earlier, its rightmost occurrence, the k tokens after it."""
+    for n in range(min(hi, len(tokens) - 1), lo - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_proposals_follow_vllms_rule() -> None:
+    import numpy as np
+
+    from batchgen.speculative.config import SpecConfig
+    from batchgen.speculative.ngram import propose
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        tokens = rng.integers(0, 4, int(rng.integers(1, 24))).tolist()
+        k, lo = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        got = propose(np.array(tokens, np.int64), SpecConfig(k, lo, hi), 9).tolist()
+        assert got == _lookup(tokens, k, lo, hi)

@@ -99,7 +99,8 @@ class SpecDecoder:
         width = np.array([len(d) for d in drafts], np.int64)
         out, finished = 0, []
         for i in range(int(width.max()) + 1):
-            sub = StepPlan(tuple(plan.seqs[j] for j in alive.tolist()), plan.slots[alive],
+            seqs = tuple(plan.seqs[j] for j in alive.tolist())  # slots move as rows finish
+            sub = StepPlan(seqs, np.array([s.slot for s in seqs], np.int64),
                            plan.starts[alive] + i, np.ones(len(alive), np.int64), len(alive))
             layout = LogitsLayout(sub.seqs)
             at = engine.outputs.advance(sub, layout)
