@@ -225,3 +225,25 @@ def first_divergence_out_of_top(got: Sequence[int], got_top: Sequence[set[int]],
 def top_ids(position: Any, k: int) -> set[int]:
     """The token ids of rank <= k in one position of a batchgen output's `logprobs`."""
     return {t for t, lp in position.items() if lp.rank is not None and lp.rank <= k}
+
+
+def head_folder(src: Path, dst: Path, kind: str = "SequenceClassification", labels: int = 1,
+                seed: int = 7, templates: bool = False) -> Path:
+    """A tiny random `*For{kind}` model folder on `src`'s config and tokenizer (a sizeable head,
+    N(0, 1), so a wrong row or position shows); with `templates`, `src`'s .jinja files too."""
+    import shutil
+
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(src)
+    config.num_labels = labels
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    torch.manual_seed(seed)
+    model = getattr(transformers, "AutoModelFor" + kind).from_config(config).float()
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(dst)
+    for f in Path(src).iterdir():
+        if "token" in f.name or (templates and f.name.endswith(".jinja")):
+            shutil.copy(f, Path(dst) / f.name)
+    return Path(dst)

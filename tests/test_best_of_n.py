@@ -18,6 +18,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from helpers import head_folder
 
 from batchgen import LLM, SamplingParams
 from batchgen.data import generate_dataset
@@ -39,21 +40,8 @@ def verify(prompt, text):
 @pytest.fixture(scope="module")
 def folders(tiny_model_factory, tmp_path_factory):
     """A tiny generator and a one-label reward model (the same body, a random score head)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     gen = tiny_model_factory("llama")
-    rm = tmp_path_factory.mktemp("bon-rm")
-    config = AutoConfig.from_pretrained(gen)
-    config.num_labels, config.pad_token_id = 1, config.pad_token_id or 0
-    torch.manual_seed(11)
-    model = AutoModelForSequenceClassification.from_config(config).float()
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(rm)
-    for f in gen.iterdir():
-        if "token" in f.name:
-            shutil.copy(f, rm / f.name)
-    return gen, rm
+    return gen, head_folder(gen, tmp_path_factory.mktemp("bon-rm"), seed=11)
 
 
 @pytest.fixture(scope="module")

@@ -6,39 +6,21 @@ runner="generate" on a pooling folder and `batchgen generate --model RM` are ref
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import head_folder
 
 PROMPTS = ["Q: 2+2? A: 4", "Hello there, how are you doing today?", "x"]
-
-
-def _head_folder(src: Path, dst: Path, kind: str, labels: int) -> Path:
-    """A tiny random `*For{kind}` folder (a sizeable head, so a wrong row shows)."""
-    import transformers
-
-    config = transformers.AutoConfig.from_pretrained(src)
-    config.num_labels = labels
-    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
-    torch.manual_seed(3)
-    model = getattr(transformers, "AutoModelFor" + kind).from_config(config).float()
-    with torch.no_grad():
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(dst)
-    for f in src.iterdir():
-        if "token" in f.name:
-            shutil.copy(f, dst / f.name)
-    return dst
 
 
 @pytest.fixture(scope="module")
 def folders(tiny_model_factory, tmp_path_factory) -> dict[str, Path]:
     src = tiny_model_factory("qwen3")
     return {"causal": src,
-            "rm": _head_folder(src, tmp_path_factory.mktemp("rm"), "SequenceClassification", 1),
-            "prm": _head_folder(src, tmp_path_factory.mktemp("prm"), "TokenClassification", 2)}
+            "rm": head_folder(src, tmp_path_factory.mktemp("rm"), "SequenceClassification", 1, 3),
+            "prm": head_folder(src, tmp_path_factory.mktemp("prm"), "TokenClassification", 2, 3)}
 
 
 def _hf(folder: Path, auto: str, prompts: list[str]) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import head_folder
 
 from batchgen.pooling import PoolingParams, pool, resolve_runner
 
@@ -18,20 +19,7 @@ PROMPTS = ["Q: 2+2? A: 4", "Hello there, how are you doing today my friend?", "x
 
 
 def _reward_folder(src: Path, dst: Path, family: str, labels: int) -> Path:
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(src)
-    config.num_labels = labels
-    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
-    torch.manual_seed(7)
-    model = AutoModelForSequenceClassification.from_config(config).float()
-    with torch.no_grad():  # a sizeable head, so a wrong row or position shows
-        model.score.weight.normal_(0, 1.0)
-    model.save_pretrained(dst)
-    for f in src.iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, dst / f.name)
-    return dst
+    return head_folder(src, dst, labels=labels, seed=7, templates=True)
 
 
 @pytest.fixture(scope="module", params=[("llama", 1), ("qwen3", 3)], ids=["llama-rm", "qwen3-cls"])

@@ -6,7 +6,6 @@ running after shutdown. Skipped when Ray is not installed (the test extra instal
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 import time
@@ -19,6 +18,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
+
+from helpers import head_folder  # noqa: E402
 
 from batchgen import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from batchgen.cli import main  # noqa: E402
@@ -266,20 +267,7 @@ def test_an_adapter_column_equals_the_local_runner(local_ray, model: Path,
 
 def reward_model(generator: Path, folder: Path) -> Path:
     """A one-label reward model: the generator's body with a random score head."""
-    import torch
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    cfg = AutoConfig.from_pretrained(generator)
-    cfg.num_labels, cfg.pad_token_id = 1, cfg.pad_token_id or 0
-    torch.manual_seed(11)
-    rm = AutoModelForSequenceClassification.from_config(cfg).float()
-    with torch.no_grad():
-        rm.score.weight.normal_(0, 1.0)
-    rm.save_pretrained(folder)
-    for f in generator.iterdir():
-        if "token" in f.name:
-            shutil.copy(f, folder / f.name)
-    return folder
+    return head_folder(generator, folder, seed=11)
 
 
 def test_best_of_n_pipeline_equals_the_local_job(local_ray, model: Path,
