@@ -77,7 +77,7 @@ class LLM(metaclass=RunnerDispatch):
         self.chat_template = chat_template
         self._use_generation_config = generation_config == "auto"
         self._stats = None if disable_log_stats else StatsRecorder(model_name(model))
-        plan = plan_engine(model, tokenizer, dtype, device, cfg)  # every check before weights
+        plan = spec.checked(plan_engine(model, tokenizer, dtype, device, cfg))  # before weights
         self.model_path, self.device, self.dtype = plan.path, plan.device, plan.dtype
         self.config, self.quantization = plan.config, plan.quant  # quantization: None = full
         self._executor = start_executor(self, plan, cfg)

@@ -155,3 +155,13 @@ def test_ngram_proposals_follow_vllms_rule() -> None:
         hi = lo + int(rng.integers(0, 3))
         got = propose(np.array(tokens, np.int64), SpecConfig(k, lo, hi), 9).tolist()
         assert got == _lookup(tokens, k, lo, hi)
+
+
+def test_spec_config_refuses_a_hybrid_model(tmp_path) -> None:
+    """A state mixer's state cannot rewind rejected drafts: refused from the config (the
+    engine's plan), naming the family."""
+    from tests.families import save_family_model
+
+    folder = save_family_model("lfm2", tmp_path / "lfm2")
+    with pytest.raises(ValueError, match="'lfm2' has state mixers"):
+        LLM(folder, speculative_config=NGRAM, num_kv_blocks=16)

@@ -1,7 +1,8 @@
 """The one seam between batchgen and decode-side replay and speculation (vLLM's names).
 
 `SpecSeam.take(engine_args, tp)` takes `speculative_config` (ngram only) and
-`enable_trace_replay` out of `LLM(...)`'s engine arguments, checked before any weights load;
+`enable_trace_replay` out of `LLM(...)`'s engine arguments, checked before any weights load
+(`checked(plan)`: no hybrid models);
 `attach(llm)` sets `Engine.spec` (None when off: the plain step loop, unchanged) and lets
 requests carry `trace_decode_token_ids`."""
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from batchgen.checks import check_flag
+from batchgen.model.families import classify
 from batchgen.speculative.config import SpecConfig, parse_spec_config
 from batchgen.speculative.decoder import SpecDecoder
 
@@ -32,14 +34,20 @@ class SpecSeam:
                                 tensor_parallel_size)
         return cls(cfg, bool(trace))
 
+    def checked(self, plan: Any) -> Any:
+        """`plan` (the engine's plan, before weights load), unless speculation is asked of a
+        model with state mixers (hybrid): their state cannot rewind rejected drafts."""
+        if self.cfg is not None and classify(plan.config).mixer_kinds:
+            raise ValueError(f"speculative_config is served for attention models only: "
+                             f"{classify(plan.config).family!r} has state mixers (hybrid), "
+                             f"whose state cannot rewind rejected drafts")
+        return plan
+
     def attach(self, llm: Any) -> SpecSeam:
         """Give the engine its SpecDecoder (ngram on) and the requests the trace switch."""
         llm.requests.limits = replace(llm.requests.limits, trace_replay=self.trace_replay)
         if self.cfg is None:
             return self
-        if getattr(llm.engine.runner, "mixers", None) is not None or llm.engine.kv.state is not None:
-            raise ValueError("speculative_config is served for attention models only: a model "
-                             "with state mixers (hybrid) cannot rewind rejected drafts' state")
         llm.engine.spec = SpecDecoder(self.cfg, llm.max_num_batched_tokens)
         return self
 
