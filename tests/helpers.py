@@ -78,7 +78,13 @@ def hf_greedy(
 
     Returns only the generated ids, ending with EOS (2) if it was generated.
     """
-    model = load_hf_model(model_dir)
+    return model_greedy(load_hf_model(model_dir), prompts, max_new_tokens)
+
+
+@torch.no_grad()
+def model_greedy(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int
+                 ) -> list[list[int]]:
+    """`hf_greedy` on a loaded model (a PEFT model, say): generated ids per prompt."""
     outputs = []
     for prompt in prompts:
         ids = torch.tensor([list(prompt)], dtype=torch.long)
@@ -247,3 +253,28 @@ def head_folder(src: Path, dst: Path, kind: str = "SequenceClassification", labe
         if "token" in f.name or (templates and f.name.endswith(".jinja")):
             shutil.copy(f, Path(dst) / f.name)
     return Path(dst)
+
+
+def fresh_hf_model(model_dir: str | Path) -> Any:
+    """An uncached fp32 eager HF model for `model_dir` (one PEFT may wrap and change)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def save_lora_adapter(model_dir: str | Path, folder: str | Path, r: int, targets: Sequence[str],
+                      seed: int, alpha: int | None = None, rslora: bool = False) -> Path:
+    """A PEFT LoRA adapter on `model_dir` saved to `folder`: every A and B drawn N(0, 0.3)
+    under `seed`, so its deltas show on a tiny random model; alpha defaults to 2r."""
+    import peft
+
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(fresh_hf_model(model_dir), peft.LoraConfig(
+        r=r, lora_alpha=2 * r if alpha is None else alpha, target_modules=list(targets),
+        use_rslora=rslora, init_lora_weights=False))
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            p.data.normal_(0, 0.3)
+    model.save_pretrained(folder)
+    return Path(folder)

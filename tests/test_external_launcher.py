@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from helpers import save_lora_adapter
 
 from batchgen import LLM, SamplingParams
 
@@ -143,17 +144,8 @@ def test_tp_groups_and_data_parallel_ranks_under_torchrun_equal_one_rank(tiny_mo
 
 def _adapter(model_dir, folder) -> str:
     """A PEFT adapter on column- (q, up) and row-parallel (o, down) layers, visible deltas."""
-    peft = pytest.importorskip("peft")
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(5)
-    model = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj", "down_proj"],
-        init_lora_weights=False))
-    for n, p in model.named_parameters():
-        if "lora_" in n:
-            p.data.normal_(0, 0.3)
-    model.save_pretrained(folder)
+    pytest.importorskip("peft")
+    save_lora_adapter(model_dir, folder, 4, ["q_proj", "o_proj", "up_proj", "down_proj"], 5)
     return str(folder)
 
 

@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import EOS_ID, PAD_ID, make_prompt_token_ids, strip_after_eos
+from helpers import (
+    EOS_ID,
+    PAD_ID,
+    fresh_hf_model,
+    make_prompt_token_ids,
+    model_greedy,
+    save_lora_adapter,
+    strip_after_eos,
+)
 
 peft = pytest.importorskip("peft")
 
@@ -28,38 +36,21 @@ ADAPTERS = {  # name: (r, alpha, targets, rslora)
 NEW = 8
 
 
-def _base(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_model_factory, tmp_path_factory):
     model_dir = tiny_model_factory("llama", num_hidden_layers=2)
     root = tmp_path_factory.mktemp("loras")
     reqs, oracles = {}, {}
     for i, (name, (r, alpha, targets, rs)) in enumerate(ADAPTERS.items(), 1):
-        torch.manual_seed(i)
-        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rs,
-                              init_lora_weights=False)
-        model = peft.get_peft_model(_base(model_dir), cfg)
-        for n, p in model.named_parameters():  # visible deltas on a tiny random model
-            if "lora_" in n:
-                p.data.normal_(0, 0.3)
-        model.save_pretrained(root / name)
+        save_lora_adapter(model_dir, root / name, r, targets, i, alpha, rs)
         reqs[name] = LoRARequest(name, i, str(root / name))
-        oracles[name] = peft.PeftModel.from_pretrained(_base(model_dir), root / name).eval()
-    oracles[None] = _base(model_dir)
+        oracles[name] = peft.PeftModel.from_pretrained(fresh_hf_model(model_dir), root / name).eval()
+    oracles[None] = fresh_hf_model(model_dir)
     return model_dir, reqs, oracles
 
 
-@torch.no_grad()
 def _peft_greedy(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                         do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    return strip_after_eos(out[0, len(prompt):].tolist())
+    return model_greedy(model, [prompt], NEW)[0]
 
 
 def _llm(model_dir: Path, **kw) -> LLM:

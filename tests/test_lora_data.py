@@ -10,9 +10,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from datasets import Dataset
-from helpers import EOS_ID, PAD_ID, make_prompt_token_ids, strip_after_eos
+from helpers import fresh_hf_model, make_prompt_token_ids, model_greedy, save_lora_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -26,28 +25,12 @@ NEW = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW)
 
 
-def _base(model_dir: Path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
-def _save(model_dir: Path, folder: Path, r: int, targets: list[str], seed: int) -> None:
-    torch.manual_seed(seed)
-    model = peft.get_peft_model(_base(model_dir), peft.LoraConfig(
-        r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False))
-    for n, p in model.named_parameters():  # visible deltas on a tiny random model
-        if "lora_" in n:
-            p.data.normal_(0, 0.3)
-    model.save_pretrained(folder)
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_model_factory, tmp_path_factory):
     model_dir = tiny_model_factory("llama", num_hidden_layers=2)
     root = tmp_path_factory.mktemp("loras")
     for i, (name, (r, targets)) in enumerate(ADAPTERS.items(), 1):
-        _save(model_dir, root / name, r, targets, i)
+        save_lora_adapter(model_dir, root / name, r, targets, i)
     llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
     prompts = make_prompt_token_ids(6, 8, 16, 512, seed=11)
     names = [None, "a", "b", "a", "", "b"]
@@ -55,18 +38,11 @@ def setup(tiny_model_factory, tmp_path_factory):
     return model_dir, root, llm, rows
 
 
-@torch.no_grad()
 def _peft_greedy(model_dir: Path, folder: Path | None, prompts: list[list[int]]) -> list:
-    model = _base(model_dir)
+    model = fresh_hf_model(model_dir)
     if folder is not None:
         model = peft.PeftModel.from_pretrained(model, folder).eval()
-    outs = []
-    for p in prompts:
-        ids = torch.tensor([p])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                             do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-        outs.append(strip_after_eos(out[0, len(p):].tolist()))
-    return outs
+    return model_greedy(model, prompts, NEW)
 
 
 def _oracle(model_dir: Path, root: Path, rows: list[dict]) -> list[list[int]]:
@@ -102,7 +78,7 @@ def test_adapter_column_equals_peft_and_resume_redoes_a_changed_adapters_shards(
     assert _tokens(ds)[0] != _tokens(ds)[1]  # (different adapters, different tokens)
     before = {s["file"]: s["sha256"] for s in json.loads((out / "_manifest.json").read_text())
               ["shards"]}
-    _save(model_dir, tmp_path / "b", 8, ADAPTERS["b"][1], seed=7)  # adapter b changes
+    save_lora_adapter(model_dir, tmp_path / "b", 8, ADAPTERS["b"][1], seed=7)  # adapter b changes
     again = generate_dataset(llm, Dataset.from_list(rows), GREEDY, lora_column="adapter", loras=loras,
                              output_dir=out, resume=True, rows_per_shard=1, use_tqdm=False)
     assert _tokens(again) == _oracle(model_dir, tmp_path, rows)  # b's rows under the new b

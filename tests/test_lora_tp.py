@@ -10,8 +10,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
-from helpers import EOS_ID, PAD_ID, make_prompt_token_ids, strip_after_eos
+from helpers import fresh_hf_model, make_prompt_token_ids, model_greedy, save_lora_adapter
 
 peft = pytest.importorskip("peft")
 
@@ -27,39 +26,23 @@ ADAPTERS = {  # name: (r, targets)
 NEW = 6
 
 
-def _base(model_dir):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
-
-
 @pytest.fixture(scope="module")
 def setup(tiny_model_factory, tmp_path_factory):
     model_dir = tiny_model_factory("llama", num_hidden_layers=2)
     root = tmp_path_factory.mktemp("tp-loras")
-    reqs, oracles = {}, {None: _base(model_dir)}
+    reqs, oracles = {}, {None: fresh_hf_model(model_dir)}
     for i, (name, (r, targets)) in enumerate(ADAPTERS.items(), 1):
-        torch.manual_seed(10 + i)
-        model = peft.get_peft_model(_base(model_dir), peft.LoraConfig(
-            r=r, lora_alpha=2 * r, target_modules=targets, init_lora_weights=False))
-        for n, p in model.named_parameters():  # visible deltas on a tiny random model
-            if "lora_" in n:
-                p.data.normal_(0, 0.3)
-        model.save_pretrained(root / name)
+        save_lora_adapter(model_dir, root / name, r, targets, 10 + i)
         reqs[name] = LoRARequest(name, i, str(root / name))
-        oracles[name] = peft.PeftModel.from_pretrained(_base(model_dir), root / name).eval()
+        oracles[name] = peft.PeftModel.from_pretrained(fresh_hf_model(model_dir), root / name).eval()
     llm = LLM(str(model_dir), enable_lora=True, max_loras=1, max_lora_rank=8, block_size=4,
               tensor_parallel_size=2)
     yield llm, reqs, oracles
     llm._executor.shutdown()
 
 
-@torch.no_grad()
 def _peft_greedy(model, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW,
-                         do_sample=False, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
-    return strip_after_eos(out[0, len(prompt):].tolist())
+    return model_greedy(model, [prompt], NEW)[0]
 
 
 def _run(llm, reqs, names, prompts) -> list[list[int]]:
