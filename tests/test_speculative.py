@@ -165,3 +165,20 @@ def test_spec_config_refuses_a_hybrid_model(tmp_path) -> None:
     folder = save_family_model("lfm2", tmp_path / "lfm2")
     with pytest.raises(ValueError, match="'lfm2' has state mixers"):
         LLM(folder, speculative_config=NGRAM, num_kv_blocks=16)
+
+
+def test_token_arrays_grow_by_the_new_tokens_and_drop_rows_that_left() -> None:
+    from batchgen.speculative.ngram import TokenArrays
+
+    class Seq:  # keyed by identity, as engine Sequences are
+        def __init__(self, token_ids: list[int]) -> None:
+            self.token_ids = token_ids
+
+    arrays, a, b = TokenArrays(), Seq([1, 2]), Seq([])
+    for step in range(100):  # past the buffer's spare room
+        got = arrays.of([a, b])
+        assert [g.tolist() for g in got] == [a.token_ids, b.token_ids]
+        a.token_ids += [step, step + 1]
+        b.token_ids.append(step)
+    arrays.of([b])
+    assert a not in arrays._arrays

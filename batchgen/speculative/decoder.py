@@ -21,7 +21,7 @@ from batchgen.engine.output_processor import StepStats
 from batchgen.engine.scheduler import StepPlan
 from batchgen.kv.block_manager import PoolExhausted
 from batchgen.speculative.config import SpecConfig
-from batchgen.speculative.ngram import propose
+from batchgen.speculative.ngram import TokenArrays, propose
 
 
 def _pure_decode(engine: Any, plan: StepPlan) -> bool:
@@ -40,6 +40,7 @@ class SpecDecoder:
         self.cfg = cfg
         self.max_tokens = max_num_batched_tokens
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.tokens = TokenArrays()  # the rows' tokens, grown step by step
 
     def counters(self) -> tuple[int, int, int]:
         return self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens
@@ -73,8 +74,8 @@ class SpecDecoder:
         left = c["max_tokens"][s] - (c["num_tokens"][s] - c["num_prompt"][s]) - 1
         budget = self.max_tokens - len(s)
         out: list[np.ndarray] = []
-        for seq, limit in zip(plan.seqs, left.tolist()):
-            d = propose(np.asarray(seq.token_ids, np.int64), self.cfg, min(limit, budget))
+        for tokens, limit in zip(self.tokens.of(plan.seqs), left.tolist()):
+            d = propose(tokens, self.cfg, min(limit, budget))
             budget -= len(d)
             out.append(d)
         drafting = [j for j, d in enumerate(out) if len(d)]

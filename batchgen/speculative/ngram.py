@@ -3,6 +3,9 @@ sequence's last n tokens (the longest n first), as vLLM's ngram proposer picks t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 
 from batchgen.speculative.config import SpecConfig
@@ -27,3 +30,26 @@ def propose(tokens: np.ndarray, cfg: SpecConfig, limit: int) -> np.ndarray:
         if n >= cfg.prompt_lookup_min:
             best = int(ends[-1])
     return tokens[best + 1:best + 1 + k] if best >= 0 else tokens[:0]
+
+
+class TokenArrays:
+    """The drafting rows' tokens as int64 arrays kept across steps, each grown by only the
+    tokens appended since it was last read (O(new tokens) a row a step, not O(its length));
+    rows that left the step are dropped."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[Any, tuple[np.ndarray, int]] = {}  # Sequence -> (buffer, used)
+
+    def of(self, seqs: Sequence[Any]) -> list[np.ndarray]:
+        """Each sequence's tokens (views of the kept buffers, valid until the next call)."""
+        kept, out = {}, []
+        for seq in seqs:
+            buf, used = self._arrays.get(seq, (np.empty(0, np.int64), 0))
+            size = len(seq.token_ids)
+            if size > len(buf):  # room for this step's tokens and the next steps' few
+                buf = np.concatenate((buf[:used], np.empty(size - used + 64, np.int64)))
+            buf[used:size] = seq.token_ids[used:size]
+            kept[seq] = (buf, size)
+            out.append(buf[:size])
+        self._arrays = kept
+        return out
